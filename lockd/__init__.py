@@ -1,0 +1,3 @@
+"""lockd: a lock daemon for one Linux host."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,152 @@
+"""Where lockd keeps things, and the strictly validated ``lockd.toml``.
+
+Two layers: :class:`Paths` (socket, database, config folder) come from flags,
+``LOCKD_SOCKET`` and platformdirs; :class:`Settings` come from the optional
+``<config>/lockd.toml``. Unknown keys and wrong types are errors naming the key:
+a typo in a config file must never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+APP = "lockd"
+SYSTEM_SOCKET = Path("/run/lockd/lockd.sock")
+SYSTEM_STATE_DIR = Path("/var/lib/lockd")
+SYSTEM_CONFIG_DIR = Path("/etc/lockd")
+SOCKET_ENV = "LOCKD_SOCKET"
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class Paths:
+    socket: Path
+    db: Path
+    config_dir: Path
+    socket_mode: int
+
+    @property
+    def config_file(self) -> Path:
+        return self.config_dir / "lockd.toml"
+
+    @property
+    def rule_sets_dir(self) -> Path:
+        return self.config_dir / "rule-sets"
+
+
+def user_socket_path() -> Path:
+    """The user-mode default socket: ``$XDG_RUNTIME_DIR/lockd/lockd.sock``."""
+    return Path(platformdirs.user_runtime_dir(APP)) / "lockd.sock"
+
+
+def resolve_paths(
+    *,
+    system: bool = False,
+    socket: str | os.PathLike[str] | None = None,
+    db: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | None = None,
+) -> Paths:
+    """Paths for ``lockd serve``: flags win, then ``LOCKD_SOCKET``, then defaults."""
+    if socket is None and os.environ.get(SOCKET_ENV):
+        socket = os.environ[SOCKET_ENV]
+    if system:
+        default_socket = SYSTEM_SOCKET
+        default_db = SYSTEM_STATE_DIR / "lockd.db"
+        default_config = SYSTEM_CONFIG_DIR
+        mode = 0o666
+    else:
+        default_socket = user_socket_path()
+        default_db = Path(platformdirs.user_state_dir(APP)) / "lockd.db"
+        default_config = Path(platformdirs.user_config_dir(APP))
+        mode = 0o600
+    return Paths(
+        socket=Path(socket) if socket else default_socket,
+        db=Path(db) if db else default_db,
+        config_dir=Path(config) if config else default_config,
+        socket_mode=mode,
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every key ``lockd.toml`` accepts, with its default (documented in README)."""
+
+    #: systemd units whose processes act as services (``service:<unit>``).
+    service_units: tuple[str, ...] = ()
+    #: login names whose processes act as services (``service:<user>``).
+    service_users: tuple[str, ...] = ()
+    #: members of these Unix groups get the ``admin`` role.
+    admin_groups: tuple[str, ...] = ("lockd-admin",)
+    #: acquire attempts per member or admin per rolling hour.
+    acquire_per_hour: int = 600
+    #: simultaneous client connections; further ones are closed at once.
+    max_connections: int = 1024
+    #: longest request line in bytes (newline not counted).
+    max_line_bytes: int = 65536
+    #: parked acquires across all keys; beyond it an acquire is refused.
+    max_waiters: int = 10000
+    #: requests of one connection being served at once (parked acquires included).
+    max_pending_per_connection: int = 1024
+    #: log level: debug, info, warning or error.
+    log_level: str = "info"
+    #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.
+    sqlite_synchronous: str = "NORMAL"
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], source: str = "lockd.toml") -> Settings:
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                raise ConfigError(f"{source}: unknown key {key!r}")
+            default = known[key].default
+            if isinstance(default, tuple):
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"{source}: {key!r} must be a list of strings")
+                values[key] = tuple(value)
+            elif isinstance(default, int):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"{source}: {key!r} must be an integer")
+                if value < 1:
+                    raise ConfigError(f"{source}: {key!r} must be at least 1")
+                values[key] = value
+            else:
+                if not isinstance(value, str):
+                    raise ConfigError(f"{source}: {key!r} must be a string")
+                values[key] = value
+        settings = cls(**values)
+        settings._check(source)
+        return settings
+
+    def _check(self, source: str) -> None:
+        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+            raise ConfigError(f"{source}: 'log_level' must be debug, info, warning or error")
+        if self.sqlite_synchronous.upper() not in {"NORMAL", "FULL"}:
+            raise ConfigError(f"{source}: 'sqlite_synchronous' must be NORMAL or FULL")
+        if not 1024 <= self.max_line_bytes <= 16 * 1024 * 1024:
+            raise ConfigError(f"{source}: 'max_line_bytes' must be between 1024 and 16777216")
+
+
+def load_settings(config_dir: Path) -> Settings:
+    """Read ``<config_dir>/lockd.toml``; a missing file means all defaults."""
+    path = config_dir / "lockd.toml"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return Settings()
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return Settings.from_mapping(data, source=str(path))
