@@ -1,0 +1,144 @@
+"""Assemble the daemon from its parts and run it: what ``lockd serve`` calls.
+
+Start-up refuses rather than guesses: a bad ``lockd.toml``, a rule set that
+does not parse, a database of a newer schema, or a live daemon on the socket
+path each stop it with one clear line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as stdsocket
+import warnings
+from dataclasses import dataclass
+
+import trio
+
+from . import systemd
+from .clock import Clock, SystemClock
+from .config import ConfigError, Paths, Settings, load_settings
+from .engine import LockEngine
+from .identity import IdentityConfig
+from .logfmt import kv, setup_logging
+from .policy import PolicyManager, RuleSetError
+from .ratelimit import RateLimiter
+from .rulewatch import watch_rule_sets
+from .server import Limits, LockServer, SocketInUseError, acquire_path_lock, bind_socket
+from .service import LockService
+from .store import Store, StoreError, read_boot_id
+
+log = logging.getLogger("lockd.daemon")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why in one line."""
+
+
+@dataclass
+class Daemon:
+    paths: Paths
+    settings: Settings
+    policy: PolicyManager
+    store: Store
+    service: LockService
+    server: LockServer
+    listen_sock: stdsocket.socket
+    owns_socket_file: bool
+    #: flock held on ``<socket>.lock`` while we serve (None under activation).
+    lock_fd: int | None = None
+
+    def close(self) -> None:
+        self.listen_sock.close()
+        if self.owns_socket_file:
+            try:
+                if self.paths.socket.is_socket():
+                    self.paths.socket.unlink()
+            except OSError:
+                pass
+        self.store.close()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+
+
+def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
+    """Load config, rules and database, and take the socket. Raises StartupError."""
+    clock = clock or SystemClock()
+    try:
+        settings = load_settings(paths.config_dir)
+    except ConfigError as exc:
+        raise StartupError(f"config: {exc}") from None
+    setup_logging(settings.log_level)
+    policy = PolicyManager(paths.rule_sets_dir)
+    try:
+        policy.load_initial()
+    except RuleSetError as exc:
+        raise StartupError(f"rule set: {exc}") from None
+    try:
+        store = Store(paths.db, read_boot_id(), synchronous=settings.sqlite_synchronous)
+        leases, fence = store.load()
+    except (StoreError, OSError) as exc:
+        raise StartupError(f"database: {exc}") from None
+    engine = LockEngine(fence=fence)
+    engine.restore(leases, clock.boot_ms())
+    service = LockService(engine, store, policy, RateLimiter(settings.acquire_per_hour), clock)
+    service.commit()  # leases that ran out while the daemon was down
+    identity = IdentityConfig(
+        daemon_uid=os.getuid(),
+        admin_groups=frozenset(settings.admin_groups),
+        service_units=frozenset(settings.service_units),
+        service_users=frozenset(settings.service_users),
+    )
+    limits = Limits(
+        max_connections=settings.max_connections,
+        max_line_bytes=settings.max_line_bytes,
+        max_pending_per_connection=settings.max_pending_per_connection,
+    )
+    server = LockServer(service, identity, limits, reload_rules=policy.reload)
+    inherited = systemd.listen_fds()
+    lock_fd: int | None = None
+    if inherited:
+        sock, owns = inherited[0], False
+        for extra in inherited[1:]:
+            extra.close()
+    else:
+        try:
+            lock_fd = acquire_path_lock(paths.socket, paths.socket_mode)
+            sock, owns = bind_socket(paths.socket, paths.socket_mode), True
+        except SocketInUseError as exc:
+            store.close()
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            store.close()
+            raise StartupError(f"socket {paths.socket}: {exc.strerror or exc}") from None
+    log.info(
+        kv(
+            event="started",
+            socket=paths.socket if owns else "inherited",
+            db=paths.db,
+            config=paths.config_dir,
+            leases=engine.held_count,
+            fence=engine.fence,
+            rules=(policy.rules_result()["policy"] or {}).get("file", "open default"),
+        )
+    )
+    return Daemon(paths, settings, policy, store, service, server, sock, owns, lock_fd)
+
+
+async def _main(daemon: Daemon) -> None:
+    listen = trio.socket.from_stdlib_socket(daemon.listen_sock)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
+        await daemon.server.serve(listen)
+        nursery.cancel_scope.cancel()
+
+
+def run(paths: Paths) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit status."""
+    warnings.filterwarnings("ignore", module="platformdirs")
+    daemon = build(paths)
+    try:
+        trio.run(_main, daemon)
+    finally:
+        daemon.close()
+    return 0

@@ -1,0 +1,357 @@
+"""The wire format: JSON lines in, typed requests out; results and errors back.
+
+No I/O here. :class:`LineSplitter` cuts a byte stream into lines and notices
+an over-long one; :func:`parse_request` turns one line into a typed request
+or a :class:`ProtocolError` naming the offending field; the ``encode_*``
+functions build reply lines. Validation is strict on purpose: an unknown field
+is refused (a typo such as ``ttl`` for ``ttlMs`` must not pass silently), and
+an optional field given as ``null`` counts as absent.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_KEY_BYTES = 1024
+MAX_OWNER_CHARS = 256
+MAX_REASON_CHARS = 1024
+MAX_HANDLE_CHARS = 256
+MAX_LIST_LIMIT = 1_000_000
+MAX_TTL_MS = 86_400_000
+MAX_TIMEOUT_MS = 86_400_000
+
+RequestId = int | str
+
+ERROR_STATUS = {
+    "INVALID_REQUEST": 400,
+    "LOCK_ACCESS_DENIED": 403,
+    "LOCK_TIMEOUT": 408,
+    "RATE_LIMITED": 429,
+    "INTERNAL": 500,
+    "SHUTTING_DOWN": 503,
+}
+
+
+class ProtocolError(Exception):
+    """A request that cannot be served; becomes an error reply."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        request_id: RequestId | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.details = details or {}
+
+
+def invalid(field: str | None, message: str, request_id: RequestId | None = None) -> ProtocolError:
+    return ProtocolError(
+        "INVALID_REQUEST", message, request_id=request_id, details={"field": field}
+    )
+
+
+# ----------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Request:
+    id: RequestId
+    op: str
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    pass
+
+
+@dataclass(frozen=True)
+class Acquire(Request):
+    key: str
+    ttl_ms: int
+    #: None for tryAcquire.
+    timeout_ms: int | None
+    owner: str | None
+    release_on_close: bool
+
+
+@dataclass(frozen=True)
+class Renew(Request):
+    key: str
+    handle: str
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    key: str
+    handle: str
+
+
+@dataclass(frozen=True)
+class Status(Request):
+    key: str
+
+
+@dataclass(frozen=True)
+class ListLocks(Request):
+    prefix: str
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class Break(Request):
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stats(Request):
+    pass
+
+
+@dataclass(frozen=True)
+class Rules(Request):
+    pass
+
+
+# op -> (required fields, optional fields)
+_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "hello": (frozenset(), frozenset()),
+    "acquire": (frozenset({"key", "ttlMs", "timeoutMs"}), frozenset({"owner", "releaseOnClose"})),
+    "tryAcquire": (frozenset({"key", "ttlMs"}), frozenset({"owner", "releaseOnClose"})),
+    "renew": (frozenset({"key", "handle", "ttlMs"}), frozenset()),
+    "release": (frozenset({"key", "handle"}), frozenset()),
+    "status": (frozenset({"key"}), frozenset()),
+    "list": (frozenset(), frozenset({"prefix", "limit"})),
+    "break": (frozenset({"key", "reason"}), frozenset()),
+    "stats": (frozenset(), frozenset()),
+    "rules": (frozenset(), frozenset()),
+}
+OPS = frozenset(_FIELDS)
+
+
+def _has_control(text: str) -> bool:
+    return any(c < " " or "\x7f" <= c <= "\x9f" for c in text)
+
+
+def _utf8_len(text: str) -> int | None:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:  # lone surrogates from a \ud800 escape
+        return None
+
+
+def check_key(value: object, field: str = "key") -> str:
+    """A key: 1-1024 bytes of UTF-8 without control characters."""
+    if not isinstance(value, str):
+        raise invalid(field, f"{field} must be a string")
+    size = _utf8_len(value)
+    if size is None:
+        raise invalid(field, f"{field} is not valid UTF-8")
+    if size < 1 or size > MAX_KEY_BYTES:
+        raise invalid(field, f"{field} must be 1 to {MAX_KEY_BYTES} bytes of UTF-8")
+    if _has_control(value):
+        raise invalid(field, f"{field} must not contain control characters")
+    return value
+
+
+def _text(value: object, field: str, max_chars: int, *, min_chars: int = 1) -> str:
+    if not isinstance(value, str):
+        raise invalid(field, f"{field} must be a string")
+    if not min_chars <= len(value) <= max_chars:
+        raise invalid(field, f"{field} must be {min_chars} to {max_chars} characters")
+    if _utf8_len(value) is None:
+        raise invalid(field, f"{field} is not valid UTF-8")
+    if _has_control(value):
+        raise invalid(field, f"{field} must not contain control characters")
+    return value
+
+
+def _int(value: object, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(field, f"{field} must be an integer")
+    if not low <= value <= high:
+        raise invalid(field, f"{field} must be between {low} and {high}")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_request(line: bytes | str) -> Request:
+    """Parse one line (without its newline) into a typed request.
+
+    Raises :class:`ProtocolError` carrying the request id when one could be
+    read, so the error reply can still be matched by the client.
+    """
+    try:
+        data = json.loads(line, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(None, f"request is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid(None, "request must be a JSON object")
+
+    raw_id = data.get("id")
+    if raw_id is None:
+        raise invalid("id", "id is required")
+    if isinstance(raw_id, bool) or not isinstance(raw_id, int | str):
+        raise invalid("id", "id must be a string or an integer")
+    if isinstance(raw_id, str) and _utf8_len(raw_id) is None:
+        raise invalid("id", "id is not valid UTF-8")
+    rid: RequestId = raw_id
+
+    op = data.get("op")
+    if op is None:
+        raise invalid("op", "op is required", rid)
+    if not isinstance(op, str):
+        raise invalid("op", "op must be a string", rid)
+    if op not in _FIELDS:
+        raise invalid("op", f"unknown op {op[:64]!r}", rid)
+    required, optional = _FIELDS[op]
+    fields: dict[str, Any] = {}
+    for name, value in data.items():
+        if name in ("id", "op"):
+            continue
+        if name not in required and name not in optional:
+            raise invalid(name, f"unknown field {name[:64]!r} for op {op}", rid)
+        if value is not None:
+            fields[name] = value
+    for name in sorted(required):
+        if name not in fields:
+            raise invalid(name, f"{name} is required for op {op}", rid)
+    try:
+        return _build(rid, op, fields)
+    except ProtocolError as exc:
+        exc.request_id = rid
+        raise
+
+
+def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
+    if op in ("acquire", "tryAcquire"):
+        key = check_key(f["key"])
+        ttl = _int(f["ttlMs"], "ttlMs", 1, MAX_TTL_MS)
+        timeout = _int(f["timeoutMs"], "timeoutMs", 0, MAX_TIMEOUT_MS) if op == "acquire" else None
+        owner = _text(f["owner"], "owner", MAX_OWNER_CHARS) if "owner" in f else None
+        roc = f.get("releaseOnClose", False)
+        if not isinstance(roc, bool):
+            raise invalid("releaseOnClose", "releaseOnClose must be true or false")
+        return Acquire(rid, op, key, ttl, timeout, owner, roc)
+    if op == "renew":
+        return Renew(
+            rid,
+            op,
+            check_key(f["key"]),
+            _text(f["handle"], "handle", MAX_HANDLE_CHARS),
+            _int(f["ttlMs"], "ttlMs", 1, MAX_TTL_MS),
+        )
+    if op == "release":
+        return Release(rid, op, check_key(f["key"]), _text(f["handle"], "handle", MAX_HANDLE_CHARS))
+    if op == "status":
+        return Status(rid, op, check_key(f["key"]))
+    if op == "list":
+        prefix = _text(f["prefix"], "prefix", MAX_KEY_BYTES, min_chars=0) if "prefix" in f else ""
+        if (_utf8_len(prefix) or 0) > MAX_KEY_BYTES:
+            raise invalid("prefix", f"prefix must be at most {MAX_KEY_BYTES} bytes of UTF-8")
+        limit = _int(f["limit"], "limit", 1, MAX_LIST_LIMIT) if "limit" in f else None
+        return ListLocks(rid, op, prefix, limit)
+    if op == "break":
+        return Break(rid, op, check_key(f["key"]), _text(f["reason"], "reason", MAX_REASON_CHARS))
+    if op == "hello":
+        return Hello(rid, op)
+    if op == "stats":
+        return Stats(rid, op)
+    assert op == "rules"
+    return Rules(rid, op)
+
+
+# ------------------------------------------------------------------ replies
+
+
+def encode_result(request_id: RequestId, result: Any) -> bytes:
+    return _line({"id": request_id, "ok": True, "result": result})
+
+
+def encode_error(
+    request_id: RequestId | None,
+    code: str,
+    message: str,
+    details: dict[str, Any] | None = None,
+) -> bytes:
+    error = {
+        "code": code,
+        "status": ERROR_STATUS[code],
+        "message": message,
+        "details": details or {},
+    }
+    return _line({"id": request_id, "ok": False, "error": error})
+
+
+def encode_protocol_error(exc: ProtocolError) -> bytes:
+    return encode_error(exc.request_id, exc.code, exc.message, exc.details)
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    # ensure_ascii keeps any lone surrogate a client sent (in an id) encodable.
+    return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def rfc3339_ms(epoch_ms: int) -> str:
+    """``2026-11-30T03:31:00.123Z`` for milliseconds since the epoch."""
+    moment = datetime.fromtimestamp(epoch_ms / 1000, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{epoch_ms % 1000:03d}Z"
+
+
+# ------------------------------------------------------------------ framing
+
+
+class LineSplitter:
+    """Cut a byte stream into newline-terminated lines, bounded in length.
+
+    The bound applies before a newline is seen, so a peer that never sends
+    one cannot make the daemon buffer without limit.
+    """
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self.max_line_bytes = max_line_bytes
+        self._buffer = bytearray()
+        #: set once a line exceeded the limit; the connection must then close.
+        self.too_long = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add received bytes; return the complete lines (without newline).
+
+        Lines completed before an over-long one are still returned, so their
+        requests are answered before the connection is closed.
+        """
+        if self.too_long:
+            return []
+        buf = self._buffer
+        start = len(buf)
+        buf += data
+        lines: list[bytes] = []
+        begin = 0
+        newline = buf.find(b"\n", start)
+        while newline != -1:
+            if newline - begin > self.max_line_bytes:
+                self.too_long = True
+                break
+            lines.append(bytes(buf[begin:newline]))
+            begin = newline + 1
+            newline = buf.find(b"\n", begin)
+        del buf[:begin]
+        if len(buf) > self.max_line_bytes:
+            self.too_long = True
+        if self.too_long:
+            buf.clear()
+        return lines

@@ -1,0 +1,572 @@
+"""The trio edge: listener, connections, parked acquires, the expiry timer.
+
+One task reads each connection and answers every request that can be
+answered at once inline, in order; only an ``acquire`` that has to wait gets
+a task of its own, so pipelined requests behind it are served while it is
+parked. Replies are written under a per-connection lock and may come out of
+order; they carry the request id.
+
+Parked acquires wait on a :class:`trio.Event` that :class:`LockService` sets
+when the engine resolves the waiter (grant, timeout) -- after the commit, so
+a woken waiter's grant is already durable. A single timer task sleeps until
+the engine's earliest deadline; every commit moves that deadline if needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import math
+import os
+import signal
+import socket as stdsocket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import systemd
+from .engine import Busy, Lease, Parked, TimedOut, Waiter
+from .identity import Caller, IdentityConfig, peer_credentials, resolve_caller
+from .logfmt import kv
+from .protocol import (
+    Acquire,
+    Break,
+    Hello,
+    LineSplitter,
+    ListLocks,
+    ProtocolError,
+    Release,
+    Renew,
+    Request,
+    RequestId,
+    Rules,
+    Stats,
+    Status,
+    encode_error,
+    encode_protocol_error,
+    encode_result,
+    parse_request,
+)
+from .service import LockService
+
+log = logging.getLogger("lockd.server")
+
+RECV_BYTES = 65536
+
+
+class SocketInUseError(Exception):
+    """Another live daemon answers on the socket path."""
+
+
+@dataclass(eq=False)
+class Connection:
+    id: int
+    stream: trio.SocketStream
+    caller: Caller
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    closed: bool = False
+
+
+@dataclass
+class Limits:
+    max_connections: int = 1024
+    max_line_bytes: int = 65536
+    max_pending_per_connection: int = 1024
+
+
+class LockServer:
+    def __init__(
+        self,
+        service: LockService,
+        identity: IdentityConfig,
+        limits: Limits,
+        *,
+        reload_rules: Callable[[], object] | None = None,
+        resolve: Callable[[stdsocket.socket], Caller] | None = None,
+    ) -> None:
+        self.service = service
+        self.identity = identity
+        self.limits = limits
+        self.reload_rules = reload_rules
+        self._resolve = resolve or self._resolve_peer
+        self._conn_ids = 0
+        self.connections: dict[int, Connection] = {}
+        self._events: dict[int, trio.Event] = {}
+        self._timer_scope: trio.CancelScope | None = None
+        self.shutting_down = False
+        self._started_at = time.monotonic()
+        self.service.on_resolved = self._wake
+        self._shutdown_event = trio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _resolve_peer(self, sock: stdsocket.socket) -> Caller:
+        return resolve_caller(peer_credentials(sock), self.identity)
+
+    async def serve(
+        self,
+        listen_sock: trio.socket.SocketType,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until :meth:`shutdown` (or SIGTERM/SIGINT); then close cleanly."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._timer)
+            nursery.start_soon(self._signals)
+            interval = systemd.watchdog_interval()
+            if interval:
+                nursery.start_soon(self._watchdog, interval)
+            async with trio.open_nursery() as conns:
+                conns.start_soon(self._accept_loop, listen_sock, conns)
+                systemd.ready(self._status_line())
+                task_status.started()
+                await self._shutdown_event.wait()
+                systemd.stopping()
+                listen_sock.close()
+                await self._drain_waiters()
+                conns.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+        log.info(kv(event="stopped", held=self.service.engine.held_count))
+
+    def shutdown(self) -> None:
+        """Begin a clean stop: parked acquires get SHUTTING_DOWN, leases stay."""
+        if not self.shutting_down:
+            log.info(kv(event="stopping", waiters=self.service.engine.waiter_count))
+            self.shutting_down = True
+            self._shutdown_event.set()
+
+    async def _drain_waiters(self) -> None:
+        """Answer every parked acquire with SHUTTING_DOWN before closing."""
+        for waiter_id, event in list(self._events.items()):
+            del waiter_id
+            event.set()
+        with trio.move_on_after(2):
+            while self._events:
+                await trio.sleep(0.01)
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    self._reload()
+                else:
+                    self.shutdown()
+
+    def _reload(self) -> None:
+        if self.reload_rules is None:
+            return
+        systemd.reloading()
+        try:
+            self.reload_rules()
+        finally:
+            systemd.ready(self._status_line())
+
+    async def _watchdog(self, interval: float) -> None:
+        # Pinged from the event loop itself: a blocked loop stops the pings
+        # and systemd restarts the daemon.
+        while True:
+            systemd.watchdog_ping()
+            systemd.status(self._status_line())
+            await trio.sleep(interval)
+
+    def _status_line(self) -> str:
+        engine = self.service.engine
+        held, waiters = engine.held_count, engine.waiter_count
+        return (
+            f"{held} lock{'s' if held != 1 else ''} held, "
+            f"{waiters} waiter{'s' if waiters != 1 else ''}, "
+            f"{len(self.connections)} connection{'s' if len(self.connections) != 1 else ''}"
+        )
+
+    def gauges(self) -> dict[str, Any]:
+        engine = self.service.engine
+        return {
+            "uptimeMs": int((time.monotonic() - self._started_at) * 1000),
+            "connections": len(self.connections),
+            "held": engine.held_count,
+            "waiters": engine.waiter_count,
+            "fence": engine.fence,
+        }
+
+    # ---------------------------------------------------------------- timer
+
+    def _wake(self, waiter: Waiter) -> None:
+        event = self._events.get(waiter.id)
+        if event is not None:
+            event.set()
+
+    def _reschedule(self) -> None:
+        scope = self._timer_scope
+        if scope is None:
+            return
+        deadline = self.service.engine.next_deadline()
+        if deadline is None:
+            scope.deadline = math.inf
+        else:
+            delay = max(0, deadline - self.service.clock.boot_ms()) / 1000
+            scope.deadline = trio.current_time() + delay
+
+    async def _timer(self) -> None:
+        while True:
+            with trio.CancelScope() as scope:
+                self._timer_scope = scope
+                self._reschedule()
+                await trio.sleep_forever()
+            self._timer_scope = None
+            self.service.tick()
+
+    # ---------------------------------------------------------- connections
+
+    async def _accept_loop(
+        self, listen_sock: trio.socket.SocketType, nursery: trio.Nursery
+    ) -> None:
+        while True:
+            try:
+                sock, _ = await listen_sock.accept()
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning(kv(event="accept_failed", error=exc.strerror))
+                    await trio.sleep(0.1)
+                    continue
+                if self.shutting_down or exc.errno == errno.EBADF:
+                    return
+                raise
+            if len(self.connections) >= self.limits.max_connections:
+                self.service.stats.count("connectionsRefused")
+                log.warning(kv(event="connection_refused", limit=self.limits.max_connections))
+                sock.close()
+                continue
+            nursery.start_soon(self._serve_connection, sock)
+
+    async def _serve_connection(self, sock: trio.socket.SocketType) -> None:
+        stream = trio.SocketStream(sock)
+        try:
+            caller = self._resolve(sock)  # type: ignore[arg-type]
+        except OSError as exc:
+            log.warning(kv(event="peer_unknown", error=exc))
+            await stream.aclose()
+            return
+        self._conn_ids += 1
+        conn = Connection(self._conn_ids, stream, caller)
+        self.connections[conn.id] = conn
+        self.service.stats.count("connectionsAccepted")
+        log.debug(kv(event="connected", conn=conn.id, principal=caller.principal, pid=caller.pid))
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._read_loop(conn, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            conn.closed = True
+            del self.connections[conn.id]
+            self.service.connection_closed(conn.id)
+            self._reschedule()
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            log.debug(kv(event="disconnected", conn=conn.id))
+
+    async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
+        splitter = LineSplitter(self.limits.max_line_bytes)
+        pending = trio.Semaphore(self.limits.max_pending_per_connection)
+        while True:
+            try:
+                data = await conn.stream.receive_some(RECV_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+            if not data:
+                return
+            for line in splitter.feed(data):
+                # Backpressure: with too many requests in flight, stop reading.
+                await pending.acquire()
+                await self._handle_line(conn, line, nursery, pending)
+            if splitter.too_long:
+                self.service.stats.count("invalidRequests")
+                limit = self.limits.max_line_bytes
+                await self._send(
+                    conn,
+                    encode_error(
+                        None,
+                        "INVALID_REQUEST",
+                        f"request line longer than {limit} bytes; closing the connection",
+                        {"limit": limit, "field": None},
+                    ),
+                )
+                return
+
+    async def _send(self, conn: Connection, data: bytes) -> bool:
+        """Write one reply; False when the peer is gone."""
+        if conn.closed:
+            return False
+        try:
+            async with conn.send_lock:
+                await conn.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            conn.closed = True
+            return False
+        return True
+
+    # ------------------------------------------------------------- requests
+
+    async def _handle_line(
+        self, conn: Connection, line: bytes, nursery: trio.Nursery, pending: trio.Semaphore
+    ) -> None:
+        started = time.perf_counter()
+        parked = False
+        request: Request | None = None
+        try:
+            request = parse_request(line)
+            if self.shutting_down:
+                raise ProtocolError("SHUTTING_DOWN", "lockd is stopping", request_id=request.id)
+            if isinstance(request, Acquire):
+                op = request.op
+
+                def done() -> None:
+                    pending.release()
+                    self._observe(op, started)
+
+                parked = await self._acquire(conn, request, nursery, done, started)
+            else:
+                await self._send(conn, encode_result(request.id, self._dispatch(conn, request)))
+        except ProtocolError as exc:
+            if exc.code == "INVALID_REQUEST":
+                self.service.stats.count("invalidRequests")
+            if request is not None and exc.request_id is None:
+                exc.request_id = request.id
+            await self._send(conn, encode_protocol_error(exc))
+        except Exception:
+            self.service.stats.count("internalErrors")
+            rid = request.id if request is not None else None
+            log.exception(kv(event="internal_error", op=getattr(request, "op", None)))
+            await self._send(conn, encode_error(rid, "INTERNAL", "internal error; see the log"))
+        finally:
+            if not parked:
+                pending.release()
+                if request is not None:
+                    self._observe(request.op, started)
+            self._reschedule()
+
+    def _observe(self, op: str, started: float) -> None:
+        self.service.stats.observe(op, (time.perf_counter() - started) * 1000)
+
+    def _dispatch(self, conn: Connection, request: Request) -> Any:
+        service, caller = self.service, conn.caller
+        if isinstance(request, Release):
+            return service.release(caller, request.key, request.handle)
+        if isinstance(request, Renew):
+            return service.renew(caller, request.key, request.handle, request.ttl_ms)
+        if isinstance(request, Status):
+            return service.status(request.key)
+        if isinstance(request, Hello):
+            return service.hello(caller)
+        if isinstance(request, ListLocks):
+            return service.list(caller, request.prefix, request.limit)
+        if isinstance(request, Break):
+            return service.break_lock(caller, request.key, request.reason)
+        if isinstance(request, Stats):
+            service.authorize(caller, "stats")
+            return service.stats.snapshot(self.gauges())
+        if isinstance(request, Rules):
+            return service.rules(caller)
+        raise AssertionError(f"unhandled op {request.op}")
+
+    async def _acquire(
+        self,
+        conn: Connection,
+        req: Acquire,
+        nursery: trio.Nursery,
+        done: Callable[[], None],
+        started: float,
+    ) -> bool:
+        """Serve acquire/tryAcquire; True when the request went on to wait."""
+        service = self.service
+        service.authorize(conn.caller, "acquire", req.key)
+        retry_after = service.take_attempt(conn.caller)
+        if retry_after is not None:
+            if req.timeout_ms is None:
+                raise service.rate_limited(retry_after)
+            if retry_after >= req.timeout_ms:
+                # No room will come within the timeout: waiting is pointless.
+                service.stats.count("rateLimited")
+                raise _timeout(req)
+            nursery.start_soon(self._acquire_after_rate_wait, conn, req, done, started)
+            return True
+        return await self._acquire_now(conn, req, nursery, done, req.timeout_ms)
+
+    async def _acquire_now(
+        self,
+        conn: Connection,
+        req: Acquire,
+        nursery: trio.Nursery,
+        done: Callable[[], None],
+        wait_ms: int | None,
+    ) -> bool:
+        """Ask the engine; True when the request was parked (``done`` deferred)."""
+        result = self.service.acquire(
+            conn.caller,
+            conn.id,
+            req.key,
+            ttl_ms=req.ttl_ms,
+            owner=req.owner,
+            release_on_close=req.release_on_close,
+            wait_ms=wait_ms,
+        )
+        if isinstance(result, Lease):
+            await self._deliver(conn, req.id, result)
+        elif isinstance(result, Busy):
+            await self._send(conn, encode_result(req.id, None))
+        elif isinstance(result, TimedOut):
+            raise _timeout(req)
+        else:
+            assert isinstance(result, Parked)
+            event = trio.Event()
+            self._events[result.waiter.id] = event
+            nursery.start_soon(self._wait_parked, conn, req, result.waiter, event, done)
+            return True
+        return False
+
+    async def _acquire_after_rate_wait(
+        self, conn: Connection, req: Acquire, done: Callable[[], None], started: float
+    ) -> None:
+        """A blocking acquire over the rate limit waits for room in its timeout."""
+        assert req.timeout_ms is not None
+        deadline = started + req.timeout_ms / 1000
+        try:
+            while True:
+                retry_after = self.service.take_attempt(conn.caller)
+                if retry_after is None:
+                    break
+                if self.shutting_down:
+                    await self._send(conn, _shutting_down(req.id))
+                    return
+                if retry_after / 1000 >= deadline - time.perf_counter():
+                    self.service.stats.count("rateLimited")
+                    await self._send(conn, encode_protocol_error(_timeout(req)))
+                    return
+                with trio.move_on_after(retry_after / 1000):
+                    await self._shutdown_event.wait()
+            left_ms = max(0, int((deadline - time.perf_counter()) * 1000))
+            async with trio.open_nursery() as inner:
+                await self._acquire_now(conn, req, inner, _nothing, left_ms)
+        except ProtocolError as exc:
+            exc.request_id = req.id
+            await self._send(conn, encode_protocol_error(exc))
+        finally:
+            done()
+
+    async def _wait_parked(
+        self,
+        conn: Connection,
+        req: Acquire,
+        waiter: Waiter,
+        event: trio.Event,
+        done: Callable[[], None],
+    ) -> None:
+        delivered = False
+        try:
+            await event.wait()
+            if waiter.lease is not None:
+                delivered = await self._send(
+                    conn, encode_result(req.id, self.service.lease_view(waiter.lease))
+                )
+            elif waiter.timed_out:
+                await self._send(conn, encode_protocol_error(_timeout(req)))
+            else:
+                await self._send(conn, _shutting_down(req.id))
+        finally:
+            self._events.pop(waiter.id, None)
+            if not waiter.resolved:
+                self.service.cancel_waiter(waiter)
+            elif waiter.lease is not None and not delivered:
+                # Granted, but the reply never reached the caller.
+                self.service.release_undelivered(waiter.lease)
+            self._reschedule()
+            done()
+
+    async def _deliver(self, conn: Connection, request_id: RequestId, lease: Lease) -> None:
+        """Send a grant; if it cannot be written, release it at once."""
+        delivered = False
+        try:
+            delivered = await self._send(
+                conn, encode_result(request_id, self.service.lease_view(lease))
+            )
+        finally:
+            if not delivered:
+                self.service.release_undelivered(lease)
+                self._reschedule()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _timeout(req: Acquire) -> ProtocolError:
+    return ProtocolError(
+        "LOCK_TIMEOUT",
+        f"key {req.key!r} was not granted within {req.timeout_ms} ms",
+        request_id=req.id,
+        details={"key": req.key, "timeoutMs": req.timeout_ms},
+    )
+
+
+def _shutting_down(request_id: RequestId) -> bytes:
+    return encode_error(request_id, "SHUTTING_DOWN", "lockd is stopping")
+
+
+# ------------------------------------------------------------- the socket
+
+
+def _socket_dir(path: Path, mode: int) -> None:
+    path.parent.mkdir(mode=0o700 if mode == 0o600 else 0o755, parents=True, exist_ok=True)
+
+
+def acquire_path_lock(socket_path: Path, mode: int) -> int:
+    """Hold ``<socket>.lock`` for the daemon's life so two daemons never race."""
+    _socket_dir(socket_path, mode)
+    lock_path = socket_path.with_name(socket_path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SocketInUseError(
+            f"another lockd is already serving {socket_path} (it holds {lock_path})"
+        ) from None
+    return fd
+
+
+def bind_socket(path: Path, mode: int) -> stdsocket.socket:
+    """Bind the Unix socket, replacing a stale one but never a live daemon's."""
+    _socket_dir(path, mode)
+    if path.exists() or path.is_symlink():
+        probe = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass  # stale: nobody listens
+        except OSError as exc:
+            if exc.errno == errno.ENOTSOCK:
+                raise SocketInUseError(
+                    f"{path} exists and is not a socket; not replacing it"
+                ) from None
+            raise
+        else:
+            raise SocketInUseError(f"another lockd is already serving {path}")
+        finally:
+            probe.close()
+        if not path.is_socket():
+            raise SocketInUseError(f"{path} exists and is not a socket; not replacing it")
+        path.unlink()
+    sock = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # never a window where the socket is wider than asked
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    sock.listen(512)
+    return sock

@@ -1,0 +1,83 @@
+"""Counters, gauges and per-op latency percentiles for the ``stats`` op.
+
+Latencies keep the last :data:`WINDOW` samples per op in a ring: memory is
+fixed, percentiles describe recent behaviour, and recording costs one list
+store on the hot path. A blocking acquire's latency includes its wait.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+WINDOW = 2048
+COUNTERS = (
+    "grants",
+    "retakes",
+    "releases",
+    "renewals",
+    "expiries",
+    "timeouts",
+    "denials",
+    "rateLimited",
+    "breaks",
+    "invalidRequests",
+    "internalErrors",
+    "connectionsAccepted",
+    "connectionsRefused",
+)
+
+
+class LatencyWindow:
+    __slots__ = ("_next", "_samples", "count")
+
+    def __init__(self) -> None:
+        self._samples: list[float] = []
+        self._next = 0
+        self.count = 0
+
+    def record(self, ms: float) -> None:
+        self.count += 1
+        if len(self._samples) < WINDOW:
+            self._samples.append(ms)
+        else:
+            self._samples[self._next] = ms
+            self._next = (self._next + 1) % WINDOW
+
+    def summary(self) -> dict[str, float | int]:
+        data = sorted(self._samples)
+        if not data:
+            return {"count": self.count}
+
+        def pct(p: float) -> float:
+            return round(data[min(len(data) - 1, int(p * len(data)))], 3)
+
+        return {
+            "count": self.count,
+            "p50Ms": pct(0.50),
+            "p90Ms": pct(0.90),
+            "p99Ms": pct(0.99),
+            "maxMs": round(data[-1], 3),
+        }
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
+        self.latency: dict[str, LatencyWindow] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def observe(self, op: str, ms: float) -> None:
+        window = self.latency.get(op)
+        if window is None:
+            window = self.latency[op] = LatencyWindow()
+        window.record(ms)
+
+    def snapshot(self, gauges: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **gauges,
+            "counters": dict(self.counters),
+            "latency": {op: w.summary() for op, w in sorted(self.latency.items())},
+        }

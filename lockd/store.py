@@ -1,0 +1,179 @@
+"""SQLite persistence for the engine's effects.
+
+One table of current leases (at most one row per key) and a ``meta`` table
+holding the fence high-water mark. :meth:`Store.apply` writes one
+:class:`~lockd.engine.Changes` batch in one transaction; the server calls it
+before sending the replies that depend on it, so an acknowledged grant,
+renew, release or break survives a crash of the daemon.
+
+WAL with ``synchronous=NORMAL``: a commit is an append to the WAL without an
+fsync (measured ~20 us here), so it runs on the event loop thread; handing it
+to a worker thread would cost more than the write. Power loss may lose the
+last commits, but it also ends every process that held those leases.
+
+Each lease row carries the boot id; rows from an earlier boot are dropped
+at start because every process that held them is gone. The fence survives
+in ``meta`` so it never goes backwards, across restarts and reboots alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+from .engine import Changes, Lease
+
+log = logging.getLogger("lockd.store")
+
+SCHEMA_VERSION = 1
+
+
+def _migrate_0_to_1(db: sqlite3.Connection) -> None:
+    db.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL) STRICT")
+    db.execute(
+        """
+        CREATE TABLE leases (
+            key        TEXT PRIMARY KEY,
+            handle     TEXT NOT NULL,
+            fence      INTEGER NOT NULL,
+            owner      TEXT,
+            principal  TEXT NOT NULL,
+            ttl_ms     INTEGER NOT NULL,
+            expires_at INTEGER NOT NULL,  -- CLOCK_BOOTTIME milliseconds
+            boot_id    TEXT NOT NULL
+        ) STRICT
+        """
+    )
+    db.execute("INSERT INTO meta (name, value) VALUES ('fence', 0)")
+
+
+#: MIGRATIONS[n] takes a database at user_version n to n + 1.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_0_to_1]
+
+
+class StoreError(Exception):
+    """The database cannot be used (newer schema, unreadable file, ...)."""
+
+
+def read_boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        return f.read().strip()
+
+
+class Store:
+    def __init__(self, path: Path | str, boot_id: str, *, synchronous: str = "NORMAL") -> None:
+        self.path = Path(path)
+        self.boot_id = boot_id
+        if str(path) != ":memory:":
+            _prepare_directory(self.path.parent)
+        # The -wal and -shm files SQLite creates later copy the database
+        # file's mode, so a private umask at creation covers all three.
+        old_umask = os.umask(0o077)
+        try:
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            if str(path) != ":memory:":
+                os.chmod(self.path, 0o600)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{path}: {exc}") from exc
+        finally:
+            os.umask(old_umask)
+
+    def _migrate(self) -> None:
+        db = self._db
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: schema version {version} is newer than this lockd "
+                f"understands ({SCHEMA_VERSION}); upgrade lockd"
+            )
+        while version < SCHEMA_VERSION:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                MIGRATIONS[version](db)
+                version += 1
+                db.execute(f"PRAGMA user_version={version}")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            log.info("event=migrated db=%s version=%d", self.path, version)
+
+    def load(self) -> tuple[list[Lease], int]:
+        """Drop leases of earlier boots; return this boot's leases and the fence."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            dropped = db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,)).rowcount
+            rows = db.execute(
+                "SELECT key, handle, fence, owner, principal, ttl_ms, expires_at FROM leases"
+            ).fetchall()
+            fence = db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        if dropped:
+            log.info("event=dropped_earlier_boot leases=%d", dropped)
+        leases = [Lease(*row) for row in rows]
+        fence = max([fence, *(lease.fence for lease in leases)])
+        return leases, fence
+
+    def apply(self, changes: Changes) -> None:
+        """Persist one batch of engine effects in a single transaction."""
+        if not changes.rows and changes.fence is None:
+            return
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            for key, lease in changes.rows.items():
+                if lease is None:
+                    db.execute("DELETE FROM leases WHERE key = ?", (key,))
+                else:
+                    db.execute(
+                        "INSERT OR REPLACE INTO leases "
+                        "(key, handle, fence, owner, principal, ttl_ms, expires_at, boot_id) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            key,
+                            lease.handle,
+                            lease.fence,
+                            lease.owner,
+                            lease.principal,
+                            lease.ttl_ms,
+                            lease.expires_at,
+                            self.boot_id,
+                        ),
+                    )
+            if changes.fence is not None:
+                db.execute(
+                    "UPDATE meta SET value = max(value, ?) WHERE name = 'fence'", (changes.fence,)
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _prepare_directory(directory: Path) -> None:
+    """Create the state directory private to the daemon's user."""
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return
+    mode = directory.stat().st_mode & 0o777
+    if mode & 0o077 and directory.stat().st_uid == os.getuid():
+        log.warning(
+            "event=state_dir_open dir=%s mode=%o hint='chmod 700 it: it holds handle ids'",
+            directory,
+            mode,
+        )

@@ -1,0 +1,273 @@
+"""The lock engine, driven with an explicit clock: no test sleeps."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from lockd.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
+
+
+def make_engine(fence: int = 0) -> LockEngine:
+    counter = itertools.count(1)
+    return LockEngine(fence=fence, handle_factory=lambda: f"h{next(counter)}")
+
+
+def grant(result: object) -> Lease:
+    assert isinstance(result, Lease), result
+    return result
+
+
+def park(result: object) -> Waiter:
+    assert isinstance(result, Parked), result
+    return result.waiter
+
+
+def test_grant_then_busy_then_release_frees() -> None:
+    e = make_engine()
+    lease = grant(e.acquire(0, "k", ttl_ms=1000, principal="user:a"))
+    assert lease.fence == 1 and lease.expires_at == 1000
+    busy = e.acquire(10, "k", ttl_ms=1000, principal="user:b")
+    assert isinstance(busy, Busy) and busy.holder is lease
+    assert e.release(20, "k", lease.handle)
+    assert e.status(20, "k").holder is None
+    changes = e.drain()
+    assert changes.rows == {"k": None}
+    assert changes.fence == 1 and changes.grants == 1
+    e.check_invariants()
+
+
+def test_release_with_wrong_handle_is_refused() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=1000, principal="user:a"))
+    assert not e.release(1, "k", "nope")
+    assert not e.release(1, "other", "h1")
+    assert e.status(1, "k").holder is not None
+
+
+def test_lease_expires_at_deadline_exactly() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=1000, principal="user:a"))
+    assert e.status(999, "k").holder is not None
+    assert e.status(1000, "k").holder is None
+    changes = e.drain()
+    assert [lease.key for lease in changes.expired] == ["k"]
+    assert changes.rows["k"] is None
+
+
+def test_fifo_handoff_on_release() -> None:
+    e = make_engine()
+    first = grant(e.acquire(0, "k", ttl_ms=1000, principal="user:a"))
+    waiters = [
+        park(e.acquire(i, "k", ttl_ms=500, principal=f"user:w{i}", wait_ms=10_000, conn=i))
+        for i in range(1, 5)
+    ]
+    assert e.status(5, "k").waiters == 4
+    e.drain()
+    assert e.release(6, "k", first.handle)
+    changes = e.drain()
+    assert changes.resolved == [waiters[0]]
+    got = waiters[0].lease
+    assert got is not None and got.principal == "user:w1" and got.fence == 2
+    assert got.expires_at == 6 + 500
+    # The rest follow strictly in order, each hand-off in the same step.
+    for i, w in enumerate(waiters[1:], start=1):
+        previous = waiters[i - 1].lease
+        assert previous is not None
+        assert e.release(10 + i, "k", previous.handle)
+        assert w.lease is not None and w.lease.fence == 2 + i
+    e.check_invariants()
+
+
+def test_handoff_on_expiry_and_on_break() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    w1 = park(e.acquire(1, "k", ttl_ms=100, principal="user:b", wait_ms=1000))
+    w2 = park(e.acquire(2, "k", ttl_ms=100, principal="user:c", wait_ms=1000))
+    assert e.next_deadline() == 100
+    e.advance(100)
+    assert w1.lease is not None and w1.lease.expires_at == 200
+    broken = e.break_lock(150, "k")
+    assert broken is w1.lease
+    assert w2.lease is not None and w2.lease.fence == 3
+    # The broken holder's handle is fenced.
+    assert not e.release(151, "k", w1.lease.handle)
+    assert e.renew(151, "k", w1.lease.handle, 100) is None
+
+
+def test_waiter_times_out_by_its_deadline() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=10_000, principal="user:a"))
+    w = park(e.acquire(0, "k", ttl_ms=100, principal="user:b", wait_ms=300))
+    assert e.next_deadline() == 300
+    e.advance(299)
+    assert not w.resolved
+    e.advance(300)
+    assert w.timed_out and w.lease is None
+    assert e.drain().resolved == [w]
+    assert e.status(301, "k").waiters == 0
+    e.check_invariants()
+
+
+def test_expiry_at_same_instant_as_waiter_deadline_grants() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=300, principal="user:a"))
+    w = park(e.acquire(0, "k", ttl_ms=100, principal="user:b", wait_ms=300))
+    e.advance(300)
+    assert w.lease is not None and not w.timed_out
+
+
+def test_zero_timeout_on_held_key_times_out_immediately() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=300, principal="user:a"))
+    assert isinstance(e.acquire(1, "k", ttl_ms=1, principal="user:b", wait_ms=0), TimedOut)
+    # ...but a zero timeout on a free key still wins it.
+    assert isinstance(e.acquire(1, "free", ttl_ms=1, principal="user:b", wait_ms=0), Lease)
+
+
+def test_renew_extends_and_moves_the_deadline() -> None:
+    e = make_engine()
+    lease = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    renewed = e.renew(50, "k", lease.handle, 1000)
+    assert renewed is lease and lease.expires_at == 1050 and lease.ttl_ms == 1000
+    assert e.next_deadline() == 1050
+    e.advance(200)
+    assert e.status(200, "k").holder is lease
+    assert e.renew(2000, "k", lease.handle, 100) is None  # expired meanwhile
+
+
+def test_owner_retake_fences_earlier_handles_and_jumps_the_queue() -> None:
+    e = make_engine()
+    first = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a", owner="run-1"))
+    waiter = park(e.acquire(1, "k", ttl_ms=100, principal="user:b", wait_ms=1000))
+    second = grant(e.acquire(2, "k", ttl_ms=100, principal="user:a", owner="run-1"))
+    assert second.handle != first.handle and second.fence > first.fence
+    assert not e.release(3, "k", first.handle)
+    assert e.renew(3, "k", first.handle, 100) is None
+    assert not waiter.resolved
+    assert e.drain().retakes == 1
+    assert e.release(4, "k", second.handle)
+    assert waiter.lease is not None
+
+
+def test_retake_needs_same_principal_and_owner() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=100, principal="service:x.service", owner="run-1"))
+    assert isinstance(e.acquire(1, "k", ttl_ms=100, principal="user:x", owner="run-1"), Busy)
+    assert isinstance(
+        e.acquire(1, "k", ttl_ms=100, principal="service:x.service", owner="run-2"), Busy
+    )
+
+
+def test_hold_without_owner_is_never_reentered() -> None:
+    e = make_engine()
+    grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    assert isinstance(e.acquire(1, "k", ttl_ms=100, principal="user:a"), Busy)
+    assert isinstance(e.acquire(1, "k", ttl_ms=100, principal="user:a", owner="x"), Busy)
+
+
+def test_release_on_close_frees_only_bound_leases() -> None:
+    e = make_engine()
+    bound = grant(
+        e.acquire(0, "a", ttl_ms=10_000, principal="user:a", conn=7, release_on_close=True)
+    )
+    grant(e.acquire(0, "b", ttl_ms=10_000, principal="user:a", conn=7))
+    w = park(e.acquire(1, "a", ttl_ms=100, principal="user:b", conn=8, wait_ms=1000))
+    released = e.connection_closed(2, 7)
+    assert released == [bound]
+    assert w.lease is not None
+    assert e.status(2, "b").holder is not None
+
+
+def test_connection_close_drops_its_waiters() -> None:
+    e = make_engine()
+    holder = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a", conn=1))
+    w_gone = park(e.acquire(1, "k", ttl_ms=100, principal="user:b", conn=2, wait_ms=1000))
+    w_next = park(e.acquire(2, "k", ttl_ms=100, principal="user:c", conn=3, wait_ms=1000))
+    e.connection_closed(3, 2)
+    assert w_gone.cancelled
+    assert e.release(4, "k", holder.handle)
+    assert w_next.lease is not None
+    e.check_invariants()
+
+
+def test_retake_from_another_connection_binds_by_its_own_request() -> None:
+    e = make_engine()
+    grant(
+        e.acquire(0, "k", ttl_ms=1000, principal="user:a", owner="o", conn=1, release_on_close=True)
+    )
+    grant(e.acquire(1, "k", ttl_ms=1000, principal="user:a", owner="o", conn=2))
+    assert e.connection_closed(2, 1) == []
+    assert e.status(2, "k").holder is not None
+
+
+def test_cancel_waiter_after_grant_keeps_the_lease() -> None:
+    e = make_engine()
+    holder = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    w = park(e.acquire(1, "k", ttl_ms=100, principal="user:b", wait_ms=1000))
+    e.release(2, "k", holder.handle)
+    e.cancel_waiter(3, w)
+    assert w.lease is not None and not w.cancelled
+
+
+def test_fences_never_go_backwards_from_restored_counter() -> None:
+    e = make_engine(fence=41)
+    assert grant(e.acquire(0, "k", ttl_ms=1, principal="user:a")).fence == 42
+
+
+def test_restore_keeps_live_leases_and_frees_expired_ones() -> None:
+    e = make_engine()
+    live = Lease("live", "h-live", 7, None, "user:a", 1000, 5000)
+    dead = Lease("dead", "h-dead", 9, "o", "user:a", 1000, 1500, conn=3)
+    e.restore([live, dead], now=2000)
+    assert e.fence == 9
+    assert e.status(2000, "live").holder is live
+    assert e.status(2000, "dead").holder is None
+    assert e.drain().rows == {"dead": None}
+    assert e.release(2001, "live", "h-live")
+    assert grant(e.acquire(2002, "x", ttl_ms=1, principal="user:a")).fence == 10
+
+
+def test_list_is_sorted_filtered_and_limited() -> None:
+    e = make_engine()
+    for key in ["b:2", "a:1", "b:1", "c"]:
+        grant(e.acquire(0, key, ttl_ms=100, principal="user:a"))
+    assert [s.key for s in e.list_held(1)] == ["a:1", "b:1", "b:2", "c"]
+    assert [s.key for s in e.list_held(1, "b:")] == ["b:1", "b:2"]
+    assert [s.key for s in e.list_held(1, "", 2)] == ["a:1", "b:1"]
+    assert e.list_held(100) == []
+
+
+def test_heaps_stay_bounded_under_many_renewals() -> None:
+    e = make_engine()
+    lease = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    for t in range(1, 10_000):
+        assert e.renew(t, "k", lease.handle, 100) is not None
+    assert len(e._lease_heap) <= 64 * 4 + 8
+
+
+def test_lease_repr_hides_handle() -> None:
+    lease = Lease("k", "secret-handle-id", 1, None, "user:a", 1, 1)
+    assert "secret-handle-id" not in repr(lease)
+
+
+def test_default_handles_are_long_and_random() -> None:
+    e = LockEngine()
+    a = grant(e.acquire(0, "a", ttl_ms=1, principal="user:a"))
+    b = grant(e.acquire(0, "b", ttl_ms=1, principal="user:a"))
+    assert len(a.handle) >= 22 and a.handle != b.handle
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_many_keys_expire_in_deadline_order(n: int) -> None:
+    e = make_engine()
+    for i in range(100):
+        grant(e.acquire(0, f"k{i}", ttl_ms=(i * 37) % 100 + n, principal="user:a"))
+    seen: list[int] = []
+    t = 0
+    while (deadline := e.next_deadline()) is not None:
+        t = deadline
+        e.advance(t)
+        seen.extend(lease.expires_at for lease in e.drain().expired)
+    assert seen == sorted(seen) and len(seen) == 100
