@@ -1,1 +1,63 @@
-"""placeholder"""
+"""lockd_client: the synchronous Python client of the lockd lock daemon.
+
+Standard library only (never imports trio or click)::
+
+    from lockd_client import LockClient, LockTimeoutError
+
+    with LockClient() as client:  # socket: argument, else $LOCKD_SOCKET, else the user default
+        try:
+            handle = client.acquire("portfolio-import:42", ttl=60, timeout=10)
+        except LockTimeoutError:
+            ...  # already running
+        try:
+            ...  # the exclusive work
+        finally:
+            client.release(handle)
+
+        with client.lock("refresh:42", ttl=30, timeout=5, auto_renew=True) as handle:
+            ...
+
+Times are seconds (floats) on the Python side, whole milliseconds (rounded
+up) on the wire. One client is safe to share between threads; it uses one
+pipelined connection. After a daemon restart it reconnects by itself and
+re-sends the requests that are safe to repeat: ``hello``, ``status``, ``list``,
+``stats``, ``rules``, ``renew``, ``release``, and ``acquire``/``try_acquire``
+when an ``owner`` is given. ``acquire``/``try_acquire`` without an owner and
+``break_lock`` are not re-sent once sent; they raise
+:class:`DaemonUnavailableError` instead (see :mod:`lockd_client._client`).
+"""
+
+from ._client import HandleRef, LockClient
+from ._errors import (
+    DaemonUnavailableError,
+    InternalError,
+    InvalidRequestError,
+    LockAccessDeniedError,
+    LockdError,
+    LockTimeoutError,
+    RateLimitedError,
+    ShuttingDownError,
+)
+from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
+from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
+
+__all__ = [
+    "SOCKET_ENV",
+    "BreakResult",
+    "DaemonUnavailableError",
+    "Handle",
+    "HandleRef",
+    "InternalError",
+    "InvalidRequestError",
+    "LockAccessDeniedError",
+    "LockClient",
+    "LockStatus",
+    "LockTimeoutError",
+    "LockdError",
+    "RateLimitedError",
+    "ReleaseResult",
+    "RenewResult",
+    "ShuttingDownError",
+    "default_socket_path",
+    "resolve_socket_path",
+]

@@ -1,0 +1,398 @@
+"""The synchronous client: :class:`LockClient`.
+
+One client holds ONE connection to the daemon and shares it between threads:
+requests are pipelined and replies matched by ``id`` (see ``_connection``), so
+a lease taken with ``release_on_close=True`` stays bound to this client's
+connection even while another thread (auto-renew) talks to the daemon.
+
+The connection is opened on first use. When it breaks (the daemon restarted:
+connection refused, reset, or EOF), the client reconnects by itself, with a
+short backoff for up to ``retry_window`` seconds (5 s by default), then raises
+:class:`DaemonUnavailableError`. What gets re-sent after a break depends on
+whether doing the request twice is harmless:
+
+- retried: ``hello``, ``status``, ``list``, ``stats``, ``rules``, ``renew``,
+  ``release``; ``acquire`` and ``try_acquire`` only when an ``owner`` is given
+  (the retry re-takes the hold and fences the first grant, if there was one;
+  a retried blocking ``acquire`` waits only for what is left of its timeout);
+- never retried once sent: ``acquire``/``try_acquire`` without an owner and
+  ``break_lock``: the daemon may have applied them, so they raise
+  DaemonUnavailableError.
+
+A request that was never sent (the connection was found closed before
+sending, or connecting failed after an earlier connection existed) is safe to
+send again for every operation. The very first connection attempt of a client
+is not retried, so a missing daemon is reported at once. Daemon errors such as
+``SHUTTING_DOWN`` are raised, not retried. A ``release`` retried after a break
+may answer ``released: false`` although the first attempt released the key.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+from ._connection import Connection, ConnectionLost, ReplyTimeout
+from ._errors import DaemonUnavailableError, LockdError, error_from_reply
+from ._paths import resolve_socket_path
+from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
+from ._wire import (
+    check_bool,
+    check_key,
+    check_optional_str,
+    check_owner,
+    check_reason,
+    check_text,
+    seconds_to_ms,
+)
+
+__all__ = ["HandleRef", "LockClient"]
+
+#: What ``renew`` and ``release`` accept: a Handle, or a ``(key, handle_id)`` pair.
+HandleRef = Handle | tuple[str, str]
+
+_Build = Callable[[], tuple[dict[str, Any], float | None]]
+
+
+class LockClient:
+    """A synchronous, thread-safe client for the lockd daemon.
+
+    ``socket_path`` defaults to ``$LOCKD_SOCKET``, else
+    :func:`default_socket_path`. ``connect_timeout`` bounds connecting;
+    ``request_timeout`` (seconds, ``None`` for no limit) bounds the wait for a
+    reply, and is added to a blocking acquire's own timeout so the daemon
+    always answers first; ``retry_window`` bounds reconnecting after the
+    connection breaks. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        connect_timeout: float | None = 5.0,
+        request_timeout: float | None = 30.0,
+        retry_window: float = 5.0,
+    ) -> None:
+        self.socket_path: str = resolve_socket_path(socket_path)
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self.retry_window = retry_window
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._connected_once = False
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._id_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LockClient(socket_path={self.socket_path!r})"
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection (leases taken with ``release_on_close`` are freed by the daemon).
+
+        Threads still waiting for a reply get a LockdError with code
+        ``CLIENT_CLOSED``. Closing twice is harmless.
+        """
+        with self._lock:
+            self._closed = True
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def __enter__(self) -> LockClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- operations -----------------------------------------------------------
+
+    def hello(self) -> dict[str, Any]:
+        """Protocol and server version, and the caller as the daemon sees it.
+
+        Keys: ``protocol``, ``version``, ``principal``, ``role``, ``uid``, ``pid``.
+        """
+        return self._dict_result("hello", {})
+
+    def acquire(
+        self,
+        key: str,
+        ttl: float,
+        timeout: float,
+        owner: str | None = None,
+        release_on_close: bool = False,
+    ) -> Handle:
+        """Wait up to ``timeout`` seconds for ``key``; hold it for ``ttl`` seconds.
+
+        The daemon queues waiters first-in-first-out. Raises
+        :class:`LockTimeoutError` when the time runs out.
+        """
+        base = self._grant_args(key, ttl, owner, release_on_close)
+        timeout_ms = seconds_to_ms(timeout, "timeout", allow_zero=True)
+        deadline = time.monotonic() + timeout_ms / 1000
+        attempts = 0
+
+        def build() -> tuple[dict[str, Any], float | None]:
+            nonlocal attempts
+            attempts += 1
+            ms = timeout_ms
+            if attempts > 1:  # a retry waits only for what is left
+                ms = max(0, min(timeout_ms, int((deadline - time.monotonic()) * 1000)))
+            read_timeout = (
+                None if self.request_timeout is None else ms / 1000 + self.request_timeout
+            )
+            return {**base, "timeoutMs": ms}, read_timeout
+
+        result = self._call("acquire", build, retry=owner is not None)
+        return Handle.from_result(result)
+
+    def try_acquire(
+        self,
+        key: str,
+        ttl: float,
+        owner: str | None = None,
+        release_on_close: bool = False,
+    ) -> Handle | None:
+        """One attempt at ``key``: the Handle, or ``None`` when someone else holds it."""
+        args = self._grant_args(key, ttl, owner, release_on_close)
+        result = self._call("tryAcquire", self._fixed(args), retry=owner is not None)
+        return None if result is None else Handle.from_result(result)
+
+    def renew(self, handle: HandleRef, ttl: float) -> RenewResult:
+        """Extend the lease to ``ttl`` seconds from now.
+
+        ``renewed`` is False (``reason="lease_lost"``) when the handle no
+        longer holds the key. On success a Handle's ``lease_expires_at`` and
+        ``ttl_ms`` are updated in place.
+        """
+        return self._renew(handle, seconds_to_ms(ttl, "ttl", allow_zero=False))
+
+    def release(self, handle: HandleRef) -> ReleaseResult:
+        """Free the key if ``handle`` still holds it (else ``released`` False, ``not_holder``)."""
+        key, handle_id = _handle_parts(handle)
+        result = self._call("release", self._fixed({"key": key, "handle": handle_id}), retry=True)
+        return ReleaseResult.from_result(result)
+
+    def status(self, key: str) -> LockStatus:
+        """Who holds ``key`` right now, without trying to take it."""
+        result = self._call("status", self._fixed({"key": check_key(key)}), retry=True)
+        return LockStatus.from_result(result)
+
+    def list(
+        self, prefix: str | None = None, limit: int | None = None
+    ) -> builtins.list[LockStatus]:
+        """Every held lock, optionally only keys under ``prefix`` (owner, admin, services)."""
+        args: dict[str, Any] = {}
+        if check_optional_str(prefix, "prefix") is not None:
+            args["prefix"] = prefix
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise TypeError(f"limit must be an int or None, got {type(limit).__name__}")
+            if limit < 1:
+                raise ValueError(f"limit must be at least 1, got {limit}")
+            args["limit"] = limit
+        result = self._call("list", self._fixed(args), retry=True)
+        locks = result.get("locks") if isinstance(result, dict) else None
+        if not isinstance(locks, builtins.list):
+            raise LockdError(f"malformed list reply: {result!r}", code="PROTOCOL_ERROR")
+        return [LockStatus.from_result(item) for item in locks]
+
+    def break_lock(self, key: str, reason: str) -> BreakResult:
+        """Free ``key`` whoever holds it, fencing the holder (owner, admin). Never retried."""
+        args = {"key": check_key(key), "reason": check_reason(reason)}
+        return BreakResult.from_result(self._call("break", self._fixed(args), retry=False))
+
+    def stats(self) -> dict[str, Any]:
+        """Daemon counters, gauges and per-op latency percentiles (owner, admin, services)."""
+        return self._dict_result("stats", {})
+
+    def rules(self) -> dict[str, Any]:
+        """The loaded lock rule set and the last reload error: ``{"policy", "lastError"}``."""
+        return self._dict_result("rules", {})
+
+    def lock(
+        self,
+        key: str,
+        ttl: float,
+        timeout: float,
+        owner: str | None = None,
+        auto_renew: bool = False,
+        on_lost: Callable[[Handle], object] | None = None,
+        release_on_close: bool = False,
+    ) -> AbstractContextManager[Handle]:
+        """Context manager: acquire ``key`` (blocking), yield the Handle, release on exit.
+
+        The release also happens when the block raises; a failing release
+        then is logged, never raised over the block's own exception. With
+        ``auto_renew=True`` a daemon thread renews the lease every ``ttl/3``
+        seconds; once the lease is lost (renew answers ``renewed: false``, or
+        renewals keep failing until the lease is about to run out) it sets
+        ``handle.lost = True``, calls ``on_lost(handle)`` once from that
+        thread, and stops. The thread is stopped when the block exits.
+        """
+        from ._lock import hold
+
+        return hold(
+            self,
+            key,
+            ttl,
+            timeout,
+            owner=owner,
+            auto_renew=auto_renew,
+            on_lost=on_lost,
+            release_on_close=release_on_close,
+        )
+
+    # -- internals ------------------------------------------------------------
+
+    def _renew(
+        self, handle: HandleRef, ttl_ms: int, give_up_at: float | None = None
+    ) -> RenewResult:
+        """renew with ttl in ms; ``give_up_at`` (monotonic) bounds waiting and retrying."""
+        key, handle_id = _handle_parts(handle)
+        args = {"key": key, "handle": handle_id, "ttlMs": ttl_ms}
+
+        def build() -> tuple[dict[str, Any], float | None]:
+            read_timeout = self.request_timeout
+            if give_up_at is not None:
+                left = max(0.001, give_up_at - time.monotonic())
+                read_timeout = left if read_timeout is None else min(read_timeout, left)
+            return args, read_timeout
+
+        result = RenewResult.from_result(
+            self._call("renew", build, retry=True, give_up_at=give_up_at)
+        )
+        if result.renewed and isinstance(handle, Handle):
+            handle.ttl_ms = ttl_ms
+            if result.lease_expires_at is not None:
+                handle.lease_expires_at = result.lease_expires_at
+        return result
+
+    def _grant_args(
+        self, key: str, ttl: float, owner: str | None, release_on_close: bool
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "key": check_key(key),
+            "ttlMs": seconds_to_ms(ttl, "ttl", allow_zero=False),
+        }
+        if check_owner(owner) is not None:
+            args["owner"] = owner
+        if check_bool(release_on_close, "release_on_close"):
+            args["releaseOnClose"] = True
+        return args
+
+    def _fixed(self, args: dict[str, Any]) -> _Build:
+        timeout = self.request_timeout
+        return lambda: (args, timeout)
+
+    def _dict_result(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        result = self._call(op, self._fixed(args), retry=True)
+        if not isinstance(result, dict):
+            raise LockdError(f"malformed {op} reply: {result!r}", code="PROTOCOL_ERROR")
+        return result
+
+    def _next_id(self) -> int:
+        with self._id_lock:
+            return next(self._ids)
+
+    def _connection(self) -> Connection:
+        """The live connection, (re)connecting if needed; OSError if connecting fails."""
+        with self._lock:
+            if self._closed:
+                raise _closed_error()
+            conn = self._conn
+            if conn is not None and not conn.is_closed_by_peer():
+                return conn
+            self._conn = None
+            conn = Connection.open(
+                self.socket_path,
+                connect_timeout=self.connect_timeout,
+                send_timeout=self.request_timeout,
+                next_id=self._next_id,
+            )
+            self._conn = conn
+            self._connected_once = True
+            return conn
+
+    def _forget(self, conn: Connection) -> None:
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+
+    def _call(self, op: str, build: _Build, *, retry: bool, give_up_at: float | None = None) -> Any:
+        """Send ``op`` and return its ``result``, reconnecting and retrying as documented."""
+        retry_until: float | None = None
+        delay = 0.05
+        while True:
+            args, read_timeout = build()
+            try:
+                conn = self._connection()
+            except OSError as exc:
+                failure = f"cannot connect ({exc.strerror or exc})"
+                can_retry = self._connected_once  # nothing was sent: safe for every op
+            else:
+                message = {"id": self._next_id(), "op": op, **args}
+                try:
+                    reply = conn.request(message, read_timeout)
+                except ConnectionLost as exc:
+                    self._forget(conn)
+                    if self._closed:
+                        raise _closed_error() from None
+                    if exc.protocol:
+                        raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
+                    failure = f"connection lost during {op!r} ({exc.reason})"
+                    can_retry = retry
+                    if not retry:
+                        failure += "; not retried, as the daemon may have carried it out"
+                except ReplyTimeout:
+                    waited = "" if read_timeout is None else f" within {read_timeout:g} s"
+                    raise DaemonUnavailableError(
+                        self.socket_path, f"no reply to {op!r}{waited}"
+                    ) from None
+                else:
+                    return _unwrap(reply)
+            now = time.monotonic()
+            if retry_until is None:
+                retry_until = now + self.retry_window
+                if give_up_at is not None:
+                    retry_until = min(retry_until, give_up_at)
+            if not can_retry or now + delay > retry_until:
+                raise DaemonUnavailableError(self.socket_path, failure)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def _unwrap(reply: dict[str, Any]) -> Any:
+    ok = reply.get("ok")
+    if ok is True:
+        return reply.get("result")
+    if ok is False:
+        raise error_from_reply(reply.get("error"))
+    raise LockdError(f"malformed reply from lockd: {reply!r}", code="PROTOCOL_ERROR")
+
+
+def _closed_error() -> LockdError:
+    return LockdError("the LockClient was closed", code="CLIENT_CLOSED")
+
+
+def _handle_parts(handle: object) -> tuple[str, str]:
+    if isinstance(handle, Handle):
+        return handle.key, handle.handle
+    if isinstance(handle, tuple) and len(handle) == 2:
+        key, handle_id = handle
+        return check_key(key), check_text(handle_id, "handle id", 4096)
+    raise TypeError(f"expected a Handle or a (key, handle_id) pair, got {type(handle).__name__}")

@@ -1,0 +1,186 @@
+"""Typed results decoded from the daemon's replies (SPEC §3 "Results").
+
+Every result keeps the daemon's JSON object as ``raw``. Times are parsed into
+timezone-aware :class:`~datetime.datetime` objects (UTC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ._errors import LockdError
+
+__all__ = ["BreakResult", "Handle", "LockStatus", "ReleaseResult", "RenewResult"]
+
+
+@dataclass(eq=False)
+class Handle:
+    """A granted lease: what ``acquire``/``try_acquire`` return.
+
+    ``handle`` is the secret handle id that proves the hold (it is left out
+    of ``repr``). ``lease_expires_at`` and ``ttl_ms`` are updated in place by a
+    successful :meth:`LockClient.renew`. ``lost`` is set to ``True`` by
+    auto-renew (see :meth:`LockClient.lock`) when the lease is known to be gone.
+    """
+
+    key: str
+    handle: str = field(repr=False)
+    fence: int
+    owner: str | None
+    ttl_ms: int
+    lease_expires_at: datetime | None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    lost: bool = False
+
+    @classmethod
+    def from_result(cls, result: object) -> Handle:
+        """Build a Handle from a grant result object."""
+        obj = _object(result, "handle")
+        return cls(
+            key=_req(obj, "key", str),
+            handle=_req(obj, "handle", str),
+            fence=_req(obj, "fence", int),
+            owner=_opt(obj, "owner", str),
+            ttl_ms=_req(obj, "ttlMs", int),
+            lease_expires_at=parse_time(obj.get("leaseExpiresAt")),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class RenewResult:
+    """Outcome of ``renew``: ``renewed``; ``reason`` (e.g. ``"lease_lost"``) when not."""
+
+    renewed: bool
+    reason: str | None = None
+    lease_expires_at: datetime | None = None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: object) -> RenewResult:
+        """Build a RenewResult from a ``renew`` result object."""
+        obj = _object(result, "renew")
+        return cls(
+            renewed=_req(obj, "renewed", bool),
+            reason=_opt(obj, "reason", str),
+            lease_expires_at=parse_time(obj.get("leaseExpiresAt")),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """Outcome of ``release``: ``released``; ``reason`` (e.g. ``"not_holder"``) when not."""
+
+    released: bool
+    reason: str | None = None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: object) -> ReleaseResult:
+        """Build a ReleaseResult from a ``release`` result object."""
+        obj = _object(result, "release")
+        return cls(
+            released=_req(obj, "released", bool),
+            reason=_opt(obj, "reason", str),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    """Who holds a key (``status``, and each entry of ``list``); ``None`` fields when free."""
+
+    key: str
+    held: bool
+    held_by: str | None
+    owner: str | None
+    fence: int | None
+    lease_expires_at: datetime | None
+    expires_in_ms: int | None
+    waiters: int
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: object) -> LockStatus:
+        """Build a LockStatus from a ``status`` result object."""
+        obj = _object(result, "status")
+        waiters = _opt(obj, "waiters", int)
+        return cls(
+            key=_req(obj, "key", str),
+            held=_req(obj, "held", bool),
+            held_by=_opt(obj, "heldBy", str),
+            owner=_opt(obj, "owner", str),
+            fence=_opt(obj, "fence", int),
+            lease_expires_at=parse_time(obj.get("leaseExpiresAt")),
+            expires_in_ms=_opt(obj, "expiresInMs", int),
+            waiters=waiters if waiters is not None else 0,
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class BreakResult:
+    """Outcome of ``break``: ``broken`` and, when it was held, who held it."""
+
+    broken: bool
+    held_by: str | None = None
+    owner: str | None = None
+    fence: int | None = None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: object) -> BreakResult:
+        """Build a BreakResult from a ``break`` result object."""
+        obj = _object(result, "break")
+        return cls(
+            broken=_req(obj, "broken", bool),
+            held_by=_opt(obj, "heldBy", str),
+            owner=_opt(obj, "owner", str),
+            fence=_opt(obj, "fence", int),
+            raw=obj,
+        )
+
+
+def parse_time(value: object) -> datetime | None:
+    """Parse an RFC 3339 time from the wire (``...Z``) into an aware datetime; None stays None."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(f"expected an RFC 3339 time, got {value!r}")
+    text = value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise _bad(f"expected an RFC 3339 time, got {value!r}") from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def _bad(message: str) -> LockdError:
+    return LockdError(f"malformed reply from lockd: {message}", code="PROTOCOL_ERROR")
+
+
+def _object(result: object, what: str) -> dict[str, Any]:
+    if not isinstance(result, dict):
+        raise _bad(f"expected a {what} object, got {result!r}")
+    return result
+
+
+def _check(name: str, kind: type[Any], value: object) -> Any:
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise _bad(f"field {name!r} should be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _req(obj: dict[str, Any], name: str, kind: type[Any]) -> Any:
+    if name not in obj:
+        raise _bad(f"field {name!r} is missing")
+    return _check(name, kind, obj[name])
+
+
+def _opt(obj: dict[str, Any], name: str, kind: type[Any]) -> Any:
+    value = obj.get(name)
+    return None if value is None else _check(name, kind, value)

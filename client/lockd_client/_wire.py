@@ -1,0 +1,103 @@
+"""Argument checks and conversions done before a request is sent (SPEC §1, §3)."""
+
+from __future__ import annotations
+
+import json
+import math
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+__all__ = [
+    "MAX_MS",
+    "check_bool",
+    "check_key",
+    "check_optional_str",
+    "check_owner",
+    "check_reason",
+    "check_text",
+    "encode",
+    "seconds_to_ms",
+]
+
+MAX_MS = 86_400_000  # 24 h, the daemon's limit for ttlMs and timeoutMs
+MAX_KEY_BYTES = 1024
+MAX_OWNER_CHARS = 256
+MAX_REASON_CHARS = 1024
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One request as a JSON line (UTF-8, ``\\n``-terminated)."""
+    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.encode("utf-8") + b"\n"
+
+
+def seconds_to_ms(value: object, name: str, *, allow_zero: bool) -> int:
+    """Seconds (int or float) to whole milliseconds, rounding up (0.0001 s is 1 ms).
+
+    Raises TypeError for non-numbers and ValueError for negatives, NaN,
+    infinities, zero (unless ``allow_zero``) and more than 24 hours.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound} seconds, got {value!r}")
+    # Decimal(str(x)) keeps the literal the caller wrote: 0.007 s is 7 ms, not 8.
+    ms = int((Decimal(str(value)) * 1000).to_integral_value(rounding=ROUND_CEILING))
+    if ms > MAX_MS:
+        raise ValueError(f"{name} must be at most 86400 seconds (24 h), got {value!r}")
+    return ms
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
+
+
+def check_key(key: object, name: str = "key") -> str:
+    """A key: str of 1-1024 UTF-8 bytes without control characters."""
+    if not isinstance(key, str):
+        raise TypeError(f"{name} must be a str, got {type(key).__name__}")
+    size = len(key.encode("utf-8"))  # UnicodeEncodeError is a ValueError
+    if not 1 <= size <= MAX_KEY_BYTES:
+        raise ValueError(f"{name} must be 1-{MAX_KEY_BYTES} bytes of UTF-8, got {size}")
+    if _has_control(key):
+        raise ValueError(f"{name} must not contain control characters")
+    return key
+
+
+def check_text(value: object, name: str, max_chars: int, *, allow_control: bool = False) -> str:
+    """A str of 1..max_chars characters (without control characters unless allowed)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= max_chars:
+        raise ValueError(f"{name} must be 1-{max_chars} characters, got {len(value)}")
+    if not allow_control and _has_control(value):
+        raise ValueError(f"{name} must not contain control characters")
+    value.encode("utf-8")
+    return value
+
+
+def check_owner(owner: object) -> str | None:
+    """An optional owner: None, or 1-256 characters without control characters."""
+    return None if owner is None else check_text(owner, "owner", MAX_OWNER_CHARS)
+
+
+def check_optional_str(value: object, name: str) -> str | None:
+    """None or a str (no further checks)."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+    return value
+
+
+def check_bool(value: object, name: str) -> bool:
+    """A real bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_reason(reason: object) -> str:
+    """A break reason: 1-1024 characters."""
+    return check_text(reason, "reason", MAX_REASON_CHARS, allow_control=True)

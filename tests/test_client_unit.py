@@ -1,0 +1,870 @@
+"""Unit tests of lockd_client against a scripted fake JSON-lines server.
+
+Each test starts a tiny server in a thread on a temporary Unix socket and
+scripts, per connection, what it reads and answers. No daemon is involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import lockd_client
+import pytest
+from lockd_client import (
+    BreakResult,
+    DaemonUnavailableError,
+    Handle,
+    InternalError,
+    InvalidRequestError,
+    LockAccessDeniedError,
+    LockClient,
+    LockdError,
+    LockStatus,
+    LockTimeoutError,
+    RateLimitedError,
+    ShuttingDownError,
+    _paths,
+    default_socket_path,
+)
+
+EXPIRES = "2026-11-30T03:31:00.123Z"
+EXPIRES_DT = datetime(2026, 11, 30, 3, 31, 0, 123000, tzinfo=UTC)
+HANDLE_ID = "h" * 22
+
+# -- the fake server -----------------------------------------------------------
+
+
+class Peer:
+    """One accepted connection, as seen by the fake server."""
+
+    def __init__(self, sock: socket.socket, server: FakeServer) -> None:
+        self.sock = sock
+        self.server = server
+        self.buf = b""
+
+    def recv(self, timeout: float = 5.0) -> dict[str, Any] | None:
+        """Next request (recorded in server.requests), or None at EOF."""
+        while b"\n" not in self.buf:
+            try:
+                self.sock.settimeout(timeout)
+                data = self.sock.recv(65536)
+            except OSError:
+                return None
+            if not data:
+                return None
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        message = json.loads(line)
+        self.server.record(message)
+        return message
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def reply(self, request: dict[str, Any], body: dict[str, Any]) -> None:
+        self.send({"id": request["id"], **body})
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+Script = Callable[[Peer, int], None]
+
+
+class FakeServer:
+    """Accepts connections on ``path``; runs ``script(peer, index)`` for each."""
+
+    def __init__(self, path: str, script: Script) -> None:
+        self.path = path
+        self.script = script
+        self.requests: list[dict[str, Any]] = []
+        self.connections = 0
+        self.errors: list[BaseException] = []
+        self.stopped = False
+        self._lock = threading.Lock()
+        self._peers: list[Peer] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(16)
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+
+    def record(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            self.requests.append(message)
+
+    def ops(self) -> list[str]:
+        with self._lock:
+            return [r["op"] for r in self.requests]
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                index = self.connections
+                self.connections += 1
+                peer = Peer(sock, self)
+                self._peers.append(peer)
+            threading.Thread(target=self._run, args=(peer, index), daemon=True).start()
+
+    def _run(self, peer: Peer, index: int) -> None:
+        try:
+            self.script(peer, index)
+        except BaseException as exc:  # reported at teardown
+            if not self.stopped:
+                self.errors.append(exc)
+
+    def stop(self) -> None:
+        self.stopped = True
+        for s in [self.listener, *(p.sock for p in self._peers)]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def ok(result: Any) -> dict[str, Any]:
+    return {"ok": True, "result": result}
+
+
+def err(code: str, status: int, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "error": {"code": code, "status": status, "message": f"{code} msg", "details": details},
+    }
+
+
+def grant(request: dict[str, Any], fence: int = 7) -> dict[str, Any]:
+    return {
+        "key": request["key"],
+        "handle": HANDLE_ID,
+        "fence": fence,
+        "owner": request.get("owner"),
+        "ttlMs": request["ttlMs"],
+        "leaseExpiresAt": EXPIRES,
+    }
+
+
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    """A plausible successful reply to any request."""
+    op = request["op"]
+    if op in ("acquire", "tryAcquire"):
+        return ok(grant(request))
+    if op == "renew":
+        return ok({"renewed": True, "leaseExpiresAt": EXPIRES})
+    if op == "release":
+        return ok({"released": True})
+    if op == "status":
+        return ok(free_status(request["key"]))
+    if op == "list":
+        return ok({"locks": []})
+    if op == "break":
+        return ok({"broken": False})
+    return ok({"op": op})
+
+
+def free_status(key: str) -> dict[str, Any]:
+    return {
+        "key": key,
+        "held": False,
+        "heldBy": None,
+        "owner": None,
+        "fence": None,
+        "leaseExpiresAt": None,
+        "expiresInMs": None,
+        "waiters": 0,
+    }
+
+
+def responder(handler: Callable[[dict[str, Any]], dict[str, Any] | None]) -> Script:
+    """A script answering each request with handler(request); None closes the connection."""
+
+    def script(peer: Peer, index: int) -> None:
+        while (request := peer.recv()) is not None:
+            body = handler(request)
+            if body is None:
+                peer.close()
+                return
+            peer.reply(request, body)
+
+    return script
+
+
+@pytest.fixture
+def sock_path() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="lkc", dir="/tmp")  # AF_UNIX paths are short
+    try:
+        yield os.path.join(directory, "s.sock")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(sock_path: str) -> Iterator[Callable[[Script], FakeServer]]:
+    servers: list[FakeServer] = []
+
+    def start(script: Script) -> FakeServer:
+        server = FakeServer(sock_path, script)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+        assert not server.errors, server.errors
+
+
+def make_client(path: str, **kwargs: Any) -> LockClient:
+    kwargs.setdefault("request_timeout", 5.0)
+    kwargs.setdefault("retry_window", 1.0)
+    return LockClient(path, **kwargs)
+
+
+# -- encoding and decoding -------------------------------------------------------
+
+
+def test_request_encoding_and_ms_rounding(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    with make_client(server.path) as client:
+        h1 = client.try_acquire("k", ttl=0.0001)
+        client.acquire("k2", ttl=0.007, timeout=2.5, owner="run-1", release_on_close=True)
+        client.acquire("k3", ttl=60, timeout=0)
+        client.renew(h1, ttl=1.5)
+        client.renew(("k", HANDLE_ID), ttl=1)
+        client.release(("k", HANDLE_ID))
+        client.list(prefix="user:", limit=5)
+        client.list()
+        client.stats()
+        client.break_lock("k", "stuck job")
+    reqs = server.requests
+    assert [r["op"] for r in reqs] == [
+        "tryAcquire",
+        "acquire",
+        "acquire",
+        "renew",
+        "renew",
+        "release",
+        "list",
+        "list",
+        "stats",
+        "break",
+    ]
+    ids = [r["id"] for r in reqs]
+    assert all(type(i) is int for i in ids) and ids == sorted(set(ids))
+    assert {k: v for k, v in reqs[0].items() if k != "id"} == {
+        "op": "tryAcquire",
+        "key": "k",
+        "ttlMs": 1,
+    }
+    assert {k: v for k, v in reqs[1].items() if k != "id"} == {
+        "op": "acquire",
+        "key": "k2",
+        "ttlMs": 7,
+        "timeoutMs": 2500,
+        "owner": "run-1",
+        "releaseOnClose": True,
+    }
+    assert reqs[2]["ttlMs"] == 60000 and reqs[2]["timeoutMs"] == 0
+    assert "owner" not in reqs[2] and "releaseOnClose" not in reqs[2]
+    assert reqs[3] == {
+        "id": reqs[3]["id"],
+        "op": "renew",
+        "key": "k",
+        "handle": HANDLE_ID,
+        "ttlMs": 1500,
+    }
+    assert reqs[4]["ttlMs"] == 1000 and reqs[4]["handle"] == HANDLE_ID
+    assert reqs[5] == {"id": reqs[5]["id"], "op": "release", "key": "k", "handle": HANDLE_ID}
+    assert reqs[6]["prefix"] == "user:" and reqs[6]["limit"] == 5
+    assert set(reqs[7]) == {"id", "op"} and set(reqs[8]) == {"id", "op"}
+    assert reqs[9]["reason"] == "stuck job"
+
+
+def test_result_decoding(serve: Callable[[Script], FakeServer]) -> None:
+    held = {
+        "key": "k",
+        "held": True,
+        "heldBy": "user:alice",
+        "owner": "run-1",
+        "fence": 12,
+        "leaseExpiresAt": EXPIRES,
+        "expiresInMs": 4000,
+        "waiters": 2,
+    }
+    replies = {
+        "hello": ok({"protocol": 1, "version": "0.1.0", "principal": "user:root", "role": "owner"}),
+        "tryAcquire": ok(None),
+        "status": ok(held),
+        "list": ok({"locks": [held, free_status("z")]}),
+        "break": ok({"broken": True, "heldBy": "user:alice", "owner": "run-1", "fence": 12}),
+        "renew": ok({"renewed": False, "reason": "lease_lost"}),
+        "release": ok({"released": False, "reason": "not_holder"}),
+        "rules": ok({"policy": None, "lastError": None}),
+    }
+
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "acquire":
+            return ok(grant(request, fence=99))
+        return replies[request["op"]]
+
+    server = serve(responder(handler))
+    with make_client(server.path) as client:
+        assert client.hello()["principal"] == "user:root"
+        assert client.try_acquire("k", ttl=1) is None
+        handle = client.acquire("k", ttl=30, timeout=1, owner="o")
+        assert isinstance(handle, Handle)
+        assert (handle.key, handle.handle, handle.fence, handle.owner) == ("k", HANDLE_ID, 99, "o")
+        assert handle.ttl_ms == 30000 and handle.lease_expires_at == EXPIRES_DT
+        assert handle.lease_expires_at.tzinfo is not None
+        assert handle.raw["leaseExpiresAt"] == EXPIRES and handle.lost is False
+        assert HANDLE_ID not in repr(handle)
+
+        status = client.status("k")
+        assert isinstance(status, LockStatus)
+        assert status.held and status.held_by == "user:alice" and status.owner == "run-1"
+        assert status.fence == 12 and status.expires_in_ms == 4000 and status.waiters == 2
+        assert status.lease_expires_at == EXPIRES_DT and status.raw == held
+
+        locks = client.list()
+        assert [s.key for s in locks] == ["k", "z"] and locks[1].held is False
+        assert locks[1].lease_expires_at is None and locks[1].fence is None
+
+        broken = client.break_lock("k", "why")
+        assert isinstance(broken, BreakResult)
+        assert broken.broken and broken.held_by == "user:alice" and broken.fence == 12
+
+        renewed = client.renew(handle, ttl=5)
+        assert not renewed.renewed and renewed.reason == "lease_lost"
+        assert handle.ttl_ms == 30000  # not updated when not renewed
+        released = client.release(handle)
+        assert not released.released and released.reason == "not_holder"
+        assert client.rules() == {"policy": None, "lastError": None}
+
+
+def test_successful_renew_updates_handle(serve: Callable[[Script], FakeServer]) -> None:
+    later = "2026-12-01T00:00:00.000Z"
+
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "renew":
+            return ok({"renewed": True, "leaseExpiresAt": later})
+        return answer(request)
+
+    server = serve(responder(handler))
+    with make_client(server.path) as client:
+        handle = client.acquire("k", ttl=10, timeout=1)
+        result = client.renew(handle, ttl=20)
+        assert result.renewed and result.reason is None
+        assert result.lease_expires_at == datetime(2026, 12, 1, tzinfo=UTC)
+        assert handle.lease_expires_at == result.lease_expires_at and handle.ttl_ms == 20000
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "cls"),
+    [
+        ("INVALID_REQUEST", 400, InvalidRequestError),
+        ("LOCK_ACCESS_DENIED", 403, LockAccessDeniedError),
+        ("LOCK_TIMEOUT", 408, LockTimeoutError),
+        ("RATE_LIMITED", 429, RateLimitedError),
+        ("SHUTTING_DOWN", 503, ShuttingDownError),
+        ("INTERNAL", 500, InternalError),
+        ("SOMETHING_NEW", 418, LockdError),
+    ],
+)
+def test_error_mapping(
+    serve: Callable[[Script], FakeServer], code: str, status: int, cls: type[LockdError]
+) -> None:
+    table: dict[str, dict[str, Any]] = {
+        "INVALID_REQUEST": {"field": "ttlMs"},
+        "LOCK_TIMEOUT": {"key": "k", "timeoutMs": 1500},
+        "RATE_LIMITED": {"retryAfterMs": 2500, "limit": 600},
+    }
+    details = table.get(code, {})
+    server = serve(responder(lambda request: err(code, status, details)))
+    with make_client(server.path) as client, pytest.raises(LockdError) as info:
+        client.acquire("k", ttl=1, timeout=1.5)
+    exc = info.value
+    assert type(exc) is cls
+    assert exc.code == code and exc.status == status and exc.details == details
+    assert str(exc) == f"{code} msg"
+    if isinstance(exc, InvalidRequestError):
+        assert exc.field == "ttlMs"
+    if isinstance(exc, LockTimeoutError):
+        assert exc.key == "k" and exc.timeout_ms == 1500
+    if isinstance(exc, RateLimitedError):
+        assert exc.retry_after == 2.5 and exc.limit == 600
+    assert server.connections == 1 and len(server.requests) == 1  # errors are not retried
+
+
+def test_malformed_line_is_a_protocol_error(serve: Callable[[Script], FakeServer]) -> None:
+    def script(peer: Peer, index: int) -> None:
+        if peer.recv() is not None:
+            peer.sock.sendall(b"this is not json\n")
+            peer.recv()
+
+    server = serve(script)
+    with make_client(server.path) as client, pytest.raises(LockdError) as info:
+        client.status("k")
+    assert info.value.code == "PROTOCOL_ERROR"
+
+
+def test_invalid_arguments_fail_before_sending(sock_path: str) -> None:
+    client = LockClient(sock_path)  # nothing listens: a send would give DaemonUnavailableError
+    bad_calls: list[tuple[type[Exception], Callable[[], object]]] = [
+        (TypeError, lambda: client.try_acquire("k", ttl="10")),  # type: ignore[arg-type]
+        (TypeError, lambda: client.try_acquire("k", ttl=True)),
+        (TypeError, lambda: client.try_acquire(b"k", ttl=1)),  # type: ignore[arg-type]
+        (ValueError, lambda: client.try_acquire("k", ttl=0)),
+        (ValueError, lambda: client.try_acquire("k", ttl=-1)),
+        (ValueError, lambda: client.try_acquire("k", ttl=float("nan"))),
+        (ValueError, lambda: client.try_acquire("k", ttl=86_400.001)),
+        (ValueError, lambda: client.try_acquire("", ttl=1)),
+        (ValueError, lambda: client.try_acquire("a\nb", ttl=1)),
+        (ValueError, lambda: client.try_acquire("x" * 1025, ttl=1)),
+        (ValueError, lambda: client.try_acquire("k", ttl=1, owner="")),
+        (ValueError, lambda: client.try_acquire("k", ttl=1, owner="o" * 257)),
+        (TypeError, lambda: client.try_acquire("k", ttl=1, release_on_close=1)),  # type: ignore[arg-type]
+        (ValueError, lambda: client.acquire("k", ttl=1, timeout=-0.5)),
+        (ValueError, lambda: client.acquire("k", ttl=1, timeout=float("inf"))),
+        (ValueError, lambda: client.list(limit=0)),
+        (TypeError, lambda: client.list(prefix=3)),  # type: ignore[arg-type]
+        (ValueError, lambda: client.break_lock("k", "")),
+        (TypeError, lambda: client.release("k")),  # type: ignore[arg-type]
+    ]
+    for exc_type, call in bad_calls:
+        with pytest.raises(exc_type):
+            call()
+    assert client.try_acquire.__doc__  # public names are documented
+
+
+# -- pipelining ------------------------------------------------------------------------
+
+
+def test_out_of_order_replies_with_threads(serve: Callable[[Script], FakeServer]) -> None:
+    count = 6
+
+    def script(peer: Peer, index: int) -> None:
+        pending = [peer.recv() for _ in range(count)]
+        for request in reversed(pending):  # answer the last first
+            assert request is not None
+            peer.reply(request, answer(request))
+        peer.recv()
+
+    server = serve(script)
+    results: dict[int, Any] = {}
+    with make_client(server.path) as client:
+
+        def work(i: int) -> None:
+            if i % 2:
+                results[i] = client.status(f"key-{i}")
+            else:
+                results[i] = client.acquire(f"key-{i}", ttl=5, timeout=5)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(5)
+    assert len(results) == count
+    for i, result in results.items():
+        assert result.key == f"key-{i}"
+        assert isinstance(result, LockStatus if i % 2 else Handle)
+    assert server.connections == 1
+
+
+def test_renew_answered_while_blocking_acquire_waits(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    acquire_seen = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        parked = None
+        while (request := peer.recv()) is not None:
+            if request["op"] == "acquire" and request["key"] == "slow":
+                parked = request
+                acquire_seen.set()
+            elif request["op"] == "release":
+                peer.reply(request, answer(request))
+                assert parked is not None
+                peer.reply(parked, ok(grant(parked, fence=8)))
+            else:
+                peer.reply(request, answer(request))
+
+    server = serve(script)
+    with make_client(server.path) as client:
+        first = client.try_acquire("k", ttl=5)
+        assert first is not None
+        box: list[Handle] = []
+        waiter = threading.Thread(target=lambda: box.append(client.acquire("slow", 5, 5)))
+        waiter.start()
+        assert acquire_seen.wait(2)
+        assert client.renew(first, ttl=5).renewed  # not blocked by the parked acquire
+        assert client.release(first).released
+        waiter.join(2)
+        assert box and box[0].fence == 8
+
+
+# -- time-outs --------------------------------------------------------------------------
+
+
+def test_blocking_acquire_outlives_request_timeout(serve: Callable[[Script], FakeServer]) -> None:
+    def script(peer: Peer, index: int) -> None:
+        request = peer.recv()
+        assert request is not None
+        time.sleep(0.25)  # longer than request_timeout, shorter than timeoutMs + margin
+        peer.reply(request, answer(request))
+        peer.recv()
+
+    server = serve(script)
+    with make_client(server.path, request_timeout=0.1) as client:
+        assert client.acquire("k", ttl=1, timeout=0.3).key == "k"
+
+
+def test_no_reply_times_out_and_late_grant_is_released(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    grant_sent = threading.Event()
+    released = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        request = peer.recv()
+        assert request is not None and request["op"] == "acquire"
+        time.sleep(0.2)
+        peer.reply(request, ok(grant(request)))
+        grant_sent.set()
+        while (request := peer.recv()) is not None:
+            if request["op"] == "release":
+                assert request["handle"] == HANDLE_ID
+                released.set()
+            peer.reply(request, answer(request))
+
+    server = serve(script)
+    with make_client(server.path, request_timeout=0.05) as client:
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="no reply"):
+            client.acquire("k", ttl=1, timeout=0.05)
+        assert time.monotonic() - started < 0.19
+        assert grant_sent.wait(2)
+        assert client.status("k").key == "k"  # same connection still works
+        assert released.wait(2)
+    assert server.connections == 1
+
+
+def test_close_wakes_waiting_thread(serve: Callable[[Script], FakeServer]) -> None:
+    seen = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        if peer.recv() is not None:
+            seen.set()
+            peer.recv()
+
+    server = serve(script)
+    client = make_client(server.path)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.acquire("k", ttl=1, timeout=30, owner="o")
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    assert seen.wait(2)
+    client.close()
+    t.join(2)
+    assert not t.is_alive()
+    assert isinstance(errors[0], LockdError) and errors[0].code == "CLIENT_CLOSED"
+    client.close()  # twice is fine
+    with pytest.raises(LockdError):
+        client.hello()
+
+
+# -- reconnecting ----------------------------------------------------------------------
+
+
+def drop_first_connection(peer: Peer, index: int) -> None:
+    """Connection 0 reads one request and closes; later ones answer normally."""
+    if index == 0:
+        peer.recv()
+        peer.close()
+        return
+    responder(answer)(peer, index)
+
+
+def test_release_is_retried_after_connection_drop(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(drop_first_connection)
+    with make_client(server.path) as client:
+        result = client.release(("k", HANDLE_ID))
+    assert result.released
+    assert server.connections == 2
+    assert server.ops() == ["release", "release"]
+    assert server.requests[0]["id"] != server.requests[1]["id"]
+
+
+def test_try_acquire_without_owner_is_not_retried(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(drop_first_connection)
+    with make_client(server.path) as client, pytest.raises(DaemonUnavailableError) as info:
+        client.try_acquire("k", ttl=1)
+    assert "not retried" in str(info.value) and server.path in str(info.value)
+    assert server.ops() == ["tryAcquire"]
+    assert server.connections == 1
+
+
+def test_try_acquire_with_owner_is_retried(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(drop_first_connection)
+    with make_client(server.path) as client:
+        handle = client.try_acquire("k", ttl=1, owner="run-9")
+    assert handle is not None and handle.owner == "run-9"
+    assert server.ops() == ["tryAcquire", "tryAcquire"]
+
+
+def test_retried_acquire_waits_only_for_the_rest(serve: Callable[[Script], FakeServer]) -> None:
+    def script(peer: Peer, index: int) -> None:
+        if index == 0:
+            peer.recv()
+            time.sleep(0.1)
+            peer.close()
+            return
+        responder(answer)(peer, index)
+
+    server = serve(script)
+    with make_client(server.path) as client:
+        client.acquire("k", ttl=1, timeout=2, owner="o")
+    first, second = server.requests
+    assert first["timeoutMs"] == 2000 and 1000 < second["timeoutMs"] < 1950
+
+
+def test_idle_connection_closed_by_daemon_is_replaced(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    closed = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        if index == 0:
+            request = peer.recv()
+            assert request is not None
+            peer.reply(request, answer(request))
+            peer.close()
+            closed.set()
+            return
+        responder(answer)(peer, index)
+
+    server = serve(script)
+    with make_client(server.path) as client:
+        client.hello()
+        assert closed.wait(2)
+        # Nothing was sent on the dead connection, so even this op goes through.
+        assert client.try_acquire("k", ttl=1) is not None
+    assert server.connections == 2 and server.ops() == ["hello", "tryAcquire"]
+
+
+def test_gives_up_when_daemon_stays_away(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    with make_client(server.path, retry_window=0.3) as client:
+        client.hello()
+        server.stop()  # the daemon is gone for good
+        os.unlink(server.path)
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="cannot connect"):
+            client.status("k")
+        assert 0.1 < time.monotonic() - started < 1.5
+
+
+def test_unavailable_message_names_path_and_how_to_start(sock_path: str) -> None:
+    client = LockClient(sock_path)
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailableError) as info:
+        client.status("k")
+    assert time.monotonic() - started < 0.5  # a first connect failure is not retried
+    message = str(info.value)
+    assert sock_path in message and "lockd serve" in message
+    assert "systemctl --user start lockd.socket" in message
+    assert info.value.socket_path == sock_path and info.value.code == "DAEMON_UNAVAILABLE"
+
+
+# -- socket path ---------------------------------------------------------------------------
+
+
+def test_socket_path_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/4242")
+    monkeypatch.setenv("LOCKD_SOCKET", "/tmp/from-env.sock")
+    assert LockClient().socket_path == "/tmp/from-env.sock"
+    assert LockClient("/tmp/arg.sock").socket_path == "/tmp/arg.sock"
+    monkeypatch.setenv("LOCKD_SOCKET", "")
+    assert LockClient().socket_path == "/run/user/4242/lockd/lockd.sock"
+    monkeypatch.delenv("LOCKD_SOCKET")
+    assert LockClient().socket_path == default_socket_path()
+
+
+def test_default_socket_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    euid = os.geteuid()
+    xdg = tempfile.mkdtemp(dir=str(tmp_path))  # mode 0700, ours: platformdirs accepts it
+    monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+    assert default_socket_path() == f"{xdg}/lockd/lockd.sock"
+    import platformdirs  # only the test uses it, to check we agree
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = os.path.join(platformdirs.user_runtime_dir("lockd"), "lockd.sock")
+    assert default_socket_path() == expected
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    run_user = tmp_path / "run-user"
+    (run_user / str(euid)).mkdir(parents=True)
+    monkeypatch.setattr(_paths, "_RUN_USER", str(run_user))
+    assert default_socket_path() == f"{run_user}/{euid}/lockd/lockd.sock"
+
+    monkeypatch.setattr(_paths, "_RUN_USER", str(tmp_path / "missing"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    assert default_socket_path() == f"{tmp_path}/tmp/runtime-{euid}/lockd/lockd.sock"
+
+
+# -- lock() and auto-renew ------------------------------------------------------------------
+
+
+def test_lock_releases_on_normal_exit(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    with make_client(server.path) as client:
+        with client.lock("k", ttl=10, timeout=1, owner="o") as handle:
+            assert handle.key == "k" and handle.owner == "o"
+        assert server.ops() == ["acquire", "release"]
+
+
+def test_lock_releases_on_exception(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    with make_client(server.path) as client:
+        with pytest.raises(KeyError), client.lock("k", ttl=10, timeout=1):
+            raise KeyError("boom")
+        assert server.ops() == ["acquire", "release"]
+
+
+def test_failed_release_does_not_mask_the_exception(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "release":
+            return err("INTERNAL", 500)
+        return answer(request)
+
+    server = serve(responder(handler))
+    with make_client(server.path) as client:
+        with pytest.raises(ZeroDivisionError), client.lock("k", ttl=10, timeout=1):
+            1 / 0  # noqa: B018
+        assert server.ops() == ["acquire", "release"]
+
+
+def test_lock_timeout_propagates_without_release(serve: Callable[[Script], FakeServer]) -> None:
+    details = {"key": "k", "timeoutMs": 0}
+    server = serve(responder(lambda request: err("LOCK_TIMEOUT", 408, details)))
+    with make_client(server.path) as client:
+        with pytest.raises(LockTimeoutError), client.lock("k", ttl=10, timeout=0):
+            pytest.fail("must not run")
+        assert server.ops() == ["acquire"]
+
+
+def test_auto_renew_renews_and_stops(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    lost: list[Handle] = []
+    with make_client(server.path) as client:
+        with client.lock("k", ttl=0.06, timeout=1, auto_renew=True, on_lost=lost.append) as h:
+            deadline = time.monotonic() + 2
+            while server.ops().count("renew") < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        ops_at_exit = server.ops()
+        time.sleep(0.05)
+        assert server.ops() == ops_at_exit  # the renew thread has stopped
+    assert ops_at_exit.count("renew") >= 3 and ops_at_exit[-1] == "release"
+    assert not lost and not h.lost
+    renew = next(r for r in server.requests if r["op"] == "renew")
+    assert renew["ttlMs"] == 60 and renew["handle"] == HANDLE_ID
+    assert not [t for t in threading.enumerate() if t.name.startswith("lockd-renew")]
+
+
+def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], FakeServer]) -> None:
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "renew":
+            return ok({"renewed": False, "reason": "lease_lost"})
+        if request["op"] == "release":
+            return ok({"released": False, "reason": "not_holder"})
+        return answer(request)
+
+    server = serve(responder(handler))
+    called = threading.Event()
+    lost: list[Handle] = []
+
+    def on_lost(handle: Handle) -> None:
+        lost.append(handle)
+        called.set()
+
+    with make_client(server.path) as client:
+        with client.lock("k", ttl=0.03, timeout=1, auto_renew=True, on_lost=on_lost) as handle:
+            assert called.wait(2)
+            time.sleep(0.05)  # it must not renew again or report twice
+        assert lost == [handle] and handle.lost
+        assert server.ops() == ["acquire", "renew", "release"]
+
+
+def test_auto_renew_declares_loss_before_lease_runs_out(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "renew":
+            return err("INTERNAL", 500)
+        return answer(request)
+
+    server = serve(responder(handler))
+    called = threading.Event()
+    with make_client(server.path) as client:
+        started = time.monotonic()
+        with client.lock(
+            "k", ttl=0.09, timeout=1, auto_renew=True, on_lost=lambda h: called.set()
+        ) as handle:
+            assert called.wait(2)
+            assert time.monotonic() - started < 0.09
+            assert handle.lost
+    assert server.ops().count("renew") >= 2
+
+
+# -- packaging -------------------------------------------------------------------------------
+
+
+def test_import_uses_standard_library_only() -> None:
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "import lockd_client\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "bad = sorted(m for m in new if m != 'lockd_client' and m not in sys.stdlib_module_names)\n"
+        "assert 'trio' not in sys.modules and 'click' not in sys.modules, bad\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_public_names_are_documented() -> None:
+    for name in lockd_client.__all__:
+        obj = getattr(lockd_client, name)
+        if callable(obj) and not isinstance(obj, type(Handle | None)):
+            assert obj.__doc__, name
+    for name in dir(LockClient):
+        if not name.startswith("_"):
+            assert getattr(LockClient, name).__doc__, name
