@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ SYSTEM_SOCKET = Path("/run/lockd/lockd.sock")
 SYSTEM_STATE_DIR = Path("/var/lib/lockd")
 SYSTEM_CONFIG_DIR = Path("/etc/lockd")
 SOCKET_ENV = "LOCKD_SOCKET"
+
+# platformdirs warns when XDG_RUNTIME_DIR is unset and falls back to
+# /tmp/runtime-<uid>; the client computes the same fallback, so it is noise.
+warnings.filterwarnings("ignore", module="platformdirs")
 
 
 class ConfigError(Exception):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket as stdsocket
-import warnings
 from dataclasses import dataclass
 
 import trio
@@ -135,7 +134,6 @@ async def _main(daemon: Daemon) -> None:
 
 def run(paths: Paths) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit status."""
-    warnings.filterwarnings("ignore", module="platformdirs")
     daemon = build(paths)
     try:
         trio.run(_main, daemon)

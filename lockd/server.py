@@ -122,12 +122,13 @@ class LockServer:
             if interval:
                 nursery.start_soon(self._watchdog, interval)
             async with trio.open_nursery() as conns:
-                conns.start_soon(self._accept_loop, listen_sock, conns)
+                accepting = trio.CancelScope()
+                conns.start_soon(self._accept_loop, listen_sock, conns, accepting)
                 systemd.ready(self._status_line())
                 task_status.started()
                 await self._shutdown_event.wait()
                 systemd.stopping()
-                listen_sock.close()
+                accepting.cancel()
                 await self._drain_waiters()
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
@@ -223,6 +224,12 @@ class LockServer:
     # ---------------------------------------------------------- connections
 
     async def _accept_loop(
+        self, listen_sock: trio.socket.SocketType, nursery: trio.Nursery, scope: trio.CancelScope
+    ) -> None:
+        with scope:
+            await self._accept_forever(listen_sock, nursery)
+
+    async def _accept_forever(
         self, listen_sock: trio.socket.SocketType, nursery: trio.Nursery
     ) -> None:
         while True:

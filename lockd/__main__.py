@@ -1,0 +1,5 @@
+"""``python -m lockd`` runs the CLI."""
+
+from .cli import main
+
+main()
