@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket as stdsocket
 from dataclasses import dataclass
 
@@ -23,7 +24,14 @@ from .logfmt import kv, setup_logging
 from .policy import PolicyManager, RuleSetError
 from .ratelimit import RateLimiter
 from .rulewatch import watch_rule_sets
-from .server import Limits, LockServer, SocketInUseError, acquire_path_lock, bind_socket
+from .server import (
+    HANDLED_SIGNALS,
+    Limits,
+    LockServer,
+    SocketInUseError,
+    acquire_path_lock,
+    bind_socket,
+)
 from .service import LockService
 from .store import Store, StoreError, read_boot_id
 
@@ -63,6 +71,10 @@ class Daemon:
 def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
     """Load config, rules and database, and take the socket. Raises StartupError."""
     clock = clock or SystemClock()
+    # Hold stop/reload signals until the server's receiver runs: the socket
+    # answers before then, and a SIGTERM in that window must still mean a
+    # clean stop with exit status 0, not death by signal.
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
     try:
         settings = load_settings(paths.config_dir)
     except ConfigError as exc:
@@ -125,10 +137,9 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
 
 
 async def _main(daemon: Daemon) -> None:
-    listen = trio.socket.from_stdlib_socket(daemon.listen_sock)
     async with trio.open_nursery() as nursery:
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
-        await daemon.server.serve(listen)
+        await daemon.server.serve(daemon.listen_sock)
         nursery.cancel_scope.cancel()
 
 

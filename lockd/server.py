@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from . import systemd
+from . import sockio, systemd
 from .engine import Busy, Lease, Parked, TimedOut, Waiter
 from .identity import Caller, IdentityConfig, peer_credentials, resolve_caller
 from .logfmt import kv
@@ -56,7 +56,7 @@ from .service import LockService
 
 log = logging.getLogger("lockd.server")
 
-RECV_BYTES = 65536
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class SocketInUseError(Exception):
@@ -66,7 +66,7 @@ class SocketInUseError(Exception):
 @dataclass(eq=False)
 class Connection:
     id: int
-    stream: trio.SocketStream
+    sock: stdsocket.socket
     caller: Caller
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     closed: bool = False
@@ -110,14 +110,14 @@ class LockServer:
 
     async def serve(
         self,
-        listen_sock: trio.socket.SocketType,
+        listen_sock: stdsocket.socket,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until :meth:`shutdown` (or SIGTERM/SIGINT); then close cleanly."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._timer)
-            nursery.start_soon(self._signals)
+            await nursery.start(self._signals)
             interval = systemd.watchdog_interval()
             if interval:
                 nursery.start_soon(self._watchdog, interval)
@@ -150,8 +150,14 @@ class LockServer:
             while self._events:
                 await trio.sleep(0.01)
 
-    async def _signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    async def _signals(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
+            # daemon.build() blocked these signals before the socket could
+            # answer; one that came early is delivered to us now.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
+            task_status.started()
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     self._reload()
@@ -224,17 +230,16 @@ class LockServer:
     # ---------------------------------------------------------- connections
 
     async def _accept_loop(
-        self, listen_sock: trio.socket.SocketType, nursery: trio.Nursery, scope: trio.CancelScope
+        self, listen_sock: stdsocket.socket, nursery: trio.Nursery, scope: trio.CancelScope
     ) -> None:
         with scope:
             await self._accept_forever(listen_sock, nursery)
 
-    async def _accept_forever(
-        self, listen_sock: trio.socket.SocketType, nursery: trio.Nursery
-    ) -> None:
+    async def _accept_forever(self, listen_sock: stdsocket.socket, nursery: trio.Nursery) -> None:
+        listen_sock.setblocking(False)
         while True:
             try:
-                sock, _ = await listen_sock.accept()
+                sock = await sockio.accept(listen_sock)
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning(kv(event="accept_failed", error=exc.strerror))
@@ -250,19 +255,21 @@ class LockServer:
                 continue
             nursery.start_soon(self._serve_connection, sock)
 
-    async def _serve_connection(self, sock: trio.socket.SocketType) -> None:
-        stream = trio.SocketStream(sock)
+    async def _serve_connection(self, sock: stdsocket.socket) -> None:
         try:
-            caller = self._resolve(sock)  # type: ignore[arg-type]
+            caller = self._resolve(sock)
         except OSError as exc:
             log.warning(kv(event="peer_unknown", error=exc))
-            await stream.aclose()
+            sock.close()
             return
         self._conn_ids += 1
-        conn = Connection(self._conn_ids, stream, caller)
+        conn = Connection(self._conn_ids, sock, caller)
         self.connections[conn.id] = conn
         self.service.stats.count("connectionsAccepted")
-        log.debug(kv(event="connected", conn=conn.id, principal=caller.principal, pid=caller.pid))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                kv(event="connected", conn=conn.id, principal=caller.principal, pid=caller.pid)
+            )
         try:
             async with trio.open_nursery() as nursery:
                 await self._read_loop(conn, nursery)
@@ -272,23 +279,26 @@ class LockServer:
             del self.connections[conn.id]
             self.service.connection_closed(conn.id)
             self._reschedule()
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-            log.debug(kv(event="disconnected", conn=conn.id))
+            sockio.close(sock)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(kv(event="disconnected", conn=conn.id))
 
     async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
         splitter = LineSplitter(self.limits.max_line_bytes)
         pending = trio.Semaphore(self.limits.max_pending_per_connection)
         while True:
             try:
-                data = await conn.stream.receive_some(RECV_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = await sockio.recv_some(conn.sock)
+            except (trio.ClosedResourceError, OSError):
                 return
             if not data:
                 return
             for line in splitter.feed(data):
                 # Backpressure: with too many requests in flight, stop reading.
-                await pending.acquire()
+                try:
+                    pending.acquire_nowait()  # no scheduler pass on the common path
+                except trio.WouldBlock:
+                    await pending.acquire()
                 await self._handle_line(conn, line, nursery, pending)
             if splitter.too_long:
                 self.service.stats.count("invalidRequests")
@@ -309,9 +319,8 @@ class LockServer:
         if conn.closed:
             return False
         try:
-            async with conn.send_lock:
-                await conn.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await sockio.send_all(conn.sock, conn.send_lock, data)
+        except (trio.ClosedResourceError, OSError):
             conn.closed = True
             return False
         return True

@@ -196,7 +196,10 @@ class LockService:
         )
         self.commit()
         if isinstance(result, Lease):
-            log.debug(kv(event="granted", key=key, principal=caller.principal, fence=result.fence))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    kv(event="granted", key=key, principal=caller.principal, fence=result.fence)
+                )
         elif isinstance(result, TimedOut):
             self.stats.count("timeouts")
         return result
@@ -216,7 +219,8 @@ class LockService:
         if not released:
             return {"released": False, "reason": "not_holder"}
         self.stats.count("releases")
-        log.debug(kv(event="released", key=key, principal=caller.principal))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(kv(event="released", key=key, principal=caller.principal))
         return {"released": True}
 
     def release_undelivered(self, lease: Lease) -> None:

@@ -1,14 +1,15 @@
 """SQLite persistence for the engine's effects.
 
 One table of current leases (at most one row per key) and a ``meta`` table
-holding the fence high-water mark. :meth:`Store.apply` writes one
-:class:`~lockd.engine.Changes` batch in one transaction; the server calls it
+holding the fence high-water mark, kept by a trigger on every lease insert.
+:meth:`Store.apply` writes one :class:`~lockd.engine.Changes` batch in one
+transaction; the server calls it
 before sending the replies that depend on it, so an acknowledged grant,
 renew, release or break survives a crash of the daemon.
 
 WAL with ``synchronous=NORMAL``: a commit is an append to the WAL without an
-fsync (measured ~20 us here), so it runs on the event loop thread; handing it
-to a worker thread would cost more than the write. Power loss may lose the
+fsync (measured ~10-20 us here, see bench/), so it runs on the event loop
+thread; handing it to a worker thread would cost more than the write. Power loss may lose the
 last commits, but it also ends every process that held those leases.
 
 Each lease row carries the boot id; rows from an earlier boot are dropped
@@ -48,6 +49,16 @@ def _migrate_0_to_1(db: sqlite3.Connection) -> None:
         """
     )
     db.execute("INSERT INTO meta (name, value) VALUES ('fence', 0)")
+    # The fence high-water mark follows every inserted lease inside the same
+    # statement, so a grant is one statement (one implicit transaction) and
+    # the mark can never fall behind a lease that was written.
+    db.execute(
+        """
+        CREATE TRIGGER leases_fence AFTER INSERT ON leases BEGIN
+            UPDATE meta SET value = max(value, NEW.fence) WHERE name = 'fence';
+        END
+        """
+    )
 
 
 #: MIGRATIONS[n] takes a database at user_version n to n + 1.
@@ -76,6 +87,12 @@ class Store:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             if str(path) != ":memory:":
                 os.chmod(self.path, 0o600)
+            # Exclusive locking: the daemon is the database's only user, so
+            # WAL needs no shared-memory index and a commit skips its fcntl
+            # locks (measured ~23 -> ~9 us per commit with 1 KiB pages). It
+            # also stops a second daemon from opening the same database.
+            self._db.execute("PRAGMA page_size=1024")  # only takes effect on a new file
+            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.execute("PRAGMA foreign_keys=ON")
@@ -126,40 +143,49 @@ class Store:
         return leases, fence
 
     def apply(self, changes: Changes) -> None:
-        """Persist one batch of engine effects in a single transaction."""
-        if not changes.rows and changes.fence is None:
+        """Persist one batch of engine effects atomically.
+
+        The common batch is one row (a grant, a renew, a release): that is a
+        single statement in autocommit mode, its own transaction, which
+        costs a third of BEGIN + statement + COMMIT. The fence follows by
+        trigger, so ``changes.fence`` needs no statement of its own.
+        """
+        rows = changes.rows
+        if not rows:
             return
         db = self._db
+        if len(rows) == 1:
+            self._write_row(*next(iter(rows.items())))
+            return
         db.execute("BEGIN")
         try:
-            for key, lease in changes.rows.items():
-                if lease is None:
-                    db.execute("DELETE FROM leases WHERE key = ?", (key,))
-                else:
-                    db.execute(
-                        "INSERT OR REPLACE INTO leases "
-                        "(key, handle, fence, owner, principal, ttl_ms, expires_at, boot_id) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            key,
-                            lease.handle,
-                            lease.fence,
-                            lease.owner,
-                            lease.principal,
-                            lease.ttl_ms,
-                            lease.expires_at,
-                            self.boot_id,
-                        ),
-                    )
-            if changes.fence is not None:
-                db.execute(
-                    "UPDATE meta SET value = max(value, ?) WHERE name = 'fence'", (changes.fence,)
-                )
+            for key, lease in rows.items():
+                self._write_row(key, lease)
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+
+    def _write_row(self, key: str, lease: Lease | None) -> None:
+        if lease is None:
+            self._db.execute("DELETE FROM leases WHERE key = ?", (key,))
+            return
+        self._db.execute(
+            "INSERT OR REPLACE INTO leases "
+            "(key, handle, fence, owner, principal, ttl_ms, expires_at, boot_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key,
+                lease.handle,
+                lease.fence,
+                lease.owner,
+                lease.principal,
+                lease.ttl_ms,
+                lease.expires_at,
+                self.boot_id,
+            ),
+        )
 
     def close(self) -> None:
         self._db.close()
