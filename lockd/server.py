@@ -57,6 +57,8 @@ from .service import LockService
 log = logging.getLogger("lockd.server")
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: seconds between STATUS= updates to systemd when the load changed.
+STATUS_INTERVAL = 5.0
 
 
 class SocketInUseError(Exception):
@@ -118,9 +120,9 @@ class LockServer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._timer)
             await nursery.start(self._signals)
-            interval = systemd.watchdog_interval()
-            if interval:
-                nursery.start_soon(self._watchdog, interval)
+            watchdog = systemd.watchdog_interval()
+            if watchdog or os.environ.get("NOTIFY_SOCKET"):
+                nursery.start_soon(self._report_to_systemd, watchdog)
             async with trio.open_nursery() as conns:
                 accepting = trio.CancelScope()
                 conns.start_soon(self._accept_loop, listen_sock, conns, accepting)
@@ -173,12 +175,22 @@ class LockServer:
         finally:
             systemd.ready(self._status_line())
 
-    async def _watchdog(self, interval: float) -> None:
-        # Pinged from the event loop itself: a blocked loop stops the pings
-        # and systemd restarts the daemon.
+    async def _report_to_systemd(self, watchdog: float | None) -> None:
+        """WATCHDOG=1 pings (when enabled) and a fresh STATUS= line.
+
+        Pinged from the event loop itself: a blocked loop stops the pings and
+        systemd restarts the daemon. Without a watchdog, STATUS= still follows
+        the load every few seconds for ``systemctl status``.
+        """
+        interval = min(watchdog, STATUS_INTERVAL) if watchdog else STATUS_INTERVAL
+        last_status = ""
         while True:
-            systemd.watchdog_ping()
-            systemd.status(self._status_line())
+            if watchdog:
+                systemd.watchdog_ping()
+            line = self._status_line()
+            if line != last_status:
+                systemd.status(line)
+                last_status = line
             await trio.sleep(interval)
 
     def _status_line(self) -> str:
