@@ -1,33 +1,55 @@
 """The ``lockd`` command line. Commands are thin: they talk to the daemon
 only through :mod:`lockd_client` (``serve`` is the exception: it *is* the
-daemon).
+daemon; ``rules check`` and ``rules test`` are local too).
+
+Layout: this module holds the root group, ``serve``, ``whoami`` and ``stats``;
+``lockd locks ...`` lives in :mod:`lockd.cli_locks`, ``lockd rules ...`` in
+:mod:`lockd.cli_rules`, shared pieces (exit codes, durations, errors, output)
+in :mod:`lockd.cli_common`, and ``lockd run`` in :mod:`lockd.cli_run` (added
+when that module exists).
 
 Exit codes (also in ``lockd --help``): 0 done; 1 key busy or wait timed out;
 2 usage; 3 access denied; 4 rate limited; 5 daemon unreachable; 6 lease lost
-or not the holder.
+or not the holder. See :func:`lockd.cli_common.exit_code_for` for the daemon
+errors SPEC §9 leaves open (``SHUTTING_DOWN``, ``INTERNAL``: 5).
+
+Shell completion is click's: ``eval "$(_LOCKD_COMPLETE=bash_source lockd)"``
+(``zsh_source``, ``fish_source``).
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from decimal import Decimal
+from typing import Any
 
 import click
 
+from .cli_common import (
+    EXIT_CODES_HELP,
+    LockdGroup,
+    client_command,
+    format_ms,
+    json_option,
+    open_client,
+    print_json,
+    render_fields,
+    render_table,
+    socket_option,
+)
+from .cli_locks import locks
+from .cli_rules import rules
 from .config import resolve_paths
 
-EXIT_CODES_HELP = """\b
-Exit codes:
-  0  done
-  1  key busy, or the wait timed out
-  2  usage error
-  3  access denied
-  4  rate limited
-  5  daemon unreachable
-  6  lease lost, or not the holder
-"""
+__all__ = ["EXIT_CODES_HELP", "main"]
 
 
-@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LockdGroup,
+    epilog=EXIT_CODES_HELP,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(package_name="lockd")
 def main() -> None:
     """lockd: leases on named keys for the processes of one host."""
@@ -54,3 +76,240 @@ def serve(system: bool, socket_path: str | None, db: str | None, config_dir: str
         click.echo(f"lockd: cannot start: {exc}", err=True)
         sys.exit(1)
     sys.exit(code)
+
+
+main.add_command(locks)
+main.add_command(rules)
+
+
+# --------------------------------------------------------------------------- whoami
+
+
+@main.command()
+@socket_option
+@json_option
+@client_command
+def whoami(socket_path: str | None, as_json: bool) -> None:
+    """Who the daemon thinks you are: principal, role, uid, pid."""
+    with open_client(socket_path) as client:
+        hello = client.hello()
+        where = client.socket_path
+    if as_json:
+        print_json(hello)
+        return
+    daemon = f"lockd {hello.get('version')}, protocol {hello.get('protocol')}, at {where}"
+    click.echo(
+        render_fields(
+            [
+                ("Principal", hello.get("principal")),
+                ("Role", hello.get("role")),
+                ("Uid", hello.get("uid")),
+                ("Pid", hello.get("pid")),
+                ("Daemon", daemon),
+            ]
+        )
+    )
+
+
+# --------------------------------------------------------------------------- stats
+
+STATS_FORMATS = ("text", "json", "openmetrics", "prometheus")
+
+
+@main.command()
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(STATS_FORMATS),
+    default=None,
+    help="text (default); json (the daemon's result); openmetrics (OpenMetrics 1.0, "
+    "ends with # EOF); prometheus (classic text format, typed for node_exporter's "
+    "textfile collector).",
+)
+@socket_option
+@json_option
+@client_command
+def stats(fmt: str | None, socket_path: str | None, as_json: bool) -> None:
+    """Counters, gauges and latency percentiles (owners, admins, services).
+
+    \b
+    For node_exporter's textfile collector (write, then rename):
+      lockd stats --format prometheus > /var/lib/node_exporter/lockd.prom.$$ &&
+        mv /var/lib/node_exporter/lockd.prom.$$ /var/lib/node_exporter/lockd.prom
+    """
+    if as_json:
+        if fmt not in (None, "json"):
+            raise click.UsageError(f"--json conflicts with --format {fmt}")
+        fmt = "json"
+    with open_client(socket_path) as client:
+        snapshot = client.stats()
+    if fmt == "json":
+        print_json(snapshot)
+    elif fmt in ("openmetrics", "prometheus"):
+        click.echo(render_metrics(snapshot, openmetrics=fmt == "openmetrics"), nl=False)
+    else:
+        click.echo(render_stats_text(snapshot))
+
+
+_COUNTER_HELP = {
+    "grants": "Leases granted.",
+    "retakes": "Holds re-taken by the same principal and owner.",
+    "releases": "Leases released.",
+    "renewals": "Leases renewed.",
+    "expiries": "Leases that ran out.",
+    "timeouts": "Blocking acquires that timed out.",
+    "denials": "Requests denied by rules or roles.",
+    "rateLimited": "Acquire attempts refused by the rate limit.",
+    "breaks": "Locks broken by an owner or admin.",
+    "invalidRequests": "Requests refused as invalid.",
+    "internalErrors": "Requests that failed with an internal error.",
+    "connectionsAccepted": "Client connections accepted.",
+    "connectionsRefused": "Client connections refused (over max_connections).",
+}
+_GAUGE_HELP = {
+    "uptimeMs": "Time since the daemon started.",
+    "connections": "Open client connections.",
+    "held": "Keys held now.",
+    "waiters": "Acquires parked in wait queues now.",
+    "fence": "The last fence issued (never goes backwards).",
+}
+_QUANTILES = (("p50Ms", "0.5"), ("p90Ms", "0.9"), ("p99Ms", "0.99"), ("maxMs", "1"))
+LATENCY_METRIC = "lockd_request_duration_seconds"
+
+
+def _snake(name: str) -> str:
+    """``connectionsAccepted`` -> ``connections_accepted`` (metric-name safe)."""
+    text = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+    return re.sub(r"[^a-z0-9_]", "_", text)
+
+
+def _words(name: str) -> str:
+    return _snake(name).replace("_", " ")
+
+
+def _number(value: float | int) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+def _seconds(ms: float | int) -> str:
+    """Milliseconds as seconds in plain decimal: 5.491 -> ``0.005491`` (no float noise)."""
+    value = (Decimal(repr(ms)) / 1000).normalize()
+    return format(value, "f")
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def render_metrics(snapshot: dict[str, Any], *, openmetrics: bool) -> str:
+    """The stats as OpenMetrics 1.0 text, or the classic Prometheus text format.
+
+    Both: gauges ``lockd_<name>`` (``...Ms`` gauges become ``..._seconds``),
+    counters ``lockd_<name>_total``, latency as one summary
+    ``lockd_request_duration_seconds{op=...}`` with quantiles 0.5, 0.9, 0.99
+    and 1 (the max) over the daemon's recent window, plus ``_count`` (the
+    daemon keeps no ``_sum``). OpenMetrics names a counter family without
+    ``_total``, adds ``# UNIT`` and ends with ``# EOF``. node_exporter's
+    textfile collector parses the classic format: it reads OpenMetrics too,
+    but then sees the counters as untyped, which ``prometheus`` avoids.
+    """
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, unit: str | None = None) -> None:
+        lines.append(f"# TYPE {name} {kind}")
+        if unit and openmetrics:
+            lines.append(f"# UNIT {name} {unit}")
+        lines.append(f"# HELP {name} {help_text}")
+
+    for key, value in snapshot.items():
+        if key in ("counters", "latency") or not _is_number(value):
+            continue
+        help_text = _GAUGE_HELP.get(key, f"lockd gauge {key}.")
+        if key.endswith("Ms"):
+            name = f"lockd_{_snake(key[:-2])}_seconds"
+            family(name, "gauge", help_text, "seconds")
+            lines.append(f"{name} {_seconds(value)}")
+        else:
+            name = f"lockd_{_snake(key)}"
+            family(name, "gauge", help_text)
+            lines.append(f"{name} {_number(value)}")
+
+    counters = snapshot.get("counters")
+    for key, value in (counters if isinstance(counters, dict) else {}).items():
+        if not _is_number(value):
+            continue
+        base = f"lockd_{_snake(key)}"
+        family(base if openmetrics else f"{base}_total", "counter", _COUNTER_HELP.get(key, key))
+        lines.append(f"{base}_total {_number(value)}")
+
+    latency = snapshot.get("latency")
+    if isinstance(latency, dict) and latency:
+        family(
+            LATENCY_METRIC,
+            "summary",
+            "Request latency per op over the recent window (a blocking acquire includes its "
+            "wait); quantile 1 is the window's maximum.",
+            "seconds",
+        )
+        for op, summary in latency.items():
+            if not isinstance(summary, dict):
+                continue
+            label = f'op="{_label(str(op))}"'
+            for field, quantile in _QUANTILES:
+                if _is_number(summary.get(field)):
+                    seconds = _seconds(summary[field])
+                    lines.append(f'{LATENCY_METRIC}{{{label},quantile="{quantile}"}} {seconds}')
+            if _is_number(summary.get("count")):
+                lines.append(f"{LATENCY_METRIC}_count{{{label}}} {_number(summary['count'])}")
+    if openmetrics:
+        lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+def render_stats_text(snapshot: dict[str, Any]) -> str:
+    """Human form: gauges, counters, then a latency table."""
+    gauges: list[tuple[str, object]] = []
+    for key, value in snapshot.items():
+        if key in ("counters", "latency"):
+            continue
+        label = _words(key[:-2] if key.endswith("Ms") else key).capitalize()
+        shown = format_ms(value) if key.endswith("Ms") and _is_number(value) else value
+        gauges.append((label, shown))
+    parts = [render_fields(gauges)]
+    counters = snapshot.get("counters")
+    if isinstance(counters, dict) and counters:
+        rows = [(_words(k), v) for k, v in counters.items()]
+        parts.append(render_table(("COUNTER", "VALUE"), rows))
+    latency = snapshot.get("latency")
+    if isinstance(latency, dict) and latency:
+        rows = []
+        for op, s in latency.items():
+            s = s if isinstance(s, dict) else {}
+            rows.append(
+                (op, s.get("count"), *(s.get(f) for f in ("p50Ms", "p90Ms", "p99Ms", "maxMs")))
+            )
+        headers = ("OP", "COUNT", "P50 MS", "P90 MS", "P99 MS", "MAX MS")
+        parts.append(render_table(headers, rows))
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------- run
+# ``lockd run`` is written separately in lockd/cli_run.py as a click command
+# named ``run``. Until that module (or its ``run``) exists the CLI works
+# without it; an ImportError from *inside* cli_run (say, a missing dependency)
+# is a real bug and is not hidden.
+try:
+    from .cli_run import run as _run_command
+except ImportError as _exc:
+    if _exc.name != f"{__package__}.cli_run":
+        raise
+else:
+    main.add_command(_run_command)

@@ -1,0 +1,406 @@
+"""What every ``lockd`` command shares: exit codes, durations, errors, output.
+
+Why this module exists: the CLI is a contract for shell scripts (SPEC §9), so
+the pieces a script relies on must behave the same in every command:
+
+- **Exit codes** (:data:`EXIT_CODES_HELP`, shown by ``lockd --help``) and one
+  mapping from :mod:`lockd_client` errors to them (:func:`exit_code_for`).
+- **Errors are one line on stderr**, never a traceback: :func:`client_command`
+  turns client errors into :class:`CliFailure`, and :class:`LockdGroup` prints
+  click's usage errors on one line too (exit 2).
+- **Durations** (``500ms``, ``60s``, ``5m``, ``1h``, bare number = ms) parse
+  through one click type, :class:`Duration`, so a bad value is a usage error
+  with a one-line reason in every command.
+- **Output**: ``--json`` prints ONE JSON document (the daemon's wire result);
+  human output is aligned tables and ``key: value`` blocks.
+
+Nothing here imports trio, celpy or the daemon: ``lockd`` starts fast, which
+shell completion (it runs the program on every <TAB>) depends on. The ``run``
+command (``lockd/cli_run.py``) is meant to use these helpers as well.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import unicodedata
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from decimal import ROUND_CEILING, Decimal
+from typing import IO, Any, NoReturn, ParamSpec, TypeVar
+
+import click
+from lockd_client import (
+    DaemonUnavailableError,
+    InternalError,
+    InvalidRequestError,
+    LockAccessDeniedError,
+    LockClient,
+    LockdError,
+    LockTimeoutError,
+    RateLimitedError,
+    ShuttingDownError,
+)
+
+# --------------------------------------------------------------------------- exit codes
+
+EXIT_OK = 0
+#: The key is busy (one attempt found it held) or ``--wait`` ran out.
+EXIT_BUSY = 1
+#: Bad command line (click's own code) or ``INVALID_REQUEST`` from the daemon.
+EXIT_USAGE = 2
+EXIT_DENIED = 3
+EXIT_RATE_LIMITED = 4
+#: Daemon unreachable, stopping (``SHUTTING_DOWN``) or failing (``INTERNAL``).
+EXIT_UNAVAILABLE = 5
+#: Lease lost or not the holder (renew/release with a stale handle).
+EXIT_LOST = 6
+#: A bug in the lockd CLI itself (sysexits' EX_SOFTWARE); never expected.
+EXIT_BUG = 70
+#: Interrupted by Ctrl-C (the shell's convention: 128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  done
+  1  key busy, or the wait timed out
+  2  usage error (also a request the daemon refused as invalid)
+  3  access denied
+  4  rate limited
+  5  daemon unreachable, shutting down, or failing (internal error)
+  6  lease lost, or not the holder
+"""
+
+#: Set to get a traceback instead of the one-line message for CLI bugs.
+DEBUG_ENV = "LOCKD_DEBUG"
+
+
+def exit_code_for(exc: LockdError) -> int:
+    """The exit code for a client error (SPEC §9, plus the decisions below).
+
+    ``SHUTTING_DOWN`` and ``INTERNAL`` exit 5 like an unreachable daemon: in
+    all three the daemon cannot serve the request now and a script should
+    retry later or alert, never treat the key as busy (1) or itself as
+    wrong (2). Client-side protocol errors (a garbled reply) are the same.
+    """
+    if isinstance(exc, LockTimeoutError):
+        return EXIT_BUSY
+    if isinstance(exc, InvalidRequestError):
+        return EXIT_USAGE
+    if isinstance(exc, LockAccessDeniedError):
+        return EXIT_DENIED
+    if isinstance(exc, RateLimitedError):
+        return EXIT_RATE_LIMITED
+    return EXIT_UNAVAILABLE
+
+
+def describe_error(exc: LockdError) -> str:
+    """One line for stderr (without the ``lockd: `` prefix)."""
+    message = " ".join(exc.message.split())  # the one-line promise holds for any message
+    if isinstance(exc, DaemonUnavailableError):
+        # The client's message names the socket and how to start the daemon.
+        return message.removeprefix("lockd ")
+    if isinstance(exc, LockAccessDeniedError):
+        return f"access denied: {message}"
+    if isinstance(exc, RateLimitedError):
+        limit = f" (limit {exc.limit} attempts per hour)" if exc.limit is not None else ""
+        return f"rate limited: {message}{limit}"
+    if isinstance(exc, InvalidRequestError):
+        field = f" (field {exc.field})" if exc.field else ""
+        return f"invalid request: {message}{field}"
+    if isinstance(exc, ShuttingDownError):
+        return f"the daemon is shutting down: {message}; retry once it is back"
+    if isinstance(exc, InternalError):
+        return f"the daemon failed (internal error, see its log): {message}"
+    if isinstance(exc, LockTimeoutError):
+        return f"timed out: {message}"
+    return f"{exc.code}: {message}"
+
+
+class CliFailure(click.ClickException):
+    """A command outcome that exits non-zero with one line on stderr."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"lockd: {self.format_message()}", err=True)
+
+
+def fail(message: str, exit_code: int) -> NoReturn:
+    """Stop the command: ``lockd: message`` on stderr, exit ``exit_code``."""
+    raise CliFailure(message, exit_code)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def client_command(func: Callable[P, R]) -> Callable[P, R]:
+    """Wrap a command callback so nothing but one stderr line escapes it.
+
+    Client errors map to their exit code; a ``ValueError`` (the client's own
+    argument checks: key length, control characters) is a usage error;
+    Ctrl-C exits 130; anything else is a bug in the CLI: one line, exit 70
+    (``LOCKD_DEBUG=1`` re-raises it for a traceback).
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return func(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except LockdError as exc:
+            raise CliFailure(describe_error(exc), exit_code_for(exc)) from None
+        except ValueError as exc:
+            raise CliFailure(f"invalid argument: {exc}", EXIT_USAGE) from None
+        except KeyboardInterrupt:
+            raise CliFailure("interrupted", EXIT_INTERRUPTED) from None
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            text = " ".join(str(exc).split()) or "no message"
+            raise CliFailure(
+                f"unexpected error (a bug in lockd; set {DEBUG_ENV}=1 for a traceback): "
+                f"{type(exc).__name__}: {text}",
+                EXIT_BUG,
+            ) from None
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------- usage errors
+
+
+class _OneLineUsageError(click.UsageError):
+    """A usage error on one line: ``lockd locks acquire: <reason> (see '... --help')``."""
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        where = self.ctx.command_path if self.ctx is not None else "lockd"
+        hint = ""
+        if self.ctx is not None and self.ctx.help_option_names:
+            hint = f" (see '{self.ctx.command_path} {self.ctx.help_option_names[-1]}')"
+        click.echo(f"{where}: {self.format_message().rstrip('.')}{hint}", err=True)
+
+
+def _one_line(exc: click.UsageError) -> click.UsageError:
+    if isinstance(exc, _OneLineUsageError | click.exceptions.NoArgsIsHelpError):
+        return exc  # the latter prints the help page on purpose
+    one = _OneLineUsageError(" ".join(exc.format_message().split()), exc.ctx)
+    one.exit_code = exc.exit_code
+    return one
+
+
+class LockdGroup(click.Group):
+    """The root group: click's usage errors, from any subcommand, on one line (exit 2).
+
+    Click prints usage, a hint and the error on four lines; SPEC §9 wants one
+    clear line on stderr. Subcommands are parsed inside the root's
+    :meth:`invoke`, so catching here covers every command.
+    """
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
+# --------------------------------------------------------------------------- durations
+
+_DURATION_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?P<unit>ms|s|m|h)?")
+_UNIT_MS = {"ms": Decimal(1), "s": Decimal(1000), "m": Decimal(60_000), "h": Decimal(3_600_000)}
+MAX_DURATION_MS = 86_400_000  # 24 h: the daemon's limit for ttlMs and timeoutMs
+DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1h; a bare number is milliseconds"
+
+
+def parse_duration_ms(text: str) -> int:
+    """``"1.5s"`` -> 1500. Whole milliseconds, rounded up; ValueError with the reason.
+
+    Decimal arithmetic keeps what was written: ``1.1s`` is 1100 ms, not 1101.
+    """
+    raw = text.strip()
+    m = _DURATION_RE.fullmatch(raw)
+    if m is None:
+        raise ValueError(f"{text!r} is not a duration (use {DURATION_FORMS})")
+    value = Decimal(m.group("num")) * _UNIT_MS[m.group("unit") or "ms"]
+    return int(value.to_integral_value(rounding=ROUND_CEILING))
+
+
+class Duration(click.ParamType):
+    """A click type for durations; the value is whole milliseconds (int).
+
+    ``min_ms``/``max_ms`` bound it (the daemon refuses a TTL of 0 or more
+    than 24 h; checking here gives a usage error that names the option).
+    """
+
+    name = "duration"
+
+    def __init__(self, *, min_ms: int = 0, max_ms: int = MAX_DURATION_MS) -> None:
+        self.min_ms = min_ms
+        self.max_ms = max_ms
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ms = value
+        else:
+            try:
+                ms = parse_duration_ms(str(value))
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        if ms < self.min_ms:
+            self.fail(f"{value!r} is too short: at least {_exact(self.min_ms)}", param, ctx)
+        if ms > self.max_ms:
+            self.fail(f"{value!r} is too long: at most {_exact(self.max_ms)}", param, ctx)
+        return ms
+
+
+def _exact(ms: int) -> str:
+    """A limit written as a duration that parses back to exactly ``ms``."""
+    if ms and ms % 3_600_000 == 0:
+        return f"{ms // 3_600_000}h"
+    if ms and ms % 1000 == 0:
+        return f"{ms // 1000}s"
+    return f"{ms}ms"
+
+
+#: A lease TTL: 1 ms to 24 h.
+TTL = Duration(min_ms=1)
+#: A wait: 0 (answer at once) to 24 h.
+WAIT = Duration(min_ms=0)
+
+
+# --------------------------------------------------------------------------- options
+
+
+def socket_option(func: Callable[P, R]) -> Callable[P, R]:
+    """``--socket PATH``: which daemon; passed as ``socket_path`` (None: client default)."""
+    return click.option(
+        "--socket",
+        "socket_path",
+        type=click.Path(dir_okay=False),
+        metavar="PATH",
+        help="Daemon socket. Default: $LOCKD_SOCKET, else the user socket "
+        "($XDG_RUNTIME_DIR/lockd/lockd.sock).",
+    )(func)
+
+
+def json_option(func: Callable[P, R]) -> Callable[P, R]:
+    """``--json``: print one JSON document; passed as ``as_json``."""
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print one JSON document (the daemon's result) for scripts.",
+    )(func)
+
+
+def open_client(socket_path: str | None) -> LockClient:
+    """A client for one command (close it, or use it as a context manager)."""
+    return LockClient(socket_path)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def print_json(value: Any) -> None:
+    """ONE JSON document on one line: stable for scripts (``jq``, ``while read``)."""
+    click.echo(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def format_ms(ms: int | float) -> str:
+    """A human duration: ``250ms``, ``42s``, ``3m 5s``, ``2h 10m``, ``1d 3h``."""
+    ms = round(ms)
+    if ms < 1000:
+        return f"{ms}ms"
+    seconds = ms // 1000  # floor: a countdown never overstates what is left
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, sec = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {sec}s" if sec else f"{minutes}m"
+    hours, minute = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minute}m" if minute else f"{hours}h"
+    days, hour = divmod(hours, 24)
+    return f"{days}d {hour}h" if hour else f"{days}d"
+
+
+def format_time(when: datetime | None) -> str:
+    """A wire time in the local zone: ``2026-11-30 05:10:39 UTC`` (``-`` for None)."""
+    if when is None:
+        return "-"
+    local = when.astimezone()
+    return local.strftime("%Y-%m-%d %H:%M:%S ") + (local.tzname() or local.strftime("%z"))
+
+
+def format_relative(ms: int | None) -> str:
+    """``in 42s`` / ``42s ago`` for milliseconds from now (``-`` for None)."""
+    if ms is None:
+        return "-"
+    return f"in {format_ms(ms)}" if ms >= 0 else f"{format_ms(-ms)} ago"
+
+
+def parse_time(value: object) -> datetime | None:
+    """A wire time (``2026-11-30T03:31:00.123Z``) as an aware datetime; None if absent or bad."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def ms_until(when: datetime | None) -> int | None:
+    """Milliseconds from now until ``when`` (negative when past)."""
+    if when is None:
+        return None
+    now = datetime.now(tz=when.tzinfo)
+    return int((when - now).total_seconds() * 1000)
+
+
+def display_width(text: str) -> int:
+    """Terminal columns of ``text`` (East Asian wide characters take two)."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * (width - display_width(text))
+
+
+def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """Columns aligned with two spaces between them; no trailing spaces."""
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(display_width(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [_pad(cell, widths[i]) for i, cell in enumerate(row)]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def render_fields(pairs: Iterable[tuple[str, object]]) -> str:
+    """``Label:  value`` lines, values aligned (``-`` for None)."""
+    items = [(f"{label}:", "-" if value is None else str(value)) for label, value in pairs]
+    width = max((len(label) for label, _ in items), default=0)
+    return "\n".join(f"{label.ljust(width)}  {value}".rstrip() for label, value in items)

@@ -1,0 +1,272 @@
+"""``lockd locks ...``: list, status, acquire, renew, release, break.
+
+Thin commands over :class:`lockd_client.LockClient` (never the daemon's
+internals). What a script can rely on (SPEC §9):
+
+- ``acquire`` makes ONE non-blocking attempt unless ``--wait`` is given and
+  prints the handle id alone on stdout, so ``H=$(lockd locks acquire k --ttl
+  60s)`` works. It never asks for ``releaseOnClose``: the lease must outlive
+  the ``lockd`` process that took it. Busy or timed out: exit 1.
+- ``renew`` / ``release`` with a handle that no longer holds the key: exit 6.
+- ``break`` of a free key: exit 0, saying it was free.
+- ``--json`` prints the daemon's result as ONE JSON document, also for the
+  "no" results that are not errors (``null`` for a busy key, ``renewed:
+  false``, ``released: false``, ``broken: false``); the exit code still
+  tells. For errors (denied, unreachable ...) stdout stays empty and stderr
+  has the one line.
+"""
+
+from __future__ import annotations
+
+import click
+from lockd_client import LockClient, LockStatus, LockTimeoutError
+
+from .cli_common import (
+    EXIT_BUSY,
+    EXIT_CODES_HELP,
+    EXIT_LOST,
+    TTL,
+    WAIT,
+    client_command,
+    fail,
+    format_ms,
+    format_relative,
+    format_time,
+    json_option,
+    ms_until,
+    open_client,
+    print_json,
+    render_fields,
+    render_table,
+    socket_option,
+)
+
+
+def complete_keys(
+    ctx: click.Context, param: click.Parameter, incomplete: str
+) -> list[click.shell_completion.CompletionItem]:
+    """Shell completion of KEY from the daemon's ``list`` (owners/admins; else nothing).
+
+    Short timeouts and no error output: a <TAB> must never hang or print.
+    """
+    from click.shell_completion import CompletionItem
+
+    try:
+        with LockClient(
+            ctx.params.get("socket_path"), connect_timeout=0.5, request_timeout=1.0
+        ) as client:
+            locks = client.list(prefix=incomplete or None, limit=200)
+    except Exception:
+        return []
+    return [CompletionItem(s.key) for s in locks]
+
+
+KEY = click.argument("key", shell_complete=complete_keys)
+
+
+@click.group(epilog=EXIT_CODES_HELP)
+def locks() -> None:
+    """Take, inspect and free locks."""
+
+
+def _holder_phrase(status: LockStatus) -> str:
+    """``held by user:alice (owner run-1) for 42s more``."""
+    owner = f" (owner {status.owner})" if status.owner else ""
+    left = f" for {format_ms(status.expires_in_ms)} more" if status.expires_in_ms else ""
+    return f"held by {status.held_by}{owner}{left}"
+
+
+def _busy_detail(client: LockClient, key: str) -> str:
+    """Who holds ``key`` right now, best effort (it may have changed already)."""
+    try:
+        status = client.status(key)
+    except Exception:
+        return ""
+    return f": {_holder_phrase(status)}" if status.held else ""
+
+
+@locks.command("list")
+@click.option("--prefix", metavar="P", help="Only keys that start with P.")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="At most N locks.")
+@socket_option
+@json_option
+@client_command
+def list_cmd(prefix: str | None, limit: int | None, socket_path: str | None, as_json: bool) -> None:
+    """Every held lock (owners, admins and services)."""
+    with open_client(socket_path) as client:
+        held = client.list(prefix=prefix, limit=limit)
+    if as_json:
+        print_json({"locks": [s.raw for s in held]})
+        return
+    if not held:
+        under = f" under {prefix!r}" if prefix else ""
+        click.echo(f"no locks held{under}")
+        return
+    rows = [
+        (
+            s.key,
+            s.held_by,
+            s.owner,
+            s.fence,
+            format_relative(s.expires_in_ms),
+            s.waiters,
+        )
+        for s in held
+    ]
+    click.echo(render_table(("KEY", "HELD BY", "OWNER", "FENCE", "EXPIRES IN", "WAITERS"), rows))
+
+
+@locks.command()
+@KEY
+@socket_option
+@json_option
+@client_command
+def status(key: str, socket_path: str | None, as_json: bool) -> None:
+    """Who holds KEY, without trying to take it (exit 0 held or free)."""
+    with open_client(socket_path) as client:
+        st = client.status(key)
+    if as_json:
+        print_json(st.raw)
+        return
+    expires = (
+        f"{format_relative(st.expires_in_ms)} ({format_time(st.lease_expires_at)})"
+        if st.held
+        else None
+    )
+    click.echo(
+        render_fields(
+            [
+                ("Key", st.key),
+                ("Held", "yes" if st.held else "no"),
+                ("Held by", st.held_by),
+                ("Owner", st.owner),
+                ("Fence", st.fence),
+                ("Expires", expires),
+                ("Waiters", st.waiters),
+            ]
+        )
+    )
+
+
+@locks.command(short_help="Take KEY; print the handle id alone.")
+@KEY
+@click.option("--ttl", type=TTL, required=True, help="Lease time-to-live (60s, 5m, 500ms ...).")
+@click.option("--owner", metavar="O", help="Name of the work (a run id); the same owner re-takes.")
+@click.option(
+    "--wait",
+    type=WAIT,
+    metavar="DURATION",
+    help="Wait up to this long in the daemon's queue (default: one attempt, no wait).",
+)
+@socket_option
+@json_option
+@client_command
+def acquire(
+    key: str,
+    ttl: int,
+    owner: str | None,
+    wait: int | None,
+    socket_path: str | None,
+    as_json: bool,
+) -> None:
+    """Take KEY; print the handle id alone (for `locks renew`/`release`).
+
+    \b
+        H=$(lockd locks acquire backup --ttl 10m) || exit
+        ...
+        lockd locks release backup --handle "$H"
+
+    The lease outlives this command: release it, or it ends after --ttl.
+    Busy (or --wait timed out): exit 1.
+    """
+    with open_client(socket_path) as client:
+        if wait is None:
+            handle = client.try_acquire(key, ttl=ttl / 1000, owner=owner)
+        else:
+            try:
+                handle = client.acquire(key, ttl=ttl / 1000, timeout=wait / 1000, owner=owner)
+            except LockTimeoutError:
+                detail = _busy_detail(client, key)
+                fail(f"timed out after {format_ms(wait)} waiting for {key!r}{detail}", EXIT_BUSY)
+        if handle is None:
+            if as_json:
+                print_json(None)
+            fail(f"key {key!r} is busy{_busy_detail(client, key)}", EXIT_BUSY)
+    if as_json:
+        print_json(handle.raw)
+    else:
+        click.echo(handle.handle)
+
+
+@locks.command()
+@KEY
+@click.option("--handle", "handle_id", required=True, metavar="H", help="The handle id.")
+@click.option("--ttl", type=TTL, required=True, help="New time-to-live, from now.")
+@socket_option
+@json_option
+@client_command
+def renew(key: str, handle_id: str, ttl: int, socket_path: str | None, as_json: bool) -> None:
+    """Extend the lease of handle H on KEY (lease lost: exit 6)."""
+    with open_client(socket_path) as client:
+        result = client.renew((key, handle_id), ttl=ttl / 1000)
+    if as_json:
+        print_json(result.raw)
+    if not result.renewed:
+        fail(
+            f"lease lost: the handle no longer holds {key!r} "
+            f"({result.reason or 'lease_lost'}: expired, broken, released or re-taken)",
+            EXIT_LOST,
+        )
+    if not as_json:
+        left = format_relative(ms_until(result.lease_expires_at))
+        click.echo(f"renewed {key!r}: expires {left} ({format_time(result.lease_expires_at)})")
+
+
+@locks.command()
+@KEY
+@click.option("--handle", "handle_id", required=True, metavar="H", help="The handle id.")
+@socket_option
+@json_option
+@client_command
+def release(key: str, handle_id: str, socket_path: str | None, as_json: bool) -> None:
+    """Free KEY if handle H still holds it (not the holder: exit 6)."""
+    with open_client(socket_path) as client:
+        result = client.release((key, handle_id))
+    if as_json:
+        print_json(result.raw)
+    if not result.released:
+        fail(
+            f"not the holder: the handle no longer holds {key!r} "
+            f"({result.reason or 'not_holder'}: expired, broken, released or re-taken)",
+            EXIT_LOST,
+        )
+    if not as_json:
+        click.echo(f"released {key!r}")
+
+
+@locks.command("break")
+@KEY
+@click.option("--reason", required=True, metavar="TEXT", help="Why (logged by the daemon).")
+@socket_option
+@json_option
+@client_command
+def break_cmd(key: str, reason: str, socket_path: str | None, as_json: bool) -> None:
+    """Free KEY whoever holds it (owners, admins); its handle is fenced.
+
+    A free key is not an error: exit 0, saying it was free.
+    """
+    with open_client(socket_path) as client:
+        result = client.break_lock(key, reason)
+    if as_json:
+        print_json(result.raw)
+        return
+    if not result.broken:
+        click.echo(f"{key!r} was free: nothing to break")
+        return
+    extra: list[str] = []
+    if result.owner:
+        extra.append(f"owner {result.owner}")
+    if result.fence is not None:
+        extra.append(f"fence {result.fence}")
+    detail = f" ({', '.join(extra)})" if extra else ""
+    click.echo(f"broke {key!r}: it was held by {result.held_by}{detail}")
