@@ -38,7 +38,8 @@ class PolicyLike(Protocol):
 
 
 class RateLimiterLike(Protocol):
-    per_hour: int
+    #: attempts allowed per principal per window.
+    limit: int
 
     def try_take(self, principal: str, now_ms: int) -> int | None: ...
 
@@ -170,7 +171,7 @@ class LockService:
         return ProtocolError(
             "RATE_LIMITED",
             f"too many acquire attempts; retry in {retry_after_ms} ms",
-            details={"retryAfterMs": retry_after_ms, "limit": self.ratelimiter.per_hour},
+            details={"retryAfterMs": retry_after_ms, "limit": self.ratelimiter.limit},
         )
 
     def acquire(

@@ -806,12 +806,6 @@ def test_member_is_denied(daemon_paths: DaemonProcess) -> None:
     assert HANDLE_RE.match(str(results[-1]["stdout"]).strip())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG in lockd/service.py LockService.rate_limited: reads "
-    "self.ratelimiter.per_hour, but lockd.ratelimit.RateLimiter keeps the limit in "
-    ".limit -> AttributeError -> INTERNAL instead of RATE_LIMITED",
-)
 def test_member_over_the_rate_limit_exits_4(daemon_paths: DaemonProcess) -> None:
     _, results = run_as_member(
         daemon_paths,
