@@ -1,0 +1,536 @@
+"""Shared machinery of the benchmark suite: clocks, statistics, worker
+processes, the lockd daemon under test, and the lockd side of each workload.
+
+Every system (lockd and each baseline) is driven through the same small
+*locker* interface (``prepare``, ``try_pair``, ``acquire``, ``release``,
+``close``) by the same workload functions, so the harness costs every system
+the same and only the lock itself differs. Lockers are built inside the
+worker process from a picklable :class:`LockerSpec`, because a socket or a
+database connection must not cross a fork.
+
+Timestamps come from ``CLOCK_MONOTONIC``, which is one clock for every
+process of the host: a release recorded in one process and a grant recorded
+in another can be subtracted directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+#: Lease length for every lockd grant: long enough never to expire mid-run.
+LOCKD_TTL_S = 30.0
+#: Blocking acquire timeout: a hand-off run that stalls this long is a failure.
+LOCKD_WAIT_S = 60.0
+
+
+def now_ns() -> int:
+    """CLOCK_MONOTONIC in ns: shared by all processes of the host."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+# ----------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    data = sorted(values)
+    pos = (len(data) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    """Median, NaN for no values (a skipped baseline has none)."""
+    return statistics.median(values) if values else math.nan
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN when either side is missing or b is zero."""
+    if not b or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+# --------------------------------------------------------------------- lockers
+
+
+class Locker(Protocol):
+    """One client of one lock system, owned by one process."""
+
+    def prepare(self, key: str) -> None:
+        """Connect / open whatever ``key`` needs, outside the timed loop."""
+
+    def try_pair(self, key: str) -> bool:
+        """One non-blocking acquire of ``key`` and, if won, its release."""
+
+    def acquire(self, key: str) -> None:
+        """Blocking acquire of ``key``; returns holding it."""
+
+    def release(self, key: str) -> None:
+        """Release ``key`` taken by :meth:`acquire`."""
+
+    def close(self) -> None:
+        """Disconnect."""
+
+
+@dataclass(frozen=True)
+class LockerSpec:
+    """How a worker process builds its locker: ``factory(*args)``.
+
+    ``factory`` must be a module-level class or function (it is pickled by
+    reference), ``args`` plain data such as paths.
+    """
+
+    label: str
+    factory: Callable[..., Locker]
+    args: tuple[Any, ...] = ()
+
+    def build(self) -> Locker:
+        return self.factory(*self.args)
+
+
+class LockdLocker:
+    """The system under test, through the real ``lockd_client``."""
+
+    def __init__(self, socket_path: str) -> None:
+        from lockd_client import LockClient
+
+        self.client = LockClient(socket_path, request_timeout=LOCKD_WAIT_S)
+        self._handles: dict[str, Any] = {}
+
+    def prepare(self, key: str) -> None:
+        self.client.hello()  # opens the connection
+
+    def try_pair(self, key: str) -> bool:
+        handle = self.client.try_acquire(key, ttl=LOCKD_TTL_S)
+        if handle is None:
+            return False
+        if not self.client.release(handle).released:
+            raise RuntimeError(f"release of {key!r} answered not_holder")
+        return True
+
+    def acquire(self, key: str) -> None:
+        self._handles[key] = self.client.acquire(key, ttl=LOCKD_TTL_S, timeout=LOCKD_WAIT_S)
+
+    def release(self, key: str) -> None:
+        if not self.client.release(self._handles.pop(key)).released:
+            raise RuntimeError(f"release of {key!r} answered not_holder")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ------------------------------------------------------------------- workloads
+
+
+def pairs_loop(locker: Locker, key: str, stop_at_ns: int) -> dict[str, Any]:
+    """try_acquire + release of ``key`` until ``stop_at_ns``; counts and CPU.
+
+    The clock is read once per pair (~0.1 us), which every system pays alike.
+    """
+    pairs = misses = 0
+    cpu0 = time.process_time()
+    start = now_ns()
+    end = start
+    try_pair = locker.try_pair
+    while end < stop_at_ns:
+        if try_pair(key):
+            pairs += 1
+        else:
+            misses += 1
+        end = now_ns()
+    return {
+        "pairs": pairs,
+        "misses": misses,
+        "start_ns": start,
+        "end_ns": end,
+        "client_cpu_s": time.process_time() - cpu0,
+    }
+
+
+def handoff_loop(
+    locker: Locker, key: str, stop_at_ns: int, hold_s: float
+) -> list[tuple[int, int, int]]:
+    """Blocking acquire, hold ``hold_s``, release, re-request at once.
+
+    Returns one ``(requested, granted, release_called)`` triple (monotonic ns)
+    per grant. The release time is read *before* the release call, so a
+    hand-off latency measured against it includes the releaser's own request.
+    """
+    records: list[tuple[int, int, int]] = []
+    while True:
+        requested = now_ns()
+        locker.acquire(key)
+        granted = now_ns()
+        time.sleep(hold_s)
+        release_called = now_ns()
+        locker.release(key)
+        records.append((requested, granted, release_called))
+        if now_ns() >= stop_at_ns:
+            return records
+
+
+# ------------------------------------------------------------ worker processes
+
+
+def _mp_context() -> Any:
+    """forkserver: children start in ~ms without inheriting sockets or threads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["common", "baselines", "lockd_client"])
+    return ctx
+
+
+def _worker_main(
+    index: int,
+    spec: LockerSpec,
+    key: str,
+    work: str,
+    params: dict[str, Any],
+    results: Any,
+    go: Any,
+    stop_at: Any,
+) -> None:
+    try:
+        locker = spec.build()
+        locker.prepare(key)
+        results.put(("ready", index, None))
+        if not go.wait(60):
+            raise RuntimeError("no start signal within 60 s")
+        stop_at_ns = stop_at.value
+        if work == "pairs":
+            out: Any = pairs_loop(locker, key, stop_at_ns)
+        elif work == "handoff":
+            out = handoff_loop(locker, key, stop_at_ns, params["hold_s"])
+        else:
+            raise ValueError(f"unknown work {work!r}")
+        locker.close()
+        results.put(("done", index, out))
+    except BaseException:
+        results.put(("error", index, traceback.format_exc()))
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message carries its traceback."""
+
+
+def run_workers(
+    spec: LockerSpec, keys: Sequence[str], work: str, duration_s: float, **params: Any
+) -> list[Any]:
+    """Run one worker process per key, started together, for ``duration_s``.
+
+    Workers connect first and report ready; only then is the stop time fixed
+    and the start signal given, so connection set-up is never timed. Returns
+    each worker's result in key order.
+    """
+    ctx = _mp_context()
+    results = ctx.Queue()
+    go = ctx.Event()
+    stop_at = ctx.Value("q", 0)
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            args=(i, spec, key, work, params, results, go, stop_at),
+            daemon=True,
+        )
+        for i, key in enumerate(keys)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        _collect(results, "ready", len(procs), timeout=60)
+        stop_at.value = now_ns() + int(duration_s * 1e9)
+        go.set()
+        done = _collect(results, "done", len(procs), timeout=duration_s + LOCKD_WAIT_S)
+        return [done[i] for i in range(len(procs))]
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _collect(results: Any, kind: str, count: int, timeout: float) -> dict[int, Any]:
+    deadline = time.monotonic() + timeout
+    got: dict[int, Any] = {}
+    while len(got) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerError(f"only {len(got)}/{count} workers reported {kind!r} in time")
+        try:
+            what, index, payload = results.get(timeout=left)
+        except queue.Empty:
+            continue
+        if what == "error":
+            raise WorkerError(f"worker {index} failed:\n{payload}")
+        if what != kind:
+            raise WorkerError(f"worker {index} sent {what!r}, expected {kind!r}")
+        got[index] = payload
+    return got
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (from /proc, tick resolution)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class LockdDaemon:
+    """A real ``lockd serve`` with socket, database and config in a /tmp folder.
+
+    Default settings (no ``lockd.toml``): what a user gets. The benchmark
+    runs as the daemon's own user, so its role is ``owner`` and the rate limit
+    never counts it. ``cprofile`` runs the daemon under cProfile and writes the
+    stats there when it stops.
+    """
+
+    cprofile: Path | None = None
+    root: Path = field(init=False)
+    proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "lockd.sock"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "lockd.log"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="lockd-bench-", dir="/tmp"))
+        cmd = [sys.executable]
+        if self.cprofile is not None:
+            cmd += ["-m", "cProfile", "-o", str(self.cprofile)]
+        cmd += ["-m", "lockd", "serve", "--socket", str(self.socket)]
+        cmd += ["--db", str(self.root / "state" / "lockd.db"), "--config", str(self.root / "cfg")]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lockd exited with {self.proc.returncode}:\n{self.read_log()}")
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(str(self.socket))
+                    return
+                except OSError:
+                    time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"lockd did not come up within 20 s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[LockdDaemon]:
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+
+    def spec(self) -> LockerSpec:
+        return LockerSpec("lockd", LockdLocker, (str(self.socket),))
+
+
+# ------------------------------------------------------------------ reporting
+
+
+def fmt_num(value: float, digits: int = 0) -> str:
+    """Thousands separators; a dash for a missing value."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def fmt_ratio(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:.3g}x"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
+    """A plain left/right aligned text table (first column left, others right)."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [cells[0].ljust(widths[0])]
+        parts += [cell.rjust(w) for cell, w in zip(cells[1:], widths[1:], strict=True)]
+        return indent + "  ".join(parts).rstrip()
+
+    out = [line(headers), indent + "  ".join("-" * w for w in widths)]
+    out += [line(row) for row in rows]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------ hand-off analysis
+
+
+def analyse_handoffs(per_process: Sequence[Sequence[tuple[int, int, int]]]) -> dict[str, Any]:
+    """Merge every process's ``(requested, granted, release_called)`` records.
+
+    Sorted by grant time, grant ``i + 1`` follows release ``i``. A *hand-off*
+    is such a step while at least one other process was already waiting (its
+    request made before the release call and granted after it); steps with
+    nobody waiting (start-up, wind-down) are not hand-offs. For each hand-off:
+
+    - latency = next grant - release call (both read in user space, so it
+      includes both processes' client code and the daemon's round trip);
+    - FIFO = the next holder is the waiter whose request is oldest;
+    - re-grab = the releaser itself won again (it re-requested after release).
+
+    Request times are read before the client call, so a client descheduled
+    between that read and its send can look overtaken by a later request;
+    so can two requests that reach a daemon in the same read batch. For each
+    non-FIFO hand-off ``gap`` is how much earlier the skipped waiter asked:
+    gaps far below the hold time point at such ambiguity, gaps of several
+    hold times at a real queue-order fault.
+
+    ``overlaps`` counts grants made before the previous holder's release call:
+    a mutual-exclusion violation, which must stay 0.
+    """
+    import bisect
+
+    grants = sorted(
+        (granted, requested, released, proc)
+        for proc, records in enumerate(per_process)
+        for requested, granted, released in records
+    )
+    by_proc_grants = [[r[1] for r in records] for records in per_process]
+    latencies_ms: list[float] = []
+    fifo = regrab = overlaps = 0
+    gaps_ms: list[float] = []
+    for (_, _, released, proc), (granted, nxt_requested, _, nxt_proc) in itertools.pairwise(grants):
+        if granted < released:
+            overlaps += 1
+        oldest: tuple[int, int] | None = None  # (requested, proc) of the longest waiter
+        for other, records in enumerate(per_process):
+            if other == proc:
+                continue
+            i = bisect.bisect_right(by_proc_grants[other], released)
+            if (
+                i < len(records)
+                and records[i][0] <= released
+                and (oldest is None or records[i][0] < oldest[0])
+            ):
+                oldest = (records[i][0], other)
+        if oldest is None:
+            continue  # nobody was waiting: not a hand-off
+        latencies_ms.append((granted - released) / 1e6)
+        regrab += nxt_proc == proc
+        if nxt_proc == oldest[1]:
+            fifo += 1
+        else:
+            gaps_ms.append((nxt_requested - oldest[0]) / 1e6)
+    counts = [len(records) for records in per_process]
+    handoffs = len(latencies_ms)
+    return {
+        "grants": len(grants),
+        "handoffs": handoffs,
+        "p50_ms": percentile(latencies_ms, 0.50),
+        "p99_ms": percentile(latencies_ms, 0.99),
+        "max_ms": max(latencies_ms) if latencies_ms else math.nan,
+        "fifo_fraction": fifo / handoffs if handoffs else math.nan,
+        "regrab_fraction": regrab / handoffs if handoffs else math.nan,
+        "non_fifo": len(gaps_ms),
+        "non_fifo_gaps_ms": sorted(gaps_ms)[-20:],
+        "grants_per_process": counts,
+        "min_max_ratio": min(counts) / max(counts) if counts and max(counts) else math.nan,
+        "overlaps": overlaps,
+    }
+
+
+# ----------------------------------------------------------- SQLite commit cost
+
+
+#: A commit slower than this stalls the loop noticeably (a WAL checkpoint).
+SLOW_COMMIT_US = 500.0
+
+
+def store_commit_costs(count: int, synchronous: str = "NORMAL") -> dict[str, Any]:
+    """Time :meth:`lockd.store.Store.apply` as the daemon calls it on its loop.
+
+    Alternates a grant (one INSERT OR REPLACE + the fence bump) and a release
+    (one DELETE), each its own transaction, on a fresh WAL database in /tmp.
+    """
+    from lockd.engine import Changes, Lease, new_handle_id
+    from lockd.store import Store, read_boot_id
+
+    root = Path(tempfile.mkdtemp(prefix="lockd-bench-store-", dir="/tmp"))
+    store = Store(root / "state" / "lockd.db", read_boot_id(), synchronous=synchronous)
+    grant_us: list[float] = []
+    release_us: list[float] = []
+    try:
+        store.load()
+        for fence in range(1, count + 1):
+            key = f"bench:{fence % 64}"
+            lease = Lease(key, new_handle_id(), fence, None, "user:bench", 30_000, fence, None)
+            grant = Changes(rows={key: lease}, fence=fence)
+            release = Changes(rows={key: None})
+            t0 = time.perf_counter_ns()
+            store.apply(grant)
+            t1 = time.perf_counter_ns()
+            store.apply(release)
+            t2 = time.perf_counter_ns()
+            grant_us.append((t1 - t0) / 1e3)
+            release_us.append((t2 - t1) / 1e3)
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+    both = grant_us + release_us
+    slow = sum(t > SLOW_COMMIT_US for t in both)
+    return {
+        "synchronous": synchronous,
+        "commits": len(both),
+        "p50_us": percentile(both, 0.50),
+        "p99_us": percentile(both, 0.99),
+        "p999_us": percentile(both, 0.999),
+        "max_us": max(both),
+        "grant_p50_us": percentile(grant_us, 0.50),
+        "release_p50_us": percentile(release_us, 0.50),
+        "slow_commits": slow,
+        "slow_every": len(both) / slow if slow else math.nan,
+    }

@@ -1,0 +1,534 @@
+"""lockd benchmark suite: ``.venv/bin/python bench/run.py [--quick]``.
+
+Measures lockd against baselines run in the same run, on the same box,
+interleaved round by round (the machines are shared and noisy: medians over
+rounds and ratios to a same-run peer are what to read, not absolute numbers):
+
+a. uncontended try_acquire + release pairs per second, one client process;
+   baselines flock, PostgreSQL advisory locks, Redis (when available);
+b. hand-off latency and fairness: 4 processes contend for one key with a
+   blocking acquire, each holding it ~1 ms; baselines flock, PostgreSQL;
+c. 16 processes, each on its own key, try_acquire + release: aggregate
+   pairs per second; baselines flock, PostgreSQL;
+store. the cost of one SQLite commit as the daemon makes it on its event
+   loop (``Store.apply``, WAL, synchronous=NORMAL).
+
+Prints a table and writes the full data to ``bench/results/<UTC time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from baselines import flock_baseline, postgres_baseline, redis_baseline
+from common import (
+    LockdDaemon,
+    LockerSpec,
+    analyse_handoffs,
+    fmt_num,
+    fmt_ratio,
+    median,
+    now_ns,
+    pairs_loop,
+    proc_cpu_s,
+    ratio,
+    run_workers,
+    store_commit_costs,
+    table,
+)
+
+HERE = Path(__file__).resolve().parent
+
+#: Rounds and seconds per system per round. Full stays within ~3 minutes.
+PLANS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "a_rounds": 3,
+        "a_secs": 1.0,
+        "b_rounds": 1,
+        "b_secs": 2.0,
+        "c_rounds": 1,
+        "c_secs": 2.0,
+        "store_commits": 2000,
+    },
+    "full": {
+        "a_rounds": 5,
+        "a_secs": 2.0,
+        "b_rounds": 3,
+        "b_secs": 3.0,
+        "c_rounds": 3,
+        "c_secs": 3.0,
+        "store_commits": 10000,
+    },
+}
+HOLD_S = 0.001
+HANDOFF_PROCS = 4
+SPREAD_PROCS = 16
+TARGET_PAIRS = 5000.0
+TARGET_HANDOFF_P50_MS = 0.5
+SECTIONS = ("a", "b", "c", "store")
+
+
+def log(msg: str) -> None:
+    """Progress on stderr, so stdout carries only the report."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rotated(items: list[Any], by: int) -> list[Any]:
+    """The same systems in a different order each round: no position bias."""
+    if not items:
+        return items
+    k = by % len(items)
+    return items[k:] + items[:k]
+
+
+# ------------------------------------------------------------------------ (a)
+
+
+def bench_single(
+    systems: list[LockerSpec], plan: dict[str, Any], daemon: LockdDaemon
+) -> dict[str, Any]:
+    """(a) one client process, one key, try_acquire + release as fast as it goes."""
+    secs = plan["a_secs"]
+    lockers = {}
+    for spec in systems:
+        locker = spec.build()
+        key = "bench-a"
+        locker.prepare(key)
+        pairs_loop(locker, key, now_ns() + int(0.2e9))  # warm-up (imports, JIT-free caches)
+        lockers[spec.label] = locker
+    rounds: list[dict[str, Any]] = []
+    for r in range(plan["a_rounds"]):
+        row: dict[str, Any] = {}
+        for spec in rotated(systems, r):
+            cpu0 = proc_cpu_s(daemon.pid) if spec.label == "lockd" else 0.0
+            out = pairs_loop(lockers[spec.label], "bench-a", now_ns() + int(secs * 1e9))
+            elapsed = (out["end_ns"] - out["start_ns"]) / 1e9
+            entry = {
+                "pairs_per_s": out["pairs"] / elapsed,
+                "pairs": out["pairs"],
+                "misses": out["misses"],
+                "client_cpu_us_per_pair": 1e6 * out["client_cpu_s"] / max(1, out["pairs"]),
+            }
+            if spec.label == "lockd":
+                daemon_cpu = proc_cpu_s(daemon.pid) - cpu0
+                entry["daemon_cpu_us_per_pair"] = 1e6 * daemon_cpu / max(1, out["pairs"])
+            row[spec.label] = entry
+        rounds.append(row)
+        log(
+            f"(a) round {r + 1}: "
+            + ", ".join(f"{k} {v['pairs_per_s']:,.0f}/s" for k, v in row.items())
+        )
+    daemon_stats = lockers["lockd"].client.stats()  # type: ignore[attr-defined]
+    for locker in lockers.values():
+        locker.close()
+    summary: dict[str, Any] = {}
+    for spec in systems:
+        label = spec.label
+        per_round = [row[label]["pairs_per_s"] for row in rounds]
+        summary[label] = {
+            "median_pairs_per_s": median(per_round),
+            "min_pairs_per_s": min(per_round),
+            "max_pairs_per_s": max(per_round),
+            "client_cpu_us_per_pair": median(
+                [row[label]["client_cpu_us_per_pair"] for row in rounds]
+            ),
+            # lockd / this system, paired within each round, then the median.
+            "lockd_ratio": median(
+                [row["lockd"]["pairs_per_s"] / row[label]["pairs_per_s"] for row in rounds]
+            ),
+        }
+    summary["lockd"]["daemon_cpu_us_per_pair"] = median(
+        [row["lockd"]["daemon_cpu_us_per_pair"] for row in rounds]
+    )
+    latency = daemon_stats.get("latency", {})
+    return {
+        "rounds": rounds,
+        "summary": summary,
+        "daemon_side_latency": {op: latency.get(op) for op in ("tryAcquire", "release")},
+    }
+
+
+# ------------------------------------------------------------------------ (b)
+
+
+def bench_handoff(systems: list[LockerSpec], plan: dict[str, Any]) -> dict[str, Any]:
+    """(b) 4 processes, one key, blocking acquire, hold ~1 ms, release, repeat."""
+    rounds: list[dict[str, Any]] = []
+    for r in range(plan["b_rounds"]):
+        row: dict[str, Any] = {}
+        for spec in rotated(systems, r):
+            records = run_workers(
+                spec, ["bench-b"] * HANDOFF_PROCS, "handoff", plan["b_secs"], hold_s=HOLD_S
+            )
+            row[spec.label] = analyse_handoffs(records)
+        rounds.append(row)
+        log(
+            f"(b) round {r + 1}: "
+            + ", ".join(
+                f"{k} p50 {v['p50_ms']:.3f} ms FIFO {v['fifo_fraction']:.0%}"
+                for k, v in row.items()
+            )
+        )
+    summary: dict[str, Any] = {}
+    for spec in systems:
+        per = [row[spec.label] for row in rounds]
+        handoffs = sum(x["handoffs"] for x in per)
+        summary[spec.label] = {
+            "p50_ms": median([x["p50_ms"] for x in per]),
+            "p99_ms": median([x["p99_ms"] for x in per]),
+            "max_ms": max(x["max_ms"] for x in per),
+            "handoffs": handoffs,
+            "fifo_fraction": _weighted(per, "fifo_fraction"),
+            "regrab_fraction": _weighted(per, "regrab_fraction"),
+            "min_max_ratio": median([x["min_max_ratio"] for x in per]),
+            "grants_per_s": median([x["grants"] / plan["b_secs"] for x in per]),
+            "overlaps": sum(x["overlaps"] for x in per),
+            "non_fifo": sum(x["non_fifo"] for x in per),
+            "non_fifo_max_gap_ms": max(
+                (gap for x in per for gap in x["non_fifo_gaps_ms"]), default=math.nan
+            ),
+        }
+    for entry in summary.values():
+        entry["lockd_p50_ratio"] = ratio(summary["lockd"]["p50_ms"], entry["p50_ms"])
+    return {"rounds": rounds, "summary": summary, "hold_s": HOLD_S, "processes": HANDOFF_PROCS}
+
+
+def _weighted(per: list[dict[str, Any]], field: str) -> float:
+    total = sum(x["handoffs"] for x in per)
+    if not total:
+        return math.nan
+    return sum(x[field] * x["handoffs"] for x in per if x["handoffs"]) / total
+
+
+# ------------------------------------------------------------------------ (c)
+
+
+def bench_spread(
+    systems: list[LockerSpec], plan: dict[str, Any], daemon: LockdDaemon
+) -> dict[str, Any]:
+    """(c) 16 processes, each its own key: aggregate try_acquire + release pairs/s."""
+    keys = [f"bench-c:{i}" for i in range(SPREAD_PROCS)]
+    rounds: list[dict[str, Any]] = []
+    for r in range(plan["c_rounds"]):
+        row: dict[str, Any] = {}
+        for spec in rotated(systems, r):
+            cpu0 = proc_cpu_s(daemon.pid)
+            outs = run_workers(spec, keys, "pairs", plan["c_secs"])
+            total = sum(o["pairs"] / ((o["end_ns"] - o["start_ns"]) / 1e9) for o in outs)
+            per_proc = [o["pairs"] for o in outs]
+            entry: dict[str, Any] = {
+                "pairs_per_s": total,
+                "misses": sum(o["misses"] for o in outs),
+                "min_max_ratio": min(per_proc) / max(per_proc) if max(per_proc) else math.nan,
+            }
+            if spec.label == "lockd":
+                pairs = sum(per_proc)
+                entry["daemon_cpu_us_per_pair"] = 1e6 * (proc_cpu_s(daemon.pid) - cpu0) / pairs
+            row[spec.label] = entry
+        rounds.append(row)
+        log(
+            f"(c) round {r + 1}: "
+            + ", ".join(f"{k} {v['pairs_per_s']:,.0f}/s" for k, v in row.items())
+        )
+    summary: dict[str, Any] = {}
+    for spec in systems:
+        label = spec.label
+        summary[label] = {
+            "median_pairs_per_s": median([row[label]["pairs_per_s"] for row in rounds]),
+            "min_max_ratio": median([row[label]["min_max_ratio"] for row in rounds]),
+            "lockd_ratio": median(
+                [row["lockd"]["pairs_per_s"] / row[label]["pairs_per_s"] for row in rounds]
+            ),
+        }
+    summary["lockd"]["daemon_cpu_us_per_pair"] = median(
+        [row["lockd"]["daemon_cpu_us_per_pair"] for row in rounds]
+    )
+    return {"rounds": rounds, "summary": summary, "processes": SPREAD_PROCS}
+
+
+# -------------------------------------------------------------------- report
+
+
+def report(results: dict[str, Any]) -> str:
+    """The human-readable tables for stdout."""
+    meta = results["meta"]
+    out = [
+        f"lockd benchmarks ({meta['plan']} run, {meta['cpus']} CPUs, "
+        f"load {meta['loadavg_start']}, git {meta['git']})",
+        "medians over rounds; ratio = lockd / baseline, paired within each round",
+    ]
+    for section, render in (
+        ("a", _report_single),
+        ("b", _report_handoff),
+        ("c", _report_spread),
+        ("store", _report_store),
+    ):
+        if section in results:
+            out.append("")
+            out += render(results)
+            out += [f"  {name}: {why}" for name, why in results["skipped"].get(section, {}).items()]
+    out.append(f"\nJSON: {meta['json']}")
+    return "\n".join(out)
+
+
+def _report_single(results: dict[str, Any]) -> list[str]:
+    a = results["a"]
+    rows = [
+        [
+            label,
+            fmt_num(s["median_pairs_per_s"]),
+            f"{fmt_num(s['min_pairs_per_s'])}..{fmt_num(s['max_pairs_per_s'])}",
+            fmt_num(s["client_cpu_us_per_pair"], 1),
+            fmt_num(s.get("daemon_cpu_us_per_pair", math.nan), 1),
+            "" if label == "lockd" else fmt_ratio(s["lockd_ratio"]),
+        ]
+        for label, s in a["summary"].items()
+    ]
+    side = ", ".join(
+        f"{op} p50 {v.get('p50Ms', '-')} ms, p99 {v.get('p99Ms', '-')} ms"
+        for op, v in a["daemon_side_latency"].items()
+        if v
+    )
+    med = a["summary"]["lockd"]["median_pairs_per_s"]
+    return [
+        f"(a) uncontended try_acquire+release, 1 client process, "
+        f"{len(a['rounds'])} rounds x {results['plan']['a_secs']} s",
+        table(
+            ["system", "pairs/s", "range", "client CPU us/pair", "server CPU us/pair", "ratio"],
+            rows,
+        ),
+        f"  lockd's own per-op time (stats op, last round): {side}",
+        f"  target (a) >= {TARGET_PAIRS:,.0f} pairs/s: "
+        f"{'MET' if med >= TARGET_PAIRS else 'NOT MET'} ({fmt_num(med)})",
+    ]
+
+
+def _report_handoff(results: dict[str, Any]) -> list[str]:
+    b = results["b"]
+    rows = [
+        [
+            label,
+            fmt_num(s["p50_ms"], 3),
+            fmt_num(s["p99_ms"], 3),
+            fmt_num(s["max_ms"], 2),
+            f"{s['fifo_fraction']:.1%}",
+            f"{s['regrab_fraction']:.1%}",
+            f"{s['min_max_ratio']:.2f}",
+            fmt_num(s["grants_per_s"]),
+            str(s["overlaps"]),
+            "" if label == "lockd" else fmt_ratio(s["lockd_p50_ratio"]),
+        ]
+        for label, s in b["summary"].items()
+    ]
+    headers = ["system", "p50 ms", "p99 ms", "max ms", "FIFO", "re-grab", "min/max"]
+    headers += ["grants/s", "overlaps", "p50 ratio"]
+    out = [
+        f"(b) hand-off, {b['processes']} processes on one key, hold {b['hold_s'] * 1000:g} ms, "
+        f"{len(b['rounds'])} round(s) x {results['plan']['b_secs']} s",
+        table(headers, rows),
+    ]
+    for label, s in b["summary"].items():
+        if s["non_fifo"] and label != "flock":
+            out.append(
+                f"  {label}: {s['non_fifo']} of {s['handoffs']:,} hand-offs not FIFO; the skipped "
+                f"waiter had asked at most {s['non_fifo_max_gap_ms']:.3f} ms earlier "
+                "(request times are read before the call: see README)"
+            )
+    s = b["summary"]["lockd"]
+    met = s["p50_ms"] <= TARGET_HANDOFF_P50_MS and s["fifo_fraction"] == 1.0
+    out.append(
+        f"  target hand-off p50 <= {TARGET_HANDOFF_P50_MS} ms with strict FIFO: "
+        f"{'MET' if met else 'NOT MET'} (p50 {s['p50_ms']:.3f} ms, FIFO {s['fifo_fraction']:.1%})"
+    )
+    return out
+
+
+def _report_spread(results: dict[str, Any]) -> list[str]:
+    c = results["c"]
+    rows = [
+        [
+            label,
+            fmt_num(s["median_pairs_per_s"]),
+            f"{s['min_max_ratio']:.2f}",
+            fmt_num(s.get("daemon_cpu_us_per_pair", math.nan), 1),
+            "" if label == "lockd" else fmt_ratio(s["lockd_ratio"]),
+        ]
+        for label, s in c["summary"].items()
+    ]
+    return [
+        f"(c) {c['processes']} processes, one key each, try_acquire+release, "
+        f"{len(c['rounds'])} round(s) x {results['plan']['c_secs']} s",
+        table(["system", "aggregate pairs/s", "min/max", "server CPU us/pair", "ratio"], rows),
+    ]
+
+
+def _report_store(results: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            f"WAL synchronous={s['synchronous']}",
+            fmt_num(s["p50_us"], 1),
+            fmt_num(s["p99_us"], 1),
+            fmt_num(s["p999_us"], 1),
+            fmt_num(s["max_us"], 0),
+            str(s["slow_commits"])
+            + (f" (1 per {fmt_num(s['slow_every'])})" if s["slow_commits"] else ""),
+            str(s["commits"]),
+        ]
+        for s in results["store"]
+    ]
+    headers = ["setting", "p50 us", "p99 us", "p99.9 us", "max us", "> 500 us", "commits"]
+    out = [
+        "(store) one Store.apply commit as the daemon makes it on its loop (one-row change)",
+        table(headers, rows),
+    ]
+    if "a" in results:
+        pairs = results["a"]["summary"]["lockd"]["median_pairs_per_s"]
+        per_request_us = 1e6 / (2 * pairs)
+        share = results["store"][0]["p50_us"] / per_request_us
+        out.append(
+            f"  NORMAL p50 is {share:.1%} of one lockd request in (a) ({per_request_us:.0f} us);"
+            " under NORMAL the > 500 us ones are WAL auto-checkpoints (db file fsync)"
+        )
+    return out
+
+
+def _no_nan(value: Any) -> Any:
+    """NaN (a missing measurement) becomes null: strict JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def _git_rev() -> str:
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(HERE), "status", "--porcelain", "--", "../lockd", "../client"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _enter(
+    stack: contextlib.ExitStack,
+    factory: Callable[[], contextlib.AbstractContextManager[LockerSpec | str]],
+    name: str,
+    sections: set[str],
+    skipped: dict[str, dict[str, str]],
+) -> LockerSpec | None:
+    got = stack.enter_context(factory())
+    if isinstance(got, str):
+        log(f"{name}: {got}")
+        for section in sections:
+            skipped.setdefault(section, {})[name] = got
+        return None
+    return got
+
+
+def _bench_systems(
+    only: set[str], plan: dict[str, Any], cprofile: Path | None, results: dict[str, Any]
+) -> None:
+    """Sections a, b, c: start lockd and the baselines, run, stop them all."""
+    skipped: dict[str, dict[str, str]] = results["skipped"]
+    sections = only & {"a", "b", "c"}
+    with contextlib.ExitStack() as stack:
+        daemon = stack.enter_context(LockdDaemon(cprofile=cprofile).running())
+        log(f"lockd serving on {daemon.socket} (pid {daemon.pid})")
+        lockd = daemon.spec()
+        flock = _enter(stack, flock_baseline, "flock", sections, skipped)
+        pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
+        redis = None
+        if "a" in only:
+            redis = _enter(stack, redis_baseline, "redis", {"a"}, skipped)
+        peers = [s for s in (flock, pg) if s is not None]
+        if "a" in only:
+            results["a"] = bench_single([lockd, *peers] + ([redis] if redis else []), plan, daemon)
+        if "b" in only:
+            results["b"] = bench_handoff([lockd, *peers], plan)
+        if "c" in only:
+            results["c"] = bench_spread([lockd, *peers], plan, daemon)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a ~30 s run (fewer, shorter rounds)")
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma list of sections ({','.join(SECTIONS)})"
+    )
+    parser.add_argument(
+        "--cprofile",
+        type=Path,
+        help="run the daemon under cProfile and write its stats to this file",
+    )
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON")
+    args = parser.parse_args(argv)
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if unknown := only - set(SECTIONS):
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    plan_name = "quick" if args.quick else "full"
+    plan = PLANS[plan_name]
+    started = dt.datetime.now(dt.UTC)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{started.strftime('%Y%m%dT%H%M%SZ')}-{plan_name}.json"
+    results: dict[str, Any] = {
+        "meta": {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "plan": plan_name,
+            "started": started.isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "git": _git_rev(),
+            "json": str(json_path),
+        },
+        "plan": plan,
+        "skipped": {},
+    }
+    t0 = time.monotonic()
+    if only & {"a", "b", "c"}:
+        _bench_systems(only, plan, args.cprofile, results)
+    if "store" in only:
+        log("store: timing Store.apply commits")
+        results["store"] = [
+            store_commit_costs(plan["store_commits"], "NORMAL"),
+            store_commit_costs(plan["store_commits"] // 4, "FULL"),
+        ]
+    results["meta"]["seconds"] = round(time.monotonic() - t0, 1)
+    results["meta"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    json_path.write_text(json.dumps(_no_nan(results), indent=2, default=str) + "\n")
+    print(report(results))
+    log(f"done in {results['meta']['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
