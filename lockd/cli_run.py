@@ -1,0 +1,236 @@
+"""``lockd run KEY [OPTIONS] -- COMMAND [ARGS]...``: flock(1) for lockd leases.
+
+A thin click command over :mod:`lockd.runner`; registered on the ``lockd``
+group by :mod:`lockd.cli`. Everything after the first ``--`` is COMMAND and
+its arguments, never parsed as options, so ``lockd run k -- ls --help`` runs
+``ls --help``. The ``--`` is required: without it, a COMMAND option such as
+``-v`` would silently be read as one of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+import click
+
+from .runner import EXIT_BUG, OnLost, Reporter, RunOptions, run_locked
+
+__all__ = ["run"]
+
+_COMMAND_META = "lockd.run.command"
+_MAX_MS = 86_400_000  # 24 h: the daemon's limit for ttlMs and timeoutMs
+_MIN_TTL_MS = 100  # below this, renewing every TTL/3 is hopeless
+_DEBUG_ENV = "LOCKD_DEBUG"
+
+# Private copy of lockd.cli_common.parse_duration_ms (same grammar: ms, s, m, h;
+# a bare number is milliseconds; Decimal, rounded up), kept so this module
+# stands alone until the two are merged.
+_DURATION = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?P<unit>ms|s|m|h)?")
+_UNIT_MS = {"ms": Decimal(1), "s": Decimal(1000), "m": Decimal(60_000), "h": Decimal(3_600_000)}
+
+
+def _parse_duration_ms(text: str) -> int:
+    """``"600ms"``, ``"1.5s"``, ``"2m"``, ``"1h"``, ``"250"`` (ms) -> milliseconds, rounded up."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a duration (use 500ms, 60s, 1.5s, 5m, 1h; a bare number is ms)"
+        )
+    value = Decimal(match["num"]) * _UNIT_MS[match["unit"] or "ms"]
+    return int(value.to_integral_value(rounding=ROUND_CEILING))
+
+
+class _Duration(click.ParamType):
+    """A click type for durations, converted to milliseconds and range-checked."""
+
+    name = "duration"
+
+    def __init__(self, *, min_ms: int, max_ms: int = _MAX_MS) -> None:
+        self.min_ms = min_ms
+        self.max_ms = max_ms
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            ms = _parse_duration_ms(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if not self.min_ms <= ms <= self.max_ms:
+            self.fail(f"{value!r} is out of range ({self.min_ms}ms to 24h)", param, ctx)
+        return ms
+
+
+class _RunCommand(click.Command):
+    """A click Command that splits off everything after the first ``--`` as COMMAND."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            ctx.meta[_COMMAND_META] = tuple(args[cut + 1 :])
+            args = args[:cut]
+        return super().parse_args(ctx, args)
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return ["[OPTIONS]", "KEY", "-- COMMAND [ARGS]..."]
+
+
+_EPILOG = """\b
+Exit codes:
+  N    COMMAND's own status; 128+N when it was killed by signal N
+  0    with --conflict-exit-code 0: the key was busy, COMMAND not run
+  1    key busy, or --wait timed out (change with --conflict-exit-code)
+  2    usage error (missing -- or COMMAND, bad duration, bad key)
+  3    access denied by the daemon's rules
+  4    rate limited
+  5    daemon unreachable (the message names the socket), or daemon error
+  6    lease lost while COMMAND ran (broken, re-taken, or renewals failed),
+       also with --on-lost ignore, whatever COMMAND's status
+  70   a bug in lockd run (LOCKD_DEBUG=1 shows the traceback)
+  126  COMMAND cannot be executed; 127 COMMAND not found
+  130  interrupted (SIGINT) while waiting for the key
+\b
+COMMAND's environment gets LOCKD_KEY, LOCKD_HANDLE, LOCKD_FENCE and
+LOCKD_SOCKET. It runs in a session (and process group) of its own, with no
+controlling terminal; SIGINT, SIGTERM and SIGHUP sent to lockd run are passed
+on to that group, and COMMAND is SIGKILLed if lockd run itself dies.
+\b
+Example (cron, never overlapping itself; a busy key is a quiet success):
+  */5 * * * * lockd run -q --conflict-exit-code 0 nightly-import -- /usr/local/bin/import.sh
+"""
+
+
+@click.command(
+    "run",
+    cls=_RunCommand,
+    epilog=_EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.argument("key")
+@click.argument("stray", nargs=-1)  # words before '--': only there to say '--' is missing
+@click.option(
+    "--ttl",
+    "ttl_ms",
+    type=_Duration(min_ms=_MIN_TTL_MS),
+    default="60s",
+    show_default=True,
+    help="Lease time-to-live, renewed every third of it while COMMAND runs.",
+)
+@click.option(
+    "--wait",
+    "wait_ms",
+    type=_Duration(min_ms=0),
+    default=None,
+    help="Wait up to this long for the key (first come, first served). "
+    "Default: one attempt, give up at once if the key is busy.",
+)
+@click.option(
+    "--owner",
+    default=None,
+    help="Name of the work (a run id). A lockd run with the same owner, as the same "
+    "user, takes the key over; the earlier holder then loses its lease.",
+)
+@click.option(
+    "--on-lost",
+    type=click.Choice([m.value for m in OnLost]),
+    default=OnLost.TERM.value,
+    show_default=True,
+    help="When the lease is lost: term = SIGTERM to COMMAND's process group, SIGKILL "
+    "after --grace; kill = SIGKILL at once; ignore = only report. Exit status 6 in "
+    "every case.",
+)
+@click.option(
+    "--grace",
+    "grace_ms",
+    type=_Duration(min_ms=0),
+    default="10s",
+    show_default=True,
+    help="With --on-lost term: time between SIGTERM and SIGKILL.",
+)
+@click.option(
+    "--conflict-exit-code",
+    type=click.IntRange(0, 255),
+    default=1,
+    show_default=True,
+    help="Exit status when the key is busy or --wait times out (like flock -E).",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="Say nothing when the key is busy or --wait times out (for cron).",
+)
+@click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Daemon socket. Default: $LOCKD_SOCKET, else the user default.",
+)
+@click.option(
+    "--json",
+    "json_output",
+    is_flag=True,
+    help='lockd run\'s own messages on stderr as JSON lines ({"error": {code, message, '
+    "details}}). stdout is always COMMAND's.",
+)
+@click.pass_context
+def run(
+    ctx: click.Context,
+    key: str,
+    stray: tuple[str, ...],
+    ttl_ms: int,
+    wait_ms: int | None,
+    owner: str | None,
+    on_lost: str,
+    grace_ms: int,
+    conflict_exit_code: int,
+    quiet: bool,
+    socket_path: str | None,
+    json_output: bool,
+) -> None:
+    """Run COMMAND while holding KEY, like flock(1) with a lease.
+
+    Takes KEY (at once, or waiting up to --wait), runs COMMAND without a
+    shell, renews the lease in the background, releases KEY when COMMAND
+    exits and exits with COMMAND's status. If lockd run is killed, KEY is
+    freed at once and COMMAND is killed too. If the lease is lost while
+    COMMAND runs, lockd run acts (--on-lost) before the lease runs out,
+    says so on stderr and exits 6.
+    """
+    command: tuple[str, ...] | None = ctx.meta.get(_COMMAND_META)
+    if stray:
+        words = " ".join(stray)
+        raise click.UsageError(f"missing '--' before COMMAND (lockd run KEY -- {words})")
+    if command is None:
+        raise click.UsageError("missing '--' before COMMAND (lockd run KEY -- COMMAND ...)")
+    if not command:
+        raise click.UsageError("no COMMAND after '--'")
+    opts = RunOptions(
+        key=key,
+        command=command,
+        ttl_ms=ttl_ms,
+        wait_ms=wait_ms,
+        owner=owner,
+        on_lost=OnLost(on_lost),
+        grace_ms=grace_ms,
+        conflict_exit_code=conflict_exit_code,
+        socket_path=socket_path,
+        quiet=quiet,
+    )
+    report = Reporter(json_lines=json_output)
+    try:
+        code = run_locked(opts, report)
+    except Exception as exc:  # a bug: one line and 70, not a traceback that exits 1 ("busy")
+        if os.environ.get(_DEBUG_ENV):
+            raise
+        report(
+            "BUG",
+            f"unexpected error (a bug in lockd; set {_DEBUG_ENV}=1 for a traceback):"
+            f" {type(exc).__name__}: {exc}",
+        )
+        code = EXIT_BUG
+    ctx.exit(code)
