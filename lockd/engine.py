@@ -291,8 +291,13 @@ class LockEngine:
         waiter.cancelled = True
         self._forget_waiter(waiter)
 
-    def connection_closed(self, now: int, conn: int) -> list[Lease]:
-        """Drop the connection's waiters and release its bound leases."""
+    def connection_closed(self, now: int, conn: int, *, release_bound: bool = True) -> list[Lease]:
+        """Drop the connection's waiters and release its bound leases.
+
+        With ``release_bound=False`` (the daemon is stopping, not the client
+        leaving) the bound leases stay as ordinary TTL leases instead, as they
+        would across a crash.
+        """
         self._advance(now)
         for waiter_id in list(self._conn_waiters.get(conn, ())):
             waiter = self._waiters.get(waiter_id)
@@ -303,8 +308,11 @@ class LockEngine:
         for key in list(self._conn_leases.pop(conn, ())):
             holder = self._holder(key)
             if holder is not None and holder.conn == conn:
-                released.append(holder)
-                self._free(now, key)
+                if release_bound:
+                    released.append(holder)
+                    self._free(now, key)
+                else:
+                    holder.conn = None
         return released
 
     def status(self, now: int, key: str) -> KeyStatus:

@@ -289,7 +289,9 @@ class LockServer:
         finally:
             conn.closed = True
             del self.connections[conn.id]
-            self.service.connection_closed(conn.id)
+            # A stop is not the client leaving: its releaseOnClose leases stay
+            # committed as plain TTL leases, as they would across a crash.
+            self.service.connection_closed(conn.id, release_bound=not self.shutting_down)
             self._reschedule()
             sockio.close(sock)
             if log.isEnabledFor(logging.DEBUG):

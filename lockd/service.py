@@ -231,8 +231,9 @@ class LockService:
             log.info(kv(event="released_undelivered", key=lease.key, principal=lease.principal))
         self.commit()
 
-    def connection_closed(self, conn: int) -> None:
-        for lease in self.engine.connection_closed(self.clock.boot_ms(), conn):
+    def connection_closed(self, conn: int, *, release_bound: bool = True) -> None:
+        now = self.clock.boot_ms()
+        for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):
             self.stats.count("releases")
             log.debug(kv(event="released_on_close", key=lease.key, principal=lease.principal))
         self.commit()

@@ -681,15 +681,6 @@ def test_unresponsive_daemon_acts_before_the_lease_expires(
     assert "no successful renewal" in (proc.stderr.read() if proc.stderr else "")
 
 
-_BUG_STOP_RELEASES = (
-    "BUG (lockd/server.py Server.serve): on a clean stop (SIGTERM) the connection tasks are"
-    " cancelled and each one's finally calls service.connection_closed(), which releases"
-    " every releaseOnClose lease and commits that; SPEC §3/§7 say such a lease stays an"
-    " ordinary TTL lease across a restart and a SIGTERM stop keeps every committed lease"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_BUG_STOP_RELEASES)
 def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as own:
         assert own.try_acquire("survive", ttl=30, release_on_close=True) is not None
@@ -700,10 +691,7 @@ def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonPr
 
 @pytest.mark.parametrize(
     "how",
-    [
-        "kill9",
-        pytest.param("sigterm", marks=pytest.mark.xfail(strict=True, reason=_BUG_STOP_RELEASES)),
-    ],
+    ["kill9", "sigterm"],
 )
 def test_daemon_restart_keeps_the_run_going(
     daemon: DaemonProcess, short_tmp: Path, how: str

@@ -180,6 +180,19 @@ def test_release_on_close_frees_only_bound_leases() -> None:
     assert e.status(2, "b").holder is not None
 
 
+def test_stopping_daemon_keeps_bound_leases_as_ttl_leases() -> None:
+    e = make_engine()
+    bound = grant(e.acquire(0, "a", ttl_ms=1000, principal="user:a", conn=7, release_on_close=True))
+    grant(e.acquire(1, "b", ttl_ms=1000, principal="user:c", conn=8))
+    w = park(e.acquire(1, "b", ttl_ms=100, principal="user:b", conn=7, wait_ms=10_000))
+    assert e.connection_closed(2, 7, release_bound=False) == []
+    assert e.status(2, "a").holder is bound and bound.conn is None
+    assert w.cancelled
+    # ...and a later close of a reused connection id does not free it.
+    assert e.connection_closed(3, 7) == []
+    assert e.status(3, "a").holder is bound
+
+
 def test_connection_close_drops_its_waiters() -> None:
     e = make_engine()
     holder = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a", conn=1))
