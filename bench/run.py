@@ -401,7 +401,7 @@ def _report_store(results: dict[str, Any]) -> list[str]:
         share = results["store"][0]["p50_us"] / per_request_us
         out.append(
             f"  NORMAL p50 is {share:.1%} of one lockd request in (a) ({per_request_us:.0f} us);"
-            " under NORMAL the > 500 us ones are WAL auto-checkpoints (db file fsync)"
+            " on a quiet box the > 500 us ones are WAL auto-checkpoints (db fsync)"
         )
     return out
 
