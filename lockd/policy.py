@@ -76,6 +76,7 @@ from celpy import celtypes
 from celpy.evaluation import base_functions
 
 from lockd.identity import Caller
+from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.policy")
 
@@ -810,18 +811,21 @@ class PolicyManager:
             files = _read(_rule_files(self.rule_sets_dir))
             if _fingerprint(files) == self._policy.fingerprint:
                 if self._last_error is not None:
-                    log.info("rule sets are back to the policy in force; error cleared")
+                    log.info(kv(event="rules_error_cleared"))
                 self._last_error = None
                 return True
             policy = _build(files, self._wall_clock)
         except RuleSetError as err:
             self._last_error = err.as_dict(rfc3339_ms(self._wall_clock()))
             log.warning(
-                "rule set rejected, previous policy stays in force: file=%s line=%s column=%s: %s",
-                err.file,
-                err.line,
-                err.column,
-                err.message,
+                kv(
+                    event="rules_rejected",
+                    file=err.file,
+                    line=err.line,
+                    column=err.column,
+                    error=err.message,
+                    policy="previous stays in force",
+                )
             )
             return False
         self._install(policy)
@@ -831,14 +835,16 @@ class PolicyManager:
         self._policy = policy
         self._last_error = None
         if policy.info is None:
-            log.info("no lock rule set installed: every member may use every key")
+            log.info(kv(event="rules_loaded", policy="open default (no lock rule set)"))
         else:
             log.info(
-                "lock rule set %r loaded from %s (sha256 %s, rules: %s)",
-                policy.name,
-                policy.file,
-                policy.sha256,
-                ", ".join(policy.rule_names) or "none",
+                kv(
+                    event="rules_loaded",
+                    name=policy.name,
+                    file=policy.file,
+                    sha256=policy.sha256,
+                    rules=",".join(policy.rule_names) or "none",
+                )
             )
 
     def rules_result(self) -> dict[str, Any]:

@@ -46,6 +46,8 @@ from inotify_simple import INotify, flags
 
 from lockd.policy import is_rule_file_name
 
+from .logfmt import kv
+
 log = logging.getLogger("lockd.rulewatch")
 
 _F = flags
@@ -123,7 +125,7 @@ def _call(on_change: Callable[[], None]) -> None:
     try:
         on_change()
     except Exception:
-        log.exception("rule-set reload failed")
+        log.exception(kv(event="rules_reload_failed"))
 
 
 def _snapshot(directory: Path) -> tuple[Any, ...] | None:
@@ -233,7 +235,7 @@ async def watch_rule_sets(
         await _watch(directory, on_change, settle, started)
     except _InotifyFailed as exc:
         log.warning(
-            "cannot watch %s with inotify (%s); polling every %ss", directory, exc, poll_interval
+            kv(event="rules_watch_polling", dir=directory, error=exc, interval_s=poll_interval)
         )
     if started.done:
         _call(on_change)  # changes may have been missed while switching over

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .engine import Changes, Lease
+from .logfmt import kv
 
 log = logging.getLogger("lockd.store")
 
@@ -120,7 +121,7 @@ class Store:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-            log.info("event=migrated db=%s version=%d", self.path, version)
+            log.info(kv(event="migrated", db=self.path, version=version))
 
     def load(self) -> tuple[list[Lease], int]:
         """Drop leases of earlier boots; return this boot's leases and the fence."""
@@ -137,7 +138,7 @@ class Store:
             db.execute("ROLLBACK")
             raise
         if dropped:
-            log.info("event=dropped_earlier_boot leases=%d", dropped)
+            log.info(kv(event="dropped_earlier_boot", leases=dropped))
         leases = [Lease(*row) for row in rows]
         fence = max([fence, *(lease.fence for lease in leases)])
         return leases, fence
@@ -198,8 +199,4 @@ def _prepare_directory(directory: Path) -> None:
         return
     mode = directory.stat().st_mode & 0o777
     if mode & 0o077 and directory.stat().st_uid == os.getuid():
-        log.warning(
-            "event=state_dir_open dir=%s mode=%o hint='chmod 700 it: it holds handle ids'",
-            directory,
-            mode,
-        )
+        log.warning(kv(event="state_dir_open", dir=directory, mode=oct(mode), hint="chmod 700 it"))
