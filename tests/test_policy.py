@@ -587,3 +587,40 @@ def test_decide_cost_p50(tmp_path: Path) -> None:
     p99 = sorted(samples)[int(len(samples) * 0.99)] / 1000
     print(f"\ndecide() startsWith rule: p50 {p50:.0f} us, p99 {p99:.0f} us")
     assert policy.decide(who, "acquire", "user:alice:1").allowed
+
+
+def test_verdicts_are_remembered_per_policy_and_bounded(tmp_path: Path) -> None:
+    from lockd import policy as policy_module
+
+    policy = policy_with(tmp_path)
+    who = caller(groups=("alice",))
+    calls = 0
+    evaluate = policy._evaluate
+
+    def counting(*args: object) -> Decision:
+        nonlocal calls
+        calls += 1
+        return evaluate(*args)  # type: ignore[arg-type]
+
+    policy._evaluate = counting  # type: ignore[method-assign]
+    first = policy.decide(who, "acquire", "user:alice:1")
+    assert policy.decide(who, "acquire", "user:alice:1") == first and calls == 1
+    # Anything the rule can see is part of the cache key.
+    other = caller(name="bob", groups=("bob",))
+    assert not policy.decide(other, "acquire", "user:alice:1").allowed and calls == 2
+    for i in range(policy_module.VERDICT_CACHE_SIZE + 10):
+        policy.decide(who, "acquire", f"user:alice:{i}")
+    assert len(policy._verdicts) == policy_module.VERDICT_CACHE_SIZE
+
+
+def test_decide_cost_p50_when_remembered(tmp_path: Path) -> None:
+    """Not an assertion on speed: the p50 of a repeated (caller, key) verdict."""
+    policy = policy_with(tmp_path)
+    who = caller(groups=("alice", "staff", "ops"))
+    samples: list[int] = []
+    for _ in range(2000):
+        t = time.perf_counter_ns()
+        policy.decide(who, "acquire", "user:alice:job")
+        samples.append(time.perf_counter_ns() - t)
+    print(f"\ndecide() remembered verdict: p50 {statistics.median(samples) / 1000:.1f} us")
+    assert policy.decide(who, "acquire", "user:alice:job").allowed
