@@ -97,8 +97,6 @@ class Settings:
     max_connections: int = 1024
     #: longest request line in bytes (newline not counted).
     max_line_bytes: int = 65536
-    #: parked acquires across all keys; beyond it an acquire is refused.
-    max_waiters: int = 10000
     #: requests of one connection being served at once (parked acquires included).
     max_pending_per_connection: int = 1024
     #: log level: debug, info, warning or error.
