@@ -7,8 +7,11 @@ scripts, per connection, what it reads and answers. No daemon is involved.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import random
+import select
 import shutil
 import socket
 import subprocess
@@ -374,6 +377,88 @@ def test_successful_renew_updates_handle(serve: Callable[[Script], FakeServer]) 
         assert handle.lease_expires_at == result.lease_expires_at and handle.ttl_ms == 20000
 
 
+def test_encoder_matches_json_dumps() -> None:
+    from lockd_client import _wire
+
+    samples: list[dict[str, Any]] = [
+        {"id": 1, "op": "tryAcquire", "key": "k", "ttlMs": 30000},
+        {
+            "id": 2**40,
+            "op": "acquire",
+            "key": 'é\u2028"\\\t/<>',
+            "owner": "o",
+            "releaseOnClose": True,
+        },
+        {"id": 3, "op": "break", "key": "\U0001f512", "reason": "line\nbreak", "x": None},
+    ]
+    for message in samples:
+        expected = json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        assert _wire.encode(message) == expected.encode() + b"\n"
+        assert json.loads(_wire.encode(message)) == message
+    with pytest.raises((TypeError, ValueError)):
+        _wire.encode({"id": 1, "op": "x", "bad": object()})
+    with pytest.raises(ValueError):
+        _wire.encode({"id": 1, "op": "x", "bad": float("nan")})
+
+
+def test_reply_decoding_matches_json_loads() -> None:
+    from lockd_client import _wire
+
+    for text in ['{"id":1,"ok":true}', ' {"id": 1} ', "[1,2]", '"s"', "null"]:
+        assert _wire.decode(text) == json.loads(text)
+    for bad in ['{"id":1}{"id":2}', "", "{", '{"id":1} x']:
+        with pytest.raises(ValueError):
+            _wire.decode(bad)
+
+
+def test_whole_seconds_short_cut_agrees_with_the_general_rule() -> None:
+    from lockd_client._wire import seconds_to_ms
+
+    assert seconds_to_ms(1, "ttl", allow_zero=False) == 1000
+    assert seconds_to_ms(86_400, "ttl", allow_zero=False) == 86_400_000
+    assert seconds_to_ms(0, "timeout", allow_zero=True) == 0
+    assert seconds_to_ms(2.0, "ttl", allow_zero=False) == 2000
+    for value, exc in [(0, ValueError), (-1, ValueError), (86_401, ValueError), (True, TypeError)]:
+        with pytest.raises(exc):
+            seconds_to_ms(value, "ttl", allow_zero=False)
+
+
+def test_replies_split_across_reads_and_joined_in_one(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    both_in = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        first = peer.recv()
+        assert first is not None
+        line = json.dumps({"id": first["id"], **answer(first)}).encode() + b"\n"
+        for part in (line[:5], line[5:40], line[40:]):  # one reply in three pieces
+            peer.sock.sendall(part)
+            time.sleep(0.01)
+        a, b = peer.recv(), peer.recv()
+        assert a is not None and b is not None
+        both_in.set()
+        lines = [json.dumps({"id": r["id"], **answer(r)}).encode() + b"\n" for r in (b, a)]
+        peer.sock.sendall(b"".join(lines))  # two replies in one write
+        responder(answer)(peer, index)
+
+    server = serve(script)
+    with make_client(server.path) as client:
+        assert client.status("split").key == "split"
+        out: dict[str, Any] = {}
+        threads = [
+            threading.Thread(target=lambda k=k: out.__setitem__(k, client.status(k)))
+            for k in ("x", "y")
+        ]
+        for t in threads:
+            t.start()
+        assert both_in.wait(2)
+        for t in threads:
+            t.join(2)
+        assert out["x"].key == "x" and out["y"].key == "y"
+        assert client.hello()["op"] == "hello"  # the stream is still in step
+
+
 # -- errors --------------------------------------------------------------------------
 
 
@@ -522,6 +607,103 @@ def test_renew_answered_while_blocking_acquire_waits(
         assert box and box[0].fence == 8
 
 
+def test_reader_hands_over_when_it_gives_up(serve: Callable[[Script], FakeServer]) -> None:
+    """The thread reading the socket times out while another waits: that one reads on."""
+    status_seen = threading.Event()
+    acquire_seen = threading.Event()
+    answer_acquire = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        while (request := peer.recv()) is not None:
+            if request["op"] == "status":
+                status_seen.set()  # never answered
+            elif request["op"] == "acquire":
+                acquire_seen.set()
+                assert answer_acquire.wait(5)
+                peer.reply(request, answer(request))
+            else:
+                peer.reply(request, answer(request))
+
+    server = serve(script)
+    with make_client(server.path, request_timeout=0.1) as client:
+        errors: list[BaseException] = []
+
+        def short_wait() -> None:
+            try:
+                client.status("a")
+            except BaseException as exc:
+                errors.append(exc)
+
+        first = threading.Thread(target=short_wait)
+        first.start()
+        assert status_seen.wait(2)
+        box: list[Handle] = []
+        second = threading.Thread(target=lambda: box.append(client.acquire("b", 1, 5)))
+        second.start()
+        assert acquire_seen.wait(2)
+        first.join(2)
+        assert isinstance(errors[0], DaemonUnavailableError)  # "no reply" within 0.1 s
+        answer_acquire.set()
+        second.join(5)
+        assert box and box[0].key == "b"
+        assert client.hello()["op"] == "hello"
+    assert server.connections == 1
+
+
+def test_many_threads_share_one_connection(serve: Callable[[Script], FakeServer]) -> None:
+    """Replies come back in batches, shuffled: every thread gets its own."""
+    rng = random.Random(7)
+
+    def script(peer: Peer, index: int) -> None:
+        buf = b""
+        pending: list[dict[str, Any]] = []
+        while True:
+            ready, _, _ = select.select([peer.sock], [], [], 0.005 if pending else 5.0)
+            if ready:
+                data = peer.sock.recv(65536)
+                if not data:
+                    return
+                *lines, buf = (buf + data).split(b"\n")
+                for line in lines:
+                    request = json.loads(line)
+                    peer.server.record(request)
+                    pending.append(request)
+                if len(pending) < 4:
+                    continue
+            if not pending:
+                return  # idle for 5 s: the client is gone
+            rng.shuffle(pending)
+            replies = [json.dumps({"id": r["id"], **answer(r)}).encode() + b"\n" for r in pending]
+            peer.sock.sendall(b"".join(replies))
+            pending.clear()
+
+    server = serve(script)
+    per_thread, threads_n = 60, 8
+    failures: list[BaseException] = []
+    with make_client(server.path) as client:
+
+        def work(i: int) -> None:
+            try:
+                for j in range(per_thread):
+                    key = f"t{i}-{j}"
+                    if j % 3 == 0:
+                        handle = client.try_acquire(key, ttl=5)
+                        assert handle is not None and handle.key == key
+                        assert client.release(handle).released
+                    else:
+                        assert client.status(key).key == key
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not failures, failures[:3]
+    assert server.connections == 1
+
+
 # -- time-outs --------------------------------------------------------------------------
 
 
@@ -566,6 +748,46 @@ def test_no_reply_times_out_and_late_grant_is_released(
         assert client.status("k").key == "k"  # same connection still works
         assert released.wait(2)
     assert server.connections == 1
+
+
+def test_late_grant_is_released_while_another_thread_reads(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    """The reader gives a late grant back at once, not when its own (long) wait ends."""
+    gave_up = threading.Event()
+    released_early = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        parked = late = None
+        while (request := peer.recv()) is not None:
+            if request["op"] == "acquire" and request["key"] == "slow":
+                parked = request
+            elif request["op"] == "acquire":
+                late = request
+                assert gave_up.wait(5)
+                peer.reply(late, ok(grant(late)))  # nobody waits for it any more
+            elif request["op"] == "release" and late is not None and request["key"] == late["key"]:
+                released_early.set()
+                assert parked is not None
+                peer.reply(parked, ok(grant(parked)))
+            else:
+                peer.reply(request, answer(request))
+
+    server = serve(script)
+    with make_client(server.path, request_timeout=0.1) as client:
+        box: list[Handle] = []
+        waiter = threading.Thread(target=lambda: box.append(client.acquire("slow", 1, 10)))
+        waiter.start()
+        deadline = time.monotonic() + 2
+        while "acquire" not in server.ops():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        with pytest.raises(DaemonUnavailableError, match="no reply"):
+            client.acquire("k", ttl=1, timeout=0)
+        gave_up.set()
+        assert released_early.wait(5)  # while "slow" still waits: its reply needs it
+        waiter.join(5)
+        assert box and box[0].key == "slow"
 
 
 def test_close_wakes_waiting_thread(serve: Callable[[Script], FakeServer]) -> None:
@@ -675,6 +897,120 @@ def test_idle_connection_closed_by_daemon_is_replaced(
         # Nothing was sent on the dead connection, so even this op goes through.
         assert client.try_acquire("k", ttl=1) is not None
     assert server.connections == 2 and server.ops() == ["hello", "tryAcquire"]
+
+
+@pytest.mark.parametrize("unread", [False, True])
+def test_send_after_the_peer_closed_fails_at_once(sock_path: str, unread: bool) -> None:
+    """What the client relies on instead of checking a connection before each request."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with listener, client:
+        listener.bind(sock_path)
+        listener.listen(1)
+        client.connect(sock_path)
+        daemon_side, _ = listener.accept()
+        if unread:
+            client.sendall(b'{"id":1,"op":"hello"}\n')  # the daemon leaves it unread
+        daemon_side.close()
+        with pytest.raises(OSError) as info:
+            client.send(b'{"id":2,"op":"hello"}\n', socket.MSG_NOSIGNAL)
+        assert info.value.errno in (errno.EPIPE, errno.ECONNRESET)
+
+
+def close_after_first_reply(peer: Peer, index: int) -> None:
+    """Connection 0 answers one request, then the daemon closes it; later ones answer."""
+    if index == 0:
+        request = peer.recv()
+        assert request is not None
+        peer.reply(request, answer(request))
+        peer.close()
+        return
+    responder(answer)(peer, index)
+
+
+@pytest.mark.parametrize("op", ["tryAcquire", "acquire", "break"])
+def test_unsent_request_is_sent_once_at_once_on_a_new_connection(
+    serve: Callable[[Script], FakeServer], monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """A send that fails on a connection the daemon closed is safe to repeat, even for
+    requests that are never retried once sent; the first re-send does not back off."""
+    server = serve(close_after_first_reply)
+    real_sleep = time.sleep
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    with make_client(server.path) as client:
+        client.hello()
+        deadline = time.monotonic() + 2
+        while server.connections < 1 or server._peers[0].sock.fileno() != -1:
+            assert time.monotonic() < deadline
+            real_sleep(0.005)  # until the daemon side is closed
+        monkeypatch.setattr(time, "sleep", sleep)
+        if op == "tryAcquire":
+            assert client.try_acquire("k", ttl=1) is not None
+        elif op == "acquire":
+            assert client.acquire("k", ttl=1, timeout=1).key == "k"
+        else:
+            assert client.break_lock("k", "why").broken is False
+    assert server.ops() == ["hello", op]
+    assert server.connections == 2 and slept == []
+
+
+def test_stuck_send_is_not_sent_and_goes_again_on_a_new_connection(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    """A send that times out (the daemon stopped reading) never delivered the newline."""
+    done = threading.Event()
+    first_bytes: list[bytes] = []
+
+    def script(peer: Peer, index: int) -> None:
+        if index == 0:
+            assert done.wait(10)  # read nothing until the client has moved on
+            peer.sock.settimeout(5)
+            data = b""
+            while chunk := peer.sock.recv(1 << 20):
+                data += chunk
+            first_bytes.append(data)
+            return
+        responder(answer)(peer, index)
+
+    server = serve(script)
+    prefix = "p" * (4 << 20)  # far more than the socket buffers hold
+    with make_client(server.path, request_timeout=0.5, retry_window=2) as client:
+        assert client.list(prefix=prefix) == []
+        done.set()
+    deadline = time.monotonic() + 5
+    while not first_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first_bytes and first_bytes[0] and b"\n" not in first_bytes[0]
+    assert server.ops() == ["list"] and server.connections == 2
+
+
+def test_default_sigpipe_does_not_kill_on_a_closed_connection(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    """Programs that restore SIGPIPE's default action still get a reconnect, not death."""
+    server = serve(close_after_first_reply)
+    code = (
+        "import select, signal, sys\n"
+        "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
+        "from lockd_client import LockClient\n"
+        "with LockClient(sys.argv[1], request_timeout=5, retry_window=1) as client:\n"
+        "    client.hello()\n"
+        "    poller = select.poll()\n"
+        "    poller.register(client._conn._sock.fileno(), select.POLLIN)\n"
+        "    assert poller.poll(5000)  # EOF: the daemon closed this connection\n"
+        "    assert client.try_acquire('k', ttl=1) is not None\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, server.path], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert server.ops() == ["hello", "tryAcquire"] and server.connections == 2
 
 
 def test_gives_up_when_daemon_stays_away(serve: Callable[[Script], FakeServer]) -> None:

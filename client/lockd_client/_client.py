@@ -5,26 +5,39 @@ requests are pipelined and replies matched by ``id`` (see ``_connection``), so
 a lease taken with ``release_on_close=True`` stays bound to this client's
 connection even while another thread (auto-renew) talks to the daemon.
 
-The connection is opened on first use. When it breaks (the daemon restarted:
-connection refused, reset, or EOF), the client reconnects by itself, with a
-short backoff for up to ``retry_window`` seconds (5 s by default), then raises
-:class:`DaemonUnavailableError`. What gets re-sent after a break depends on
-whether doing the request twice is harmless:
+The connection is opened on first use, and replaced when it breaks (the
+daemon restarted: connection refused, reset, or EOF). Nothing is checked
+before sending: on a Unix stream socket whose peer has closed, ``send`` fails
+at once (EPIPE/ECONNRESET), so a dead connection shows itself when used.
 
-- retried: ``hello``, ``status``, ``list``, ``stats``, ``rules``, ``renew``,
-  ``release``; ``acquire`` and ``try_acquire`` only when an ``owner`` is given
-  (the retry re-takes the hold and fences the first grant, if there was one;
-  a retried blocking ``acquire`` waits only for what is left of its timeout);
-- never retried once sent: ``acquire``/``try_acquire`` without an owner and
-  ``break_lock``: the daemon may have applied them, so they raise
-  DaemonUnavailableError.
+Retry rules. A request is sent again, on a new connection, in exactly these
+two cases, for up to ``retry_window`` seconds (5 s by default) with a short
+backoff, then :class:`DaemonUnavailableError` is raised:
 
-A request that was never sent (the connection was found closed before
-sending, or connecting failed after an earlier connection existed) is safe to
-send again for every operation. The very first connection attempt of a client
-is not retried, so a missing daemon is reported at once. Daemon errors such as
-``SHUTTING_DOWN`` are raised, not retried. A ``release`` retried after a break
-may answer ``released: false`` although the first attempt released the key.
+1. It was never sent, whatever the operation: connecting failed, the
+   connection was already known to be dead, or the send failed (the daemon
+   had closed the connection, e.g. it restarted while this client sat idle;
+   or the send timed out). A failed send never delivered the line's final
+   newline, and the daemon acts on complete lines only, so the daemon cannot
+   have carried it out. The first such re-send goes at once, without backoff.
+   Exception: a failed connect is retried only once this client has been
+   connected before, so a daemon that is not running is reported at once.
+2. It was sent, the connection broke before the reply came (EOF, reset), and
+   doing it twice is harmless: ``hello``, ``status``, ``list``, ``stats``,
+   ``rules``, ``renew``, ``release``; ``acquire`` and ``try_acquire`` only when
+   an ``owner`` is given (the retry re-takes the hold and fences the first
+   grant, if there was one; a retried blocking ``acquire`` waits only for what
+   is left of its timeout). ``renew`` also stops retrying at the end of the
+   lease when it renews for auto-renew.
+
+Never sent twice: ``acquire``/``try_acquire`` without an owner and
+``break_lock`` that were sent on a connection that then broke: the daemon may
+have applied them, so they raise DaemonUnavailableError ("not retried"). No
+request is retried after its reply timed out (``request_timeout``) on a live
+connection; that raises DaemonUnavailableError ("no reply"). Daemon errors
+such as ``SHUTTING_DOWN`` are raised, not retried. A ``release`` retried after
+a break may answer ``released: false`` although the first attempt released
+the key.
 """
 
 from __future__ import annotations
@@ -157,7 +170,8 @@ class LockClient:
             )
             return {**base, "timeoutMs": ms}, read_timeout
 
-        result = self._call("acquire", build, retry=owner is not None)
+        args, read_timeout = build()
+        result = self._call("acquire", args, read_timeout, retry=owner is not None, again=build)
         return Handle.from_result(result)
 
     def try_acquire(
@@ -169,7 +183,7 @@ class LockClient:
     ) -> Handle | None:
         """One attempt at ``key``: the Handle, or ``None`` when someone else holds it."""
         args = self._grant_args(key, ttl, owner, release_on_close)
-        result = self._call("tryAcquire", self._fixed(args), retry=owner is not None)
+        result = self._call("tryAcquire", args, self.request_timeout, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
 
     def renew(self, handle: HandleRef, ttl: float) -> RenewResult:
@@ -184,12 +198,13 @@ class LockClient:
     def release(self, handle: HandleRef) -> ReleaseResult:
         """Free the key if ``handle`` still holds it (else ``released`` False, ``not_holder``)."""
         key, handle_id = _handle_parts(handle)
-        result = self._call("release", self._fixed({"key": key, "handle": handle_id}), retry=True)
+        args = {"key": key, "handle": handle_id}
+        result = self._call("release", args, self.request_timeout, retry=True)
         return ReleaseResult.from_result(result)
 
     def status(self, key: str) -> LockStatus:
         """Who holds ``key`` right now, without trying to take it."""
-        result = self._call("status", self._fixed({"key": check_key(key)}), retry=True)
+        result = self._call("status", {"key": check_key(key)}, self.request_timeout, retry=True)
         return LockStatus.from_result(result)
 
     def list(
@@ -205,7 +220,7 @@ class LockClient:
             if limit < 1:
                 raise ValueError(f"limit must be at least 1, got {limit}")
             args["limit"] = limit
-        result = self._call("list", self._fixed(args), retry=True)
+        result = self._call("list", args, self.request_timeout, retry=True)
         locks = result.get("locks") if isinstance(result, dict) else None
         if not isinstance(locks, builtins.list):
             raise LockdError(f"malformed list reply: {result!r}", code="PROTOCOL_ERROR")
@@ -214,7 +229,8 @@ class LockClient:
     def break_lock(self, key: str, reason: str) -> BreakResult:
         """Free ``key`` whoever holds it, fencing the holder (owner, admin). Never retried."""
         args = {"key": check_key(key), "reason": check_reason(reason)}
-        return BreakResult.from_result(self._call("break", self._fixed(args), retry=False))
+        result = self._call("break", args, self.request_timeout, retry=False)
+        return BreakResult.from_result(result)
 
     def stats(self) -> dict[str, Any]:
         """Daemon counters, gauges and per-op latency percentiles (owner, admin, services)."""
@@ -273,8 +289,11 @@ class LockClient:
                 read_timeout = left if read_timeout is None else min(read_timeout, left)
             return args, read_timeout
 
+        first_args, read_timeout = build()
         result = RenewResult.from_result(
-            self._call("renew", build, retry=True, give_up_at=give_up_at)
+            self._call(
+                "renew", first_args, read_timeout, retry=True, again=build, give_up_at=give_up_at
+            )
         )
         if result.renewed and isinstance(handle, Handle):
             handle.ttl_ms = ttl_ms
@@ -295,12 +314,8 @@ class LockClient:
             args["releaseOnClose"] = True
         return args
 
-    def _fixed(self, args: dict[str, Any]) -> _Build:
-        timeout = self.request_timeout
-        return lambda: (args, timeout)
-
     def _dict_result(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        result = self._call(op, self._fixed(args), retry=True)
+        result = self._call(op, args, self.request_timeout, retry=True)
         if not isinstance(result, dict):
             raise LockdError(f"malformed {op} reply: {result!r}", code="PROTOCOL_ERROR")
         return result
@@ -311,11 +326,14 @@ class LockClient:
 
     def _connection(self) -> Connection:
         """The live connection, (re)connecting if needed; OSError if connecting fails."""
+        conn = self._conn  # fast path, no lock: a stale answer fails as "not sent"
+        if conn is not None and not conn.dead:
+            return conn
         with self._lock:
             if self._closed:
                 raise _closed_error()
             conn = self._conn
-            if conn is not None and not conn.is_closed_by_peer():
+            if conn is not None and not conn.dead:
                 return conn
             self._conn = None
             conn = Connection.open(
@@ -333,12 +351,28 @@ class LockClient:
             if self._conn is conn:
                 self._conn = None
 
-    def _call(self, op: str, build: _Build, *, retry: bool, give_up_at: float | None = None) -> Any:
-        """Send ``op`` and return its ``result``, reconnecting and retrying as documented."""
+    def _call(
+        self,
+        op: str,
+        args: dict[str, Any],
+        read_timeout: float | None,
+        *,
+        retry: bool,
+        again: _Build | None = None,
+        give_up_at: float | None = None,
+    ) -> Any:
+        """Send ``op`` and return its ``result``, reconnecting and re-sending as documented.
+
+        ``retry`` says whether a request that was sent, but whose connection
+        broke before the reply, may be sent again. ``again`` recomputes the
+        arguments and read time-out for each re-send; ``give_up_at``
+        (monotonic) ends re-sending early.
+        """
         retry_until: float | None = None
         delay = 0.05
+        resent_at_once = False
         while True:
-            args, read_timeout = build()
+            at_once = False
             try:
                 conn = self._connection()
             except OSError as exc:
@@ -352,12 +386,18 @@ class LockClient:
                     self._forget(conn)
                     if self._closed:
                         raise _closed_error() from None
-                    if exc.protocol:
+                    if not exc.sent:  # rule 1: safe for every op
+                        failure = f"connection lost before {op!r} was sent ({exc.reason})"
+                        can_retry = True
+                        at_once = not resent_at_once
+                        resent_at_once = True
+                    elif exc.protocol:  # the daemon answered garbage: do not insist
                         raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
-                    failure = f"connection lost during {op!r} ({exc.reason})"
-                    can_retry = retry
-                    if not retry:
-                        failure += "; not retried, as the daemon may have carried it out"
+                    else:  # rule 2: only what is harmless twice
+                        failure = f"connection lost during {op!r} ({exc.reason})"
+                        can_retry = retry
+                        if not retry:
+                            failure += "; not retried, as the daemon may have carried it out"
                 except ReplyTimeout:
                     waited = "" if read_timeout is None else f" within {read_timeout:g} s"
                     raise DaemonUnavailableError(
@@ -370,10 +410,14 @@ class LockClient:
                 retry_until = now + self.retry_window
                 if give_up_at is not None:
                     retry_until = min(retry_until, give_up_at)
-            if not can_retry or now + delay > retry_until:
+            pause = 0.0 if at_once else delay
+            if not can_retry or now + pause > retry_until:
                 raise DaemonUnavailableError(self.socket_path, failure)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            if pause:
+                time.sleep(pause)
+                delay = min(delay * 2, 0.5)
+            if again is not None:
+                args, read_timeout = again()
 
 
 def _unwrap(reply: dict[str, Any]) -> Any:

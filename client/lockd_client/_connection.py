@@ -1,42 +1,68 @@
 """One Unix-socket connection to the daemon, shared by any number of threads.
 
 Requests are pipelined: a thread sends its line under a send lock, then waits
-for the reply carrying its ``id``. Reading is "one reader at a time": whichever
-waiting thread finds no reader becomes the reader, reads from the socket
-(buffered, line by line) and files every reply it sees under its id, then
-wakes the others through a :class:`threading.Condition`. A thread whose reply
-has been filed takes it and returns; a thread that gives up (time-out,
-interrupt) leaves its id behind as abandoned, and if a grant later arrives for
-it, the grant is released at once so the key is not held for nothing.
+for the reply carrying its ``id``. Reading is "one reader at a time": a
+waiting thread that finds no reader becomes the reader, reads from the socket
+(buffered, line by line) and files every reply it sees under its id, waking
+the threads parked on a :class:`threading.Condition` when there are any. A
+thread whose reply has been filed takes it and returns; a thread that gives
+up (time-out, interrupt) leaves its id behind as abandoned, and if a grant
+later arrives for it, the grant is released at once so the key is not held
+for nothing.
+
+The single-thread case is the hot path and is kept to three system calls per
+request (``send``, ``poll``, ``recv``) and three uncontended lock round trips:
+the socket is in blocking mode with the send time-out set in the kernel
+(``SO_SNDTIMEO``) so ``sendall`` does not poll first, one ``poll`` object made
+at connect time bounds the wait for a reply, and the condition variable is
+only notified when some thread is parked on it.
+
+Whether a request reached the daemon is reported with :class:`ConnectionLost`
+``sent``: False when the connection was already dead before sending or the
+send itself failed. A failed send never delivered the request's final
+newline (``sendall`` only fails on a ``send`` call that moved no bytes), and
+the daemon only acts on complete lines, so such a request was not carried out
+and may be sent again on a new connection. ``send`` on an ``AF_UNIX`` stream
+whose peer has closed fails at once with ``EPIPE`` (``ECONNRESET`` when the
+peer left our data unread); ``MSG_NOSIGNAL`` keeps that from raising SIGPIPE
+in programs that restored its default action.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ._wire import encode
+from ._wire import decode, encode
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 
 _READ_CHUNK = 65536
 _GRANT_OPS = frozenset({"acquire", "tryAcquire"})
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_POLLIN = select.POLLIN
+_MAX_POLL_MS = 2**31 - 1  # poll() takes a C int; a longer wait just loops
 
 
 class ConnectionLost(Exception):
-    """The connection is gone (internal). ``protocol`` is True if the daemon sent garbage."""
+    """The connection is gone (internal).
 
-    def __init__(self, reason: str, *, protocol: bool = False) -> None:
+    ``protocol`` is True if the daemon sent garbage; ``sent`` is False when the
+    request in hand certainly did not reach the daemon (see the module doc).
+    """
+
+    def __init__(self, reason: str, *, protocol: bool = False, sent: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.protocol = protocol
+        self.sent = sent
 
 
 class ReplyTimeout(Exception):
@@ -49,11 +75,14 @@ class Connection:
     def __init__(self, sock: socket.socket, next_id: Callable[[], int]) -> None:
         self._sock = sock
         self._next_id = next_id
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), _POLLIN)
         self._send_lock = threading.Lock()
-        self._cond = threading.Condition(threading.Lock())
-        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._parked = 0  # threads in self._cond.wait(): notify only when > 0
+        self._buf = bytearray()  # an incomplete line, while one is coming in
         self._replies: dict[int, dict[str, Any]] = {}
-        self._waiting: set[int] = set()
         self._abandoned: dict[int, str] = {}
         self._late_grants: list[tuple[str, str]] = []
         self._reading = False
@@ -74,8 +103,12 @@ class Connection:
         try:
             sock.settimeout(connect_timeout)
             sock.connect(path)
-            # Reads wait in poll(); the socket timeout only bounds a stuck send.
-            sock.settimeout(send_timeout)
+            # Blocking from here on: reads wait in poll(), and the kernel's
+            # SO_SNDTIMEO bounds a stuck send (EAGAIN), so sendall() needs no
+            # poll() of its own before each send.
+            sock.settimeout(None)
+            if send_timeout is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout))
         except BaseException:
             sock.close()
             raise
@@ -92,133 +125,131 @@ class Connection:
         """Send ``message`` and return the reply with its id.
 
         Raises ConnectionLost when the connection breaks before the reply is
-        in, ReplyTimeout when ``timeout`` seconds pass without it.
+        in (``sent=False`` if the request never left), ReplyTimeout when
+        ``timeout`` seconds pass without it.
         """
-        rid: int = message["id"]
         line = encode(message)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            if self._dead is not None:
-                raise self._lost()
-            self._waiting.add(rid)
-        answered = False
+        if self._dead is not None:
+            raise self._lost(sent=False)
         try:
-            self._send(line)
-            reply = self._wait_reply(rid, deadline)
-            answered = True
-            return reply
-        finally:
-            with self._cond:
-                self._waiting.discard(rid)
-                if not answered:
-                    leftover = self._replies.pop(rid, None)
-                    if leftover is not None:
-                        self._note_late_locked(message["op"], leftover)
-                    elif self._dead is None:
-                        self._abandoned[rid] = message["op"]
-            self._flush_late_grants()
-
-    def is_closed_by_peer(self) -> bool:
-        """Check an idle connection for EOF without blocking (True if it is dead).
-
-        Used before sending a request that must not be retried: a daemon that
-        restarted while we were idle is noticed here, before anything is sent.
-        """
-        with self._cond:
-            if self._dead is not None:
-                return True
-            if self._reading or self._waiting:
-                return False
-            self._read_once_locked(0.0)
-            dead = self._dead is not None
-        self._flush_late_grants()
-        return dead
+            with self._send_lock:
+                self._sock.sendall(line, _NOSIGNAL)
+        except OSError as exc:
+            with self._lock:
+                self._kill_locked(f"sending failed ({_describe(exc)})")
+            raise self._lost(sent=False) from exc
+        except BaseException:
+            # Interrupted part-way: the stream may end in half a line, which
+            # would swallow the next request. Nothing can be trusted after it.
+            with self._lock:
+                self._kill_locked("interrupted while sending")
+            raise
+        return self._wait_reply(message["id"], message["op"], deadline)
 
     def close(self) -> None:
         """Close the connection; threads waiting on it get ConnectionLost."""
-        with self._cond:
+        with self._lock:
             self._kill_locked("the client closed the connection")
 
     # -- internals ----------------------------------------------------------
 
-    def _lost(self) -> ConnectionLost:
+    def _lost(self, *, sent: bool) -> ConnectionLost:
         dead = self._dead
         assert dead is not None
-        return ConnectionLost(dead.reason, protocol=dead.protocol)
+        return ConnectionLost(dead.reason, protocol=dead.protocol, sent=sent)
 
-    def _send(self, line: bytes) -> None:
+    def _wait_reply(self, rid: int, op: str, deadline: float | None) -> dict[str, Any]:
+        """Wait for reply ``rid``: read the socket ourselves, or park while another thread does."""
+        self._lock.acquire()
         try:
-            with self._send_lock:
-                self._sock.sendall(line)
-        except OSError as exc:
-            with self._cond:
-                self._kill_locked(f"sending failed ({_describe(exc)})")
-                raise self._lost() from exc
-
-    def _wait_reply(self, rid: int, deadline: float | None) -> dict[str, Any]:
-        with self._cond:
             while True:
                 reply = self._replies.pop(rid, None)
                 if reply is not None:
                     return reply
                 if self._dead is not None:
-                    raise self._lost()
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise ReplyTimeout()
+                    raise self._lost(sent=True)
+                remaining = None
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise ReplyTimeout()
                 if self._reading:
-                    self._cond.wait(remaining)
-                    continue
-                self._read_once_locked(remaining)
-                if self._late_grants:
-                    self._cond.release()
+                    self._parked += 1
                     try:
-                        self._flush_late_grants()
+                        self._cond.wait(remaining)
                     finally:
-                        self._cond.acquire()
+                        self._parked -= 1
+                else:
+                    self._read_once_locked(remaining)
+                    if self._late_grants:  # give them back now, not when our reply comes
+                        self._lock.release()
+                        try:
+                            self._flush_late_grants()
+                        finally:
+                            self._lock.acquire()
+        except BaseException:
+            # Giving up (time-out, broken connection, interrupt): a reply that
+            # comes later is late; a late grant is given back.
+            leftover = self._replies.pop(rid, None)
+            if leftover is not None:
+                self._note_late_locked(op, leftover)
+            elif self._dead is None:
+                self._abandoned[rid] = op
+            raise
+        finally:
+            late = bool(self._late_grants)
+            self._lock.release()
+            if late:
+                self._flush_late_grants()
 
     def _read_once_locked(self, timeout: float | None) -> None:
-        """Become the reader, wait up to ``timeout`` for data, file what arrives."""
+        """Become the reader, wait up to ``timeout`` for data, file what arrives.
+
+        Called and returns with the lock held; it is released while waiting.
+        """
+        wait_ms = -1 if timeout is None else min(math.ceil(timeout * 1000), _MAX_POLL_MS)
+        data: bytes | None = None
         self._reading = True
         try:
-            self._cond.release()
             try:
-                data = self._recv(timeout)
+                self._lock.release()  # inside the try: an interrupt comes after it returns
+                if self._poller.poll(wait_ms):
+                    data = self._sock.recv(_READ_CHUNK)
             finally:
-                self._cond.acquire()
+                self._lock.acquire()
             if data is not None:
                 self._absorb_locked(data)
         except OSError as exc:
             self._kill_locked(f"reading failed ({_describe(exc)})")
         finally:
             self._reading = False
-            self._cond.notify_all()
+            if self._parked:
+                self._cond.notify_all()  # replies filed, or the reader's place is free
             if self._dead is not None:
                 self._close_fd_locked()
-
-    def _recv(self, timeout: float | None) -> bytes | None:
-        """Bytes from the socket (b"" at EOF), or None if nothing came in time."""
-        poller = select.poll()
-        poller.register(self._sock, select.POLLIN)
-        wait_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        if not poller.poll(wait_ms):
-            return None
-        return self._sock.recv(_READ_CHUNK)
 
     def _absorb_locked(self, data: bytes) -> None:
         if not data:
             self._kill_locked("the daemon closed the connection")
             return
-        self._buf += data
-        start = 0
-        while (end := self._buf.find(b"\n", start)) >= 0:
-            line = bytes(self._buf[start:end])
-            start = end + 1
-            if not line.strip():
-                continue
+        buf = self._buf
+        if buf:
+            buf += data
+            if b"\n" not in data:
+                return
+            data = bytes(buf)
+            buf.clear()
+        lines = data.split(b"\n")
+        tail = lines.pop()  # b"" when data ends with a newline (the usual case)
+        if tail:
+            buf += tail
+        for line in lines:
             try:
-                reply = json.loads(line)
-            except ValueError:
+                reply = decode(line.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError is one too
+                if not line.strip():
+                    continue
                 reply = None
             if not isinstance(reply, dict):
                 self._kill_locked(
@@ -227,18 +258,19 @@ class Connection:
                 )
                 return
             self._file_locked(reply)
-        del self._buf[:start]
 
     def _file_locked(self, reply: dict[str, Any]) -> None:
         rid = reply.get("id")
         if not isinstance(rid, int) or isinstance(rid, bool):
             return  # id null: the daemon could not read one of our requests
-        if rid in self._waiting:
-            self._replies[rid] = reply
-            return
         op = self._abandoned.pop(rid, None)
         if op is not None:
             self._note_late_locked(op, reply)
+        else:
+            # Its thread is waiting, or about to: it sent the request before
+            # anyone could read the reply, and takes it (or abandons it) under
+            # this lock.
+            self._replies[rid] = reply
 
     def _note_late_locked(self, op: str, reply: dict[str, Any]) -> None:
         """A reply nobody waits for any more: if it granted a lease, give it back."""
@@ -251,20 +283,20 @@ class Connection:
                 self._late_grants.append((key, handle))
 
     def _flush_late_grants(self) -> None:
-        with self._cond:
+        with self._lock:
             grants, self._late_grants = self._late_grants, []
             if self._dead is not None or not grants:
                 return
         for key, handle in grants:
             rid = self._next_id()
-            with self._cond:
+            with self._lock:
                 self._abandoned[rid] = "release"
             line = encode({"id": rid, "op": "release", "key": key, "handle": handle})
             try:
                 with self._send_lock:
-                    self._sock.sendall(line)
+                    self._sock.sendall(line, _NOSIGNAL)
             except OSError as exc:
-                with self._cond:
+                with self._lock:
                     self._kill_locked(f"sending failed ({_describe(exc)})")
                 return
 
@@ -272,7 +304,7 @@ class Connection:
         if self._dead is None:
             self._dead = ConnectionLost(reason, protocol=protocol)
             with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll()
             self._cond.notify_all()
         if not self._reading:
             self._close_fd_locked()
@@ -284,5 +316,13 @@ class Connection:
                 self._sock.close()
 
 
+def _timeval(seconds: float) -> bytes:
+    """``struct timeval`` for SO_SNDTIMEO; at least 1 µs (zero would mean "no limit")."""
+    usec = max(1, math.ceil(seconds * 1_000_000))
+    return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+
+
 def _describe(exc: OSError) -> str:
+    if isinstance(exc, BlockingIOError):
+        return "timed out"  # SO_SNDTIMEO ran out: the daemon stopped reading
     return exc.strerror or str(exc) or type(exc).__name__
