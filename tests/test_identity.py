@@ -1,0 +1,233 @@
+"""Peer credentials -> caller (SPEC §1 "Principal"), with injected lookups.
+
+No users, groups or cgroups are created: ``resolve_caller`` takes the
+passwd/group/cgroup lookups as arguments, and ``unit_from_cgroup`` parses
+text shaped like real ``/proc/PID/cgroup`` files (v1 and v2).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from lockd.identity import (
+    Caller,
+    IdentityConfig,
+    PeerCred,
+    login_groups,
+    peer_credentials,
+    resolve_caller,
+    systemd_unit_of,
+    unit_from_cgroup,
+)
+
+DAEMON_UID = 990
+NAMES = {0: "root", 990: "lockd", 1000: "alice", 1001: "bob", 1002: "deploy"}
+GROUPS = {
+    "root": {"root"},
+    "lockd": {"lockd"},
+    "alice": {"alice", "lockd-admin"},
+    "bob": {"bob", "users"},
+    "deploy": {"deploy"},
+}
+UNITS: dict[int, str | None] = {}
+
+
+def name_of(uid: int) -> str | None:
+    return NAMES.get(uid)
+
+
+def groups_of(name: str | None, uid: int, gid: int) -> frozenset[str]:
+    return frozenset(GROUPS.get(name or "", set()) | {f"gid{gid}"})
+
+
+def unit_of(pid: int) -> str | None:
+    return UNITS.get(pid)
+
+
+def resolve(uid: int, config: IdentityConfig | None = None, pid: int = 4242) -> Caller:
+    return resolve_caller(
+        PeerCred(pid=pid, uid=uid, gid=uid),
+        config or IdentityConfig(daemon_uid=DAEMON_UID),
+        name_of=name_of,
+        groups_of=groups_of,
+        unit_of=unit_of,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_units() -> None:
+    UNITS.clear()
+
+
+def test_root_is_an_owner_named_root() -> None:
+    caller = resolve(0)
+    assert (caller.principal, caller.role, caller.kind, caller.name) == (
+        "user:root",
+        "owner",
+        "user",
+        "root",
+    )
+    assert caller.privileged
+
+
+def test_daemon_uid_is_an_owner() -> None:
+    caller = resolve(DAEMON_UID)
+    assert (caller.principal, caller.role) == ("user:lockd", "owner")
+
+
+def test_admin_through_an_admin_group() -> None:
+    caller = resolve(1000)
+    assert (caller.principal, caller.role) == ("user:alice", "admin")
+    assert "lockd-admin" in caller.groups and caller.privileged
+
+
+def test_admin_groups_are_configurable() -> None:
+    config = IdentityConfig(daemon_uid=DAEMON_UID, admin_groups=frozenset({"users"}))
+    assert resolve(1001, config).role == "admin"
+    assert resolve(1000, config).role == "member", "lockd-admin is no longer special"
+
+
+def test_peer_gid_counts_as_a_group() -> None:
+    config = IdentityConfig(daemon_uid=DAEMON_UID, admin_groups=frozenset({"gid1001"}))
+    caller = resolve(1001, config)
+    assert caller.role == "admin" and "gid1001" in caller.groups
+
+
+def test_plain_user_is_a_member() -> None:
+    caller = resolve(1001)
+    assert (caller.principal, caller.role, caller.uid, caller.gid, caller.pid) == (
+        "user:bob",
+        "member",
+        1001,
+        1001,
+        4242,
+    )
+    assert not caller.privileged
+
+
+def test_unknown_uid_is_named_by_number() -> None:
+    caller = resolve(54321)
+    assert (caller.principal, caller.role) == ("user:54321", "member")
+
+
+def test_service_users_make_a_service() -> None:
+    config = IdentityConfig(daemon_uid=DAEMON_UID, service_users=frozenset({"deploy"}))
+    caller = resolve(1002, config)
+    assert (caller.principal, caller.role, caller.kind) == (
+        "service:deploy",
+        "service",
+        "service",
+    )
+    assert caller.privileged
+    # An unknown uid can never match a service user by number.
+    numbered = IdentityConfig(daemon_uid=DAEMON_UID, service_users=frozenset({"54321"}))
+    assert resolve(54321, numbered).principal == "user:54321"
+
+
+def test_service_units_make_a_service_whoever_runs_them() -> None:
+    config = IdentityConfig(daemon_uid=DAEMON_UID, service_units=frozenset({"backup.service"}))
+    UNITS[77] = "backup.service"
+    UNITS[78] = "other.service"
+    assert resolve(1001, config, pid=77).principal == "service:backup.service"
+    assert resolve(0, config, pid=77).role == "service"
+    assert resolve(1001, config, pid=78).principal == "user:bob"
+    assert resolve(1001, config, pid=79).role == "member"
+
+
+def test_units_are_not_looked_up_when_none_are_configured() -> None:
+    def exploding(pid: int) -> str | None:
+        raise AssertionError("cgroup read without service_units")
+
+    caller = resolve_caller(
+        PeerCred(pid=1, uid=1001, gid=1001),
+        IdentityConfig(daemon_uid=DAEMON_UID),
+        name_of=name_of,
+        groups_of=groups_of,
+        unit_of=exploding,
+    )
+    assert caller.role == "member"
+
+
+# ----------------------------------------------------------- cgroups
+
+V2_SYSTEM = ["0::/system.slice/backup.service"]
+V2_DELEGATED = ["0::/system.slice/backup.service/worker/tasks"]
+V2_SESSION = ["0::/user.slice/user-1000.slice/session-3.scope"]
+V2_USER_UNIT = ["0::/user.slice/user-1000.slice/user@1000.service/app.slice/backup.service"]
+V2_TEMPLATE = ["0::/system.slice/system-getty.slice/getty@tty1.service"]
+V1_SYSTEM = [
+    "12:pids:/system.slice/cron.service",
+    "11:memory:/system.slice/cron.service",
+    "5:cpu,cpuacct:/system.slice/cron.service",
+    "1:name=systemd:/system.slice/cron.service",
+    "0::/system.slice/cron.service",
+]
+V1_ONLY = [
+    "11:memory:/",
+    "4:devices:/system.slice/nginx.service",
+    "1:name=systemd:/system.slice/nginx.service",
+]
+HYBRID = [
+    "1:name=systemd:/system.slice/old.service",
+    "0::/system.slice/new.service",
+]
+
+
+@pytest.mark.parametrize(
+    ("lines", "unit"),
+    [
+        (V2_SYSTEM, "backup.service"),
+        (V2_DELEGATED, "backup.service"),
+        (V2_SESSION, None),
+        (V2_TEMPLATE, "getty@tty1.service"),
+        (V1_SYSTEM, "cron.service"),
+        (V1_ONLY, "nginx.service"),
+        (HYBRID, "new.service"),
+        ([], None),
+        (["garbage"], None),
+        (["0::/"], None),
+        (["4:devices:/system.slice/nginx.service"], None),
+    ],
+)
+def test_unit_from_cgroup(lines: list[str], unit: str | None) -> None:
+    assert unit_from_cgroup(lines) == unit
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG: identity.unit_from_cgroup takes the innermost *.service anywhere in the "
+        "cgroup path, so a member's own systemd --user unit under /user.slice/ is "
+        "taken for a system unit: any local user can run `systemd-run --user "
+        "--unit=backup.service ...` and act as service:backup.service"
+    ),
+)
+def test_user_manager_units_are_not_system_units() -> None:
+    assert unit_from_cgroup(V2_USER_UNIT) is None
+
+
+def test_systemd_unit_of_reads_proc() -> None:
+    """The real /proc of this process parses; a pid that does not exist is None."""
+    with open(f"/proc/{os.getpid()}/cgroup", encoding="utf-8") as f:
+        expected = unit_from_cgroup(f.read().splitlines())
+    assert systemd_unit_of(os.getpid()) == expected
+    assert systemd_unit_of(2**22 + 12345) is None
+
+
+# ------------------------------------------------------ real lookups
+
+
+def test_peer_credentials_of_a_socketpair() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        cred = peer_credentials(a)
+    assert (cred.pid, cred.uid, cred.gid) == (os.getpid(), os.getuid(), os.getgid())
+
+
+def test_login_groups_include_the_primary_group_and_the_peer_gid() -> None:
+    groups = login_groups("root", 0, 0)
+    assert "root" in groups
+    assert login_groups(None, 54321, 54321) == frozenset({"54321"})

@@ -1,0 +1,219 @@
+"""The SQLite store on a temporary file: schema, durability settings, round trips."""
+
+from __future__ import annotations
+
+import gc
+import sqlite3
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lockd import store as store_mod
+from lockd.engine import Changes, Lease
+from lockd.store import SCHEMA_VERSION, Store, StoreError
+
+BOOT = "11111111-2222-3333-4444-555555555555"
+OTHER_BOOT = "99999999-8888-7777-6666-555555555555"
+
+
+def lease(key: str, fence: int, owner: str | None = None, expires_at: int = 5000) -> Lease:
+    return Lease(
+        key=key,
+        handle=f"handle-of-{key}-{fence:04d}-xxxxxx",
+        fence=fence,
+        owner=owner,
+        principal="user:alice",
+        ttl_ms=1000,
+        expires_at=expires_at,
+    )
+
+
+def changes(rows: dict[str, Lease | None], fence: int | None = None) -> Changes:
+    return Changes(rows=rows, fence=fence)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "lockd.db"
+
+
+@pytest.fixture
+def store(db_path: Path) -> Iterator[Store]:
+    s = Store(db_path, BOOT)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_migration_sets_user_version_and_creates_the_schema(db_path: Path) -> None:
+    Store(db_path, BOOT).close()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert {"meta", "leases"} <= tables
+        assert conn.execute("SELECT value FROM meta WHERE name='fence'").fetchone() == (0,)
+    conn.close()
+    assert len(store_mod.MIGRATIONS) == SCHEMA_VERSION
+
+
+def test_reopening_does_not_migrate_again(db_path: Path) -> None:
+    Store(db_path, BOOT).close()
+    s = Store(db_path, BOOT)
+    s.apply(changes({"k": lease("k", 4)}, fence=4))
+    s.close()
+    s = Store(db_path, BOOT)
+    leases, fence = s.load()
+    s.close()
+    assert fence == 4 and [x.key for x in leases] == ["k"]
+
+
+def test_newer_schema_is_refused(db_path: Path) -> None:
+    Store(db_path, BOOT).close()
+    with sqlite3.connect(db_path) as conn:
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        Store(db_path, BOOT)
+
+
+def test_failed_migration_leaves_the_database_untouched(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(db: sqlite3.Connection) -> None:
+        db.execute("CREATE TABLE half_done (x INTEGER)")
+        raise sqlite3.OperationalError("disk on fire")
+
+    monkeypatch.setattr(store_mod, "MIGRATIONS", [broken])
+    with pytest.raises(StoreError, match="disk on fire") as info:
+        Store(db_path, BOOT)
+    # The failed Store's connection (still holding its exclusive lock) is only
+    # reachable through the traceback; let it go before looking at the file.
+    del info
+    gc.collect()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (0,)
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+        assert "half_done" not in names
+    conn.close()
+
+
+def test_wal_mode_and_synchronous_setting(db_path: Path) -> None:
+    normal = Store(db_path, BOOT)
+    assert normal._db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert normal._db.execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL
+    normal.close()
+    full = Store(db_path, BOOT, synchronous="FULL")
+    assert full._db.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL
+    full.close()
+    with sqlite3.connect(db_path) as conn:  # WAL is a property of the file
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    conn.close()
+
+
+def test_apply_load_round_trip(store: Store, db_path: Path) -> None:
+    a, b = lease("a", 1), lease("b", 2, owner="run-1", expires_at=9000)
+    store.apply(changes({"a": a, "b": b}, fence=2))
+    b2 = lease("b", 3, owner="run-1", expires_at=12_000)
+    store.apply(changes({"b": b2, "a": None}, fence=3))
+    store.apply(changes({"c": lease("c", 4)}, fence=4))
+    store.apply(changes({"c": None}))
+    store.close()
+    again = Store(db_path, BOOT)
+    leases, fence = again.load()
+    again.close()
+    assert fence == 4
+    assert leases == [b2]
+    (got,) = leases
+    assert (got.handle, got.owner, got.principal, got.ttl_ms, got.expires_at) == (
+        b2.handle,
+        "run-1",
+        "user:alice",
+        1000,
+        12_000,
+    )
+    assert got.conn is None
+
+
+def test_fence_mark_follows_every_written_lease_and_only_moves_up(store: Store) -> None:
+    store.apply(changes({"a": lease("a", 10)}, fence=10))  # one row: autocommit
+    assert store.load()[1] == 10
+    store.apply(changes({"a": None}))  # the lease is gone, the mark stays
+    assert store.load() == ([], 10)
+    store.apply(changes({"b": lease("b", 7)}, fence=7))  # never lowers the mark
+    assert store.load()[1] == 10
+    store.apply(changes({"c": lease("c", 11), "d": lease("d", 12)}, fence=12))
+    store.apply(changes({"c": None, "d": None}))
+    assert store.load()[1] == 12
+
+
+def test_empty_changes_write_nothing(store: Store) -> None:
+    before = store._db.total_changes
+    store.apply(Changes())
+    assert store._db.total_changes == before
+    assert store.load() == ([], 0)
+
+
+def test_load_drops_other_boots_and_keeps_their_fence(db_path: Path) -> None:
+    old = Store(db_path, OTHER_BOOT)
+    old.apply(changes({"old": lease("old", 8), "older": lease("older", 9)}, fence=9))
+    old.close()
+    new = Store(db_path, BOOT)
+    new.apply(changes({"new": lease("new", 10)}, fence=10))
+    leases, fence = new.load()
+    assert [x.key for x in leases] == ["new"] and fence == 10
+    new.close()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT key FROM leases").fetchall() == [("new",)]
+    conn.close()
+    # Even with every lease gone, the counter stays.
+    gone = Store(db_path, OTHER_BOOT)
+    assert gone.load() == ([], 10)
+    gone.close()
+
+
+def test_fence_of_rows_is_never_lower_than_loaded(db_path: Path) -> None:
+    """A row carrying a fence above meta's (hand-edited db) still raises the counter."""
+    s = Store(db_path, BOOT)
+    s.apply(changes({"k": lease("k", 3)}, fence=3))
+    s.close()
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE leases SET fence = 50")
+    conn.close()
+    s = Store(db_path, BOOT)
+    assert s.load()[1] == 50
+    s.close()
+
+
+def test_files_and_directory_are_private(store: Store, db_path: Path) -> None:
+    store.apply(changes({"k": lease("k", 1)}, fence=1))
+    assert mode_of(db_path.parent) == 0o700
+    assert mode_of(db_path) == 0o600
+    wal = db_path.with_name(db_path.name + "-wal")
+    assert wal.exists()
+    for extra in (wal, db_path.with_name(db_path.name + "-shm")):
+        if extra.exists():
+            assert mode_of(extra) & 0o077 == 0, (extra, oct(mode_of(extra)))
+
+
+def test_unusable_database_is_a_store_error(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-db"
+    bad.write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(StoreError):
+        Store(bad, BOOT)
+
+
+def test_apply_rolls_back_a_failed_batch(store: Store) -> None:
+    store.apply(changes({"a": lease("a", 1)}, fence=1))
+    broken = lease("b", 2)
+    broken.principal = None  # type: ignore[assignment]  # NOT NULL violation
+    with pytest.raises(sqlite3.IntegrityError):
+        store.apply(changes({"a": None, "b": broken}, fence=2))
+    leases, fence = store.load()
+    assert [x.key for x in leases] == ["a"] and fence == 1
