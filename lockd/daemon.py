@@ -139,6 +139,9 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
+        # A rule set written between build() and the watch being armed raised
+        # no event; look once more now (a no-op when nothing changed).
+        daemon.policy.reload()
         await daemon.server.serve(daemon.listen_sock)
         nursery.cancel_scope.cancel()
 

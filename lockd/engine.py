@@ -425,24 +425,35 @@ class LockEngine:
             heapq.heappop(wheap)
 
     def _advance(self, now: int) -> None:
-        self._prune_heaps()
-        # Leases first: a waiter whose deadline equals the expiry still wins.
-        heap = self._lease_heap
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            if self._lease_entry_live(entry):
-                holder = self._holder(entry[2])
-                assert holder is not None
+        """Apply every deadline <= now, in time order.
+
+        Order matters when the timer runs late (a loaded box, a resume from
+        suspend): a waiter whose deadline came before a lease's expiry has
+        timed out and must not be handed that key. At equal times the lease
+        goes first, so a waiter whose deadline is the expiry still wins.
+        """
+        heap, wheap = self._lease_heap, self._waiter_heap
+        while True:
+            self._prune_heaps()
+            lease_at = heap[0][0] if heap else None
+            waiter_at = wheap[0][0] if wheap else None
+            if (
+                lease_at is not None
+                and lease_at <= now
+                and (waiter_at is None or lease_at <= waiter_at)
+            ):
+                key = heapq.heappop(heap)[2]
+                holder = self._holder(key)
+                assert holder is not None  # the entry was live after pruning
                 self._changes.expired.append(holder)
-                self._free(now, entry[2])
-        wheap = self._waiter_heap
-        while wheap and wheap[0][0] <= now:
-            _, waiter_id = heapq.heappop(wheap)
-            waiter = self._waiters.get(waiter_id)
-            if waiter is not None:
+                self._free(now, key)
+            elif waiter_at is not None and waiter_at <= now:
+                waiter = self._waiters[heapq.heappop(wheap)[1]]
                 waiter.timed_out = True
                 self._forget_waiter(waiter)
                 self._changes.resolved.append(waiter)
+            else:
+                break
         self._compact_if_bloated()
 
     def _compact_if_bloated(self) -> None:

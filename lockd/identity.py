@@ -90,7 +90,7 @@ def login_groups(name: str | None, uid: int, peer_gid: int) -> frozenset[str]:
 
 
 def systemd_unit_of(pid: int) -> str | None:
-    """The innermost systemd service unit that ``pid`` runs in, if any."""
+    """The system service unit that ``pid`` runs in, if any."""
     try:
         with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -100,7 +100,11 @@ def systemd_unit_of(pid: int) -> str | None:
 
 
 def unit_from_cgroup(lines: Iterable[str]) -> str | None:
-    """Parse /proc/PID/cgroup lines; prefer the unified (``0::``) hierarchy."""
+    """The system unit of /proc/PID/cgroup lines (unified ``0::`` hierarchy first).
+
+    Only units of the system manager count: the first ``*.service`` in the
+    path, and none at all under a user manager (``user@UID.service``).
+    """
     paths: list[str] = []
     for line in lines:
         parts = line.split(":", 2)
@@ -112,9 +116,14 @@ def unit_from_cgroup(lines: Iterable[str]) -> str | None:
         elif "name=systemd" in controllers:
             paths.append(path)
     for path in paths:
-        for component in reversed(path.split("/")):
+        for component in path.split("/"):
             if component.endswith(".service") and _UNIT_RE.match(component):
-                return component
+                # The outermost service is the unit the system manager made;
+                # anything below it is delegated to that unit's processes and
+                # may be named at will. A user manager (user@UID.service) runs
+                # units any member can name, e.g. `systemd-run --user
+                # --unit=backup.service`: never a system service.
+                return None if component.startswith("user@") else component
     return None
 
 

@@ -90,6 +90,11 @@ class LockService:
         for waiter in changes.resolved:
             if waiter.timed_out:
                 self.stats.count("timeouts")
+            elif waiter.lease is not None and log.isEnabledFor(logging.DEBUG):
+                lease = waiter.lease
+                log.debug(
+                    kv(event="granted", key=lease.key, principal=lease.principal, fence=lease.fence)
+                )
             self.on_resolved(waiter)
 
     def tick(self) -> None:

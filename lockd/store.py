@@ -85,7 +85,11 @@ class Store:
         # file's mode, so a private umask at creation covers all three.
         old_umask = os.umask(0o077)
         try:
-            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            # timeout=0: the database is ours alone (exclusive locking); if it
+            # is locked, another daemon has it, and waiting will not help.
+            self._db = sqlite3.connect(
+                str(path), isolation_level=None, check_same_thread=False, timeout=0
+            )
             if str(path) != ":memory:":
                 os.chmod(self.path, 0o600)
             # Exclusive locking: the daemon is the database's only user, so
@@ -98,6 +102,12 @@ class Store:
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc):
+                raise StoreError(
+                    f"{path} is in use by another process (another lockd on this database?)"
+                ) from exc
+            raise StoreError(f"{path}: {exc}") from exc
         except sqlite3.Error as exc:
             raise StoreError(f"{path}: {exc}") from exc
         finally:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -300,15 +299,6 @@ TestEngineMachine.settings = settings(
 # ------------------------------------------------- time arriving late
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: LockEngine._advance expires leases before timing out waiters, regardless "
-        "of their times: when now jumps past a waiter's deadline AND a later lease "
-        "expiry (timer late on a loaded box, resume from suspend on CLOCK_BOOTTIME), "
-        "the waiter is granted although its timeoutMs had already passed"
-    ),
-)
 def test_late_advance_does_not_grant_a_waiter_past_its_deadline() -> None:
     engine = LockEngine()
     holder = engine.acquire(0, "k", ttl_ms=1000, principal="user:a")

@@ -196,17 +196,15 @@ def test_unit_from_cgroup(lines: list[str], unit: str | None) -> None:
     assert unit_from_cgroup(lines) == unit
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: identity.unit_from_cgroup takes the innermost *.service anywhere in the "
-        "cgroup path, so a member's own systemd --user unit under /user.slice/ is "
-        "taken for a system unit: any local user can run `systemd-run --user "
-        "--unit=backup.service ...` and act as service:backup.service"
-    ),
-)
 def test_user_manager_units_are_not_system_units() -> None:
     assert unit_from_cgroup(V2_USER_UNIT) is None
+    assert unit_from_cgroup(["0::/user.slice/user-1000.slice/user@1000.service/init.scope"]) is None
+
+
+def test_delegated_sub_cgroups_cannot_pick_a_unit_name() -> None:
+    """Below a unit with Delegate=yes its processes name cgroups at will."""
+    lines = ["0::/system.slice/containerd.service/backup.service"]
+    assert unit_from_cgroup(lines) == "containerd.service"
 
 
 def test_systemd_unit_of_reads_proc() -> None:
