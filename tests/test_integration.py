@@ -565,6 +565,33 @@ def test_second_daemon_on_a_live_socket_refuses_and_the_first_serves(
     assert daemon.proc is not None and daemon.proc.poll() is None
 
 
+def test_second_daemon_on_the_same_database_refuses_at_once(
+    shared: DaemonProcess, client: LockClient
+) -> None:
+    handle = client.acquire("db-owner", ttl=60, timeout=1)
+    started = time.monotonic()
+    second = subprocess.run(
+        [
+            *LOCKD,
+            "serve",
+            "--socket",
+            str(shared.root / "second.sock"),
+            "--db",
+            str(shared.db),
+            "--config",
+            str(shared.config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert second.returncode == 1
+    assert "in use by another process" in second.stderr and str(shared.db) in second.stderr
+    assert time.monotonic() - started < 4  # no SQLite busy wait
+    assert not (shared.root / "second.sock").exists()
+    assert client.status("db-owner").fence == handle.fence
+
+
 def test_sigterm_answers_parked_acquires_and_keeps_leases(daemon_paths: DaemonProcess) -> None:
     daemon_paths.start()
     with LockClient(str(daemon_paths.socket)) as client:
