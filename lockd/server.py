@@ -100,6 +100,8 @@ class LockServer:
         self.connections: dict[int, Connection] = {}
         self._events: dict[int, trio.Event] = {}
         self._timer_scope: trio.CancelScope | None = None
+        #: the engine deadline (boot ms) the timer scope was last pointed at.
+        self._timer_target: int | None = None
         self.shutting_down = False
         self._started_at = time.monotonic()
         self.service.on_resolved = self._wake
@@ -220,10 +222,18 @@ class LockServer:
             event.set()
 
     def _reschedule(self) -> None:
+        """Point the timer at the engine's earliest deadline, if it moved.
+
+        Runs after every request, so the common case -- the deadline did not
+        move -- costs one heap peek and no trio deadline update.
+        """
         scope = self._timer_scope
         if scope is None:
             return
         deadline = self.service.engine.next_deadline()
+        if deadline == self._timer_target:
+            return
+        self._timer_target = deadline
         if deadline is None:
             scope.deadline = math.inf
         else:
@@ -234,6 +244,8 @@ class LockServer:
         while True:
             with trio.CancelScope() as scope:
                 self._timer_scope = scope
+                self._timer_target = None
+                scope.deadline = math.inf
                 self._reschedule()
                 await trio.sleep_forever()
             self._timer_scope = None
