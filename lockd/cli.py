@@ -247,7 +247,9 @@ def render_metrics(snapshot: dict[str, Any], *, openmetrics: bool) -> str:
         if not _is_number(value):
             continue
         base = f"lockd_{_snake(key)}"
-        family(base if openmetrics else f"{base}_total", "counter", _COUNTER_HELP.get(key, key))
+        family(
+            base if openmetrics else f"{base}_total", "counter", _COUNTER_HELP.get(key, str(key))
+        )
         lines.append(f"{base}_total {_number(value)}")
 
     latency = snapshot.get("latency")

@@ -124,7 +124,7 @@ class CliFailure(click.ClickException):
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
 
     def show(self, file: IO[Any] | None = None) -> None:
         click.echo(f"lockd: {self.format_message()}", err=True)
@@ -191,7 +191,7 @@ def _one_line(exc: click.UsageError) -> click.UsageError:
     if isinstance(exc, _OneLineUsageError | click.exceptions.NoArgsIsHelpError):
         return exc  # the latter prints the help page on purpose
     one = _OneLineUsageError(" ".join(exc.format_message().split()), exc.ctx)
-    one.exit_code = exc.exit_code
+    one.exit_code = exc.exit_code  # type: ignore[misc]  # click reads it per instance
     return one
 
 

@@ -21,7 +21,7 @@ import os
 import pwd
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
@@ -304,7 +304,7 @@ def build_caller(
             role = "admin"
         else:
             role = "member"
-    kind = "service" if role == "service" else "user"
+    kind: Literal["user", "service"] = "service" if role == "service" else "user"
     caller = Caller(
         kind=kind,
         name=name,

@@ -260,7 +260,7 @@ def _check_names(ast: lark.Tree) -> tuple[int | None, int | None, str] | None:
         elif data == "member_dot" and id(node) not in under_has:
             root = _bare_ident(node.children[0])
             token = node.children[1]
-            if root in RULE_FIELDS and root not in bound:
+            if root is not None and root in RULE_FIELDS and root not in bound:
                 known = RULE_FIELDS[root]
                 if str(token) not in known:
                     line, col = _position(token)

@@ -27,8 +27,11 @@ log = logging.getLogger("lockd.service")
 
 
 class Decision(Protocol):
-    allowed: bool
-    reason: str
+    @property
+    def allowed(self) -> bool: ...
+
+    @property
+    def reason(self) -> str: ...
 
 
 class PolicyLike(Protocol):
