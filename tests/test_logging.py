@@ -17,11 +17,14 @@ with a 150 ms TTL, polled for rather than slept on).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from lockd_client import LockClient
 
 from .conftest import DaemonProcess
 from .test_systemd_live import PROMPT, Wire, wait_until, wire
@@ -312,3 +315,24 @@ def test_log_timestamps_follow_the_session(daemon_paths: DaemonProcess) -> None:
         assert time.monotonic() - before < PROMPT
     assert daemon_paths.stop() == 0
     assert started.raw < broken.raw  # same day, zero-padded: text order is time order
+
+
+def test_journal_stream_gets_syslog_priority_prefixes(daemon_paths: DaemonProcess) -> None:
+    """Under systemd (JOURNAL_STREAM names our stderr) lines carry <N> priorities."""
+    daemon_paths.write_config('log_level = "debug"\n')
+    log_fd = os.open(daemon_paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        st = os.fstat(log_fd)
+    finally:
+        os.close(log_fd)
+    env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+    daemon_paths.start(env=env)
+    with LockClient(str(daemon_paths.socket)) as client:
+        handle = client.acquire("journal:k", ttl=60, timeout=1)
+        client.break_lock("journal:k", "priority test")
+    assert daemon_paths.stop() == 0
+    lines = [line for line in daemon_paths.read_log().splitlines() if line.strip()]
+    assert lines and all(line[:3] in ("<7>", "<6>", "<4>", "<3>") for line in lines), lines
+    assert any(line.startswith("<4>") and "event=broken" in line for line in lines)
+    assert any(line.startswith("<7>") and "event=granted" in line for line in lines)
+    assert handle.handle not in daemon_paths.read_log()
