@@ -222,23 +222,26 @@ class LockServer:
             event.set()
 
     def _reschedule(self) -> None:
-        """Point the timer at the engine's earliest deadline, if it moved.
+        """Make sure the timer fires no later than the engine's earliest deadline.
 
-        Runs after every request, so the common case -- the deadline did not
-        move -- costs one heap peek and no trio deadline update.
+        Runs after every request, so it only ever moves the timer *earlier*:
+        when the earliest deadline moved later (a release, a renew) the timer
+        fires early once, finds nothing due and re-arms. In steady traffic
+        that makes this a heap peek and a comparison; moving trio's deadline
+        on every grant and release showed up as ~7 us per request.
         """
         scope = self._timer_scope
         if scope is None:
             return
         deadline = self.service.engine.next_deadline()
-        if deadline == self._timer_target:
+        if deadline is None:
+            return
+        target = self._timer_target
+        if target is not None and target <= deadline:
             return
         self._timer_target = deadline
-        if deadline is None:
-            scope.deadline = math.inf
-        else:
-            delay = max(0, deadline - self.service.clock.boot_ms()) / 1000
-            scope.deadline = trio.current_time() + delay
+        delay = max(0, deadline - self.service.clock.boot_ms()) / 1000
+        scope.deadline = trio.current_time() + delay
 
     async def _timer(self) -> None:
         while True:

@@ -34,7 +34,11 @@ SCHEMA_VERSION = 1
 
 
 def _migrate_0_to_1(db: sqlite3.Connection) -> None:
-    db.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL) STRICT")
+    # WITHOUT ROWID: rows live in the key's own b-tree, so a commit writes one
+    # page per table instead of a table page plus a primary-key index page.
+    db.execute(
+        "CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL) STRICT, WITHOUT ROWID"
+    )
     db.execute(
         """
         CREATE TABLE leases (
@@ -46,7 +50,7 @@ def _migrate_0_to_1(db: sqlite3.Connection) -> None:
             ttl_ms     INTEGER NOT NULL,
             expires_at INTEGER NOT NULL,  -- CLOCK_BOOTTIME milliseconds
             boot_id    TEXT NOT NULL
-        ) STRICT
+        ) STRICT, WITHOUT ROWID
         """
     )
     db.execute("INSERT INTO meta (name, value) VALUES ('fence', 0)")
