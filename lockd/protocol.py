@@ -10,6 +10,7 @@ an optional field given as ``null`` counts as absent.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -316,10 +317,17 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
 
 
+@functools.lru_cache(maxsize=256)
+def _utc_second(seconds: int) -> str:
+    # Deadlines of one busy second share their prefix; strftime is the
+    # costly part of formatting a reply time.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
 def rfc3339_ms(epoch_ms: int) -> str:
     """``2026-11-30T03:31:00.123Z`` for milliseconds since the epoch."""
     seconds, millis = divmod(epoch_ms, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_utc_second(seconds)}.{millis:03d}Z"
 
 
 # ------------------------------------------------------------------ framing
