@@ -10,9 +10,10 @@ and one with the SPEC §5 example rule::
     acquire = "record.key.startsWith('user:' + user.userId + ':')"
 
 A member (the throwaway user; root would be ``owner`` and skip the rules)
-times each tryAcquire+release round trip of ``user:<name>:bench`` inside its
-own client process, so the numbers are what a program sees, without the
-bench's own plumbing. Why this shape:
+times each tryAcquire+release round trip of ``user:<name>:bench`` (and, in a
+second measurement, of a key never used before each time, which misses the
+daemon's verdict cache) inside its own client process, so the numbers are
+what a program sees, without the bench's own plumbing. Why this shape:
 
 - **Same run, interleaved.** The two daemons are measured in alternating
   rounds (the order flips every round), so load from other work on the
@@ -78,7 +79,9 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(user: User, iterations: int, rounds: int, warmup: int) -> dict[str, Any]:
+def measure(
+    user: User, iterations: int, rounds: int, warmup: int, *, distinct: bool = False
+) -> dict[str, Any]:
     key = f"user:{user.name}:bench"
     with ExitStack() as stack:
         daemons = {"open": start_daemon(stack, None), "rule": start_daemon(stack, RULE_SET)}
@@ -88,18 +91,24 @@ def measure(user: User, iterations: int, rounds: int, warmup: int) -> dict[str, 
         assert denied.code == "LOCK_ACCESS_DENIED", denied
         assert agents["open"].call("try_acquire", "not-mine", 5) is not None
         for agent in agents.values():
-            agent.call("bench", key, warmup)
+            agent.call("bench", key, warmup, 30.0, distinct)
 
         samples: dict[str, list[float]] = {"open": [], "rule": []}
         round_medians: dict[str, list[float]] = {"open": [], "rule": []}
         for number in range(rounds):
             order = ("open", "rule") if number % 2 == 0 else ("rule", "open")
             for name in order:
-                micros = [ns / 1000 for ns in agents[name].call("bench", key, iterations)]
+                timed = agents[name].call("bench", key, iterations, 30.0, distinct)
+                micros = [ns / 1000 for ns in timed]
                 samples[name].extend(micros)
                 round_medians[name].append(statistics.median(micros))
 
-    result: dict[str, Any] = {"iterations": iterations, "rounds": rounds, "rule": SPEC_RULE}
+    result: dict[str, Any] = {
+        "iterations": iterations,
+        "rounds": rounds,
+        "rule": SPEC_RULE,
+        "keys": "a new key every round trip" if distinct else "the same key every round trip",
+    }
     for name, values in samples.items():
         result[name] = {
             "p50_us": statistics.median(values),
@@ -118,7 +127,7 @@ def measure(user: User, iterations: int, rounds: int, warmup: int) -> dict[str, 
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"tryAcquire+release round trip of a member, {result['rounds']} rounds x "
-        f"{result['iterations']} per configuration (µs)",
+        f"{result['iterations']} per configuration, {result['keys']} (µs)",
         f"{'':14}{'p50':>9}{'p90':>9}{'p99':>9}   per-round p50",
     ]
     for name, label in (("open", "no rule set"), ("rule", "SPEC §5 rule")):
@@ -146,8 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with Accounts() as accounts:
         user = accounts.user()
-        result = measure(user, args.iterations, args.rounds, args.warmup)
-    print(json.dumps(result, indent=2) if args.json else report(result))
+        # The daemon remembers verdicts per (caller, key): the same key again
+        # is the cached path; a new key every time pays the CEL evaluation.
+        results = [
+            measure(user, args.iterations, args.rounds, args.warmup, distinct=distinct)
+            for distinct in (False, True)
+        ]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print("\n\n".join(report(result) for result in results))
     return 0
 
 

@@ -29,6 +29,7 @@ daemon's SO_PEERCRED sees only the throwaway user. Run as a script
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import pwd
@@ -354,12 +355,19 @@ def _agent_main(config: dict[str, Any]) -> None:  # pragma: no cover - runs as a
         )
     }
 
-    def bench(key: str, iterations: int, ttl: float = 30.0) -> list[int]:
-        """tryAcquire + release round trips of ``key``, each timed in ns."""
+    fresh = itertools.count()
+
+    def bench(key: str, iterations: int, ttl: float = 30.0, distinct: bool = False) -> list[int]:
+        """tryAcquire + release round trips of ``key``, each timed in ns.
+
+        ``distinct``: a key never used before on every round trip
+        (``key:<n>``), so no verdict the daemon remembered can apply.
+        """
         samples: list[int] = []
         for _ in range(iterations):
+            this_key = f"{key}:{next(fresh)}" if distinct else key
             t0 = time.perf_counter_ns()
-            handle = client.try_acquire(key, ttl)
+            handle = client.try_acquire(this_key, ttl)
             if handle is None:
                 raise RuntimeError(f"{key} is busy")
             client.release(handle)
