@@ -98,6 +98,18 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.rows or self.fence is not None or self.resolved or self.expired)
 
+    def merged_with(self, newer: Changes) -> Changes:
+        """This batch followed by ``newer`` (a failed commit is retried so)."""
+        fences = [f for f in (self.fence, newer.fence) if f is not None]
+        return Changes(
+            rows={**self.rows, **newer.rows},
+            fence=max(fences) if fences else None,
+            resolved=self.resolved + newer.resolved,
+            expired=self.expired + newer.expired,
+            grants=self.grants + newer.grants,
+            retakes=self.retakes + newer.retakes,
+        )
+
 
 @dataclass(frozen=True)
 class KeyStatus:
@@ -185,6 +197,10 @@ class LockEngine:
         """Hand over the effects gathered so far and start a new batch."""
         changes, self._changes = self._changes, Changes()
         return changes
+
+    def undrain(self, changes: Changes) -> None:
+        """Put back a batch that could not be committed, ahead of newer effects."""
+        self._changes = changes.merged_with(self._changes)
 
     def next_deadline(self) -> int | None:
         """The earliest lease expiry or waiter deadline still pending."""
@@ -283,27 +299,29 @@ class LockEngine:
         """The waiter gave up (connection closed, request cancelled).
 
         A waiter that was already granted keeps its lease: the caller must
-        release it if the reply cannot be delivered.
+        release it if the reply cannot be delivered. The waiter leaves the
+        queue *before* time moves on, so a lease that ran out meanwhile goes
+        to the next waiter, not to this one that is no longer listening.
         """
+        if not waiter.resolved:
+            waiter.cancelled = True
+            self._forget_waiter(waiter)
         self._advance(now)
-        if waiter.resolved:
-            return
-        waiter.cancelled = True
-        self._forget_waiter(waiter)
 
     def connection_closed(self, now: int, conn: int, *, release_bound: bool = True) -> list[Lease]:
         """Drop the connection's waiters and release its bound leases.
 
         With ``release_bound=False`` (the daemon is stopping, not the client
         leaving) the bound leases stay as ordinary TTL leases instead, as they
-        would across a crash.
+        would across a crash. Waiters leave first, for the reason given in
+        :meth:`cancel_waiter`.
         """
-        self._advance(now)
         for waiter_id in list(self._conn_waiters.get(conn, ())):
             waiter = self._waiters.get(waiter_id)
             if waiter is not None:
                 waiter.cancelled = True
                 self._forget_waiter(waiter)
+        self._advance(now)
         released = []
         for key in list(self._conn_leases.pop(conn, ())):
             holder = self._holder(key)

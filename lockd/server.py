@@ -22,7 +22,7 @@ import os
 import signal
 import socket as stdsocket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,8 @@ log = logging.getLogger("lockd.server")
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: seconds between STATUS= updates to systemd when the load changed.
 STATUS_INTERVAL = 5.0
+#: longest the expiry timer sleeps before looking at the boot clock again.
+TIMER_MAX_SLEEP = 1.0
 
 
 class SocketInUseError(Exception):
@@ -72,6 +74,8 @@ class Connection:
     caller: Caller
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     closed: bool = False
+    #: requests of this connection waiting in tasks of their own.
+    waiting: int = 0
 
 
 @dataclass
@@ -98,6 +102,7 @@ class LockServer:
         self._resolve = resolve or self._resolve_peer
         self._conn_ids = 0
         self.connections: dict[int, Connection] = {}
+        self._open_connections = 0
         self._events: dict[int, trio.Event] = {}
         self._timer_scope: trio.CancelScope | None = None
         #: the engine deadline (boot ms) the timer scope was last pointed at.
@@ -241,7 +246,9 @@ class LockServer:
             return
         self._timer_target = deadline
         delay = max(0, deadline - self.service.clock.boot_ms()) / 1000
-        scope.deadline = trio.current_time() + delay
+        # trio's clock stops during suspend, CLOCK_BOOTTIME does not: never
+        # sleep long, so hand-offs after a resume are late by a second at most.
+        scope.deadline = trio.current_time() + min(delay, TIMER_MAX_SLEEP)
 
     async def _timer(self) -> None:
         while True:
@@ -252,7 +259,14 @@ class LockServer:
                 self._reschedule()
                 await trio.sleep_forever()
             self._timer_scope = None
-            self.service.tick()
+            try:
+                self.service.tick()
+            except Exception:
+                # e.g. the disk is full: the batch stays pending in the engine
+                # and the next tick or request commits it.
+                self.service.stats.count("internalErrors")
+                log.exception(kv(event="internal_error", op="tick"))
+                await trio.sleep(TIMER_MAX_SLEEP)
 
     # ---------------------------------------------------------- connections
 
@@ -275,17 +289,21 @@ class LockServer:
                 if self.shutting_down or exc.errno == errno.EBADF:
                     return
                 raise
-            if len(self.connections) >= self.limits.max_connections:
+            # Counted here, not when the connection's task first runs, so a
+            # burst of connects cannot overshoot the limit.
+            if self._open_connections >= self.limits.max_connections:
                 self.service.stats.count("connectionsRefused")
                 log.warning(kv(event="connection_refused", limit=self.limits.max_connections))
                 sock.close()
                 continue
+            self._open_connections += 1
             nursery.start_soon(self._serve_connection, sock)
 
     async def _serve_connection(self, sock: stdsocket.socket) -> None:
         try:
             caller = self._resolve(sock)
         except OSError as exc:
+            self._open_connections -= 1
             log.warning(kv(event="peer_unknown", error=exc))
             sock.close()
             return
@@ -303,10 +321,15 @@ class LockServer:
                 nursery.cancel_scope.cancel()
         finally:
             conn.closed = True
+            self._open_connections -= 1
             del self.connections[conn.id]
-            # A stop is not the client leaving: its releaseOnClose leases stay
-            # committed as plain TTL leases, as they would across a crash.
-            self.service.connection_closed(conn.id, release_bound=not self.shutting_down)
+            try:
+                # A stop is not the client leaving: its releaseOnClose leases
+                # stay committed as plain TTL leases, as across a crash.
+                self.service.connection_closed(conn.id, release_bound=not self.shutting_down)
+            except Exception:
+                self.service.stats.count("internalErrors")
+                log.exception(kv(event="internal_error", op="connection_closed"))
             self._reschedule()
             sockio.close(sock)
             if log.isEnabledFor(logging.DEBUG):
@@ -314,7 +337,6 @@ class LockServer:
 
     async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
         splitter = LineSplitter(self.limits.max_line_bytes)
-        pending = trio.Semaphore(self.limits.max_pending_per_connection)
         while True:
             try:
                 data = await sockio.recv_some(conn.sock)
@@ -323,12 +345,7 @@ class LockServer:
             if not data:
                 return
             for line in splitter.feed(data):
-                # Backpressure: with too many requests in flight, stop reading.
-                try:
-                    pending.acquire_nowait()  # no scheduler pass on the common path
-                except trio.WouldBlock:
-                    await pending.acquire()
-                await self._handle_line(conn, line, nursery, pending)
+                await self._handle_line(conn, line, nursery)
             if splitter.too_long:
                 self.service.stats.count("invalidRequests")
                 limit = self.limits.max_line_bytes
@@ -356,43 +373,43 @@ class LockServer:
 
     # ------------------------------------------------------------- requests
 
-    async def _handle_line(
-        self, conn: Connection, line: bytes, nursery: trio.Nursery, pending: trio.Semaphore
-    ) -> None:
+    async def _handle_line(self, conn: Connection, line: bytes, nursery: trio.Nursery) -> None:
+        """Answer one request, or hand it to a task of its own if it must wait."""
         started = time.perf_counter()
-        parked = False
+        handed_off = False
         request: Request | None = None
         try:
             request = parse_request(line)
             if self.shutting_down:
                 raise ProtocolError("SHUTTING_DOWN", "lockd is stopping", request_id=request.id)
             if isinstance(request, Acquire):
-                op = request.op
-
-                def done() -> None:
-                    pending.release()
-                    self._observe(op, started)
-
-                parked = await self._acquire(conn, request, nursery, done, started)
+                handed_off = await self._acquire(conn, request, nursery, started)
             else:
                 await self._send(conn, encode_result(request.id, self._dispatch(conn, request)))
         except ProtocolError as exc:
-            if exc.code == "INVALID_REQUEST":
-                self.service.stats.count("invalidRequests")
-            if request is not None and exc.request_id is None:
-                exc.request_id = request.id
-            await self._send(conn, encode_protocol_error(exc))
+            await self._reply_error(conn, request, exc)
         except Exception:
-            self.service.stats.count("internalErrors")
-            rid = request.id if request is not None else None
-            log.exception(kv(event="internal_error", op=getattr(request, "op", None)))
-            await self._send(conn, encode_error(rid, "INTERNAL", "internal error; see the log"))
+            await self._reply_internal(conn, request)
         finally:
-            if not parked:
-                pending.release()
-                if request is not None:
-                    self._observe(request.op, started)
+            if request is not None and not handed_off:
+                self._observe(request.op, started)
             self._reschedule()
+
+    async def _reply_error(
+        self, conn: Connection, request: Request | None, exc: ProtocolError
+    ) -> None:
+        if exc.code == "INVALID_REQUEST":
+            self.service.stats.count("invalidRequests")
+        if request is not None and exc.request_id is None:
+            exc.request_id = request.id
+        await self._send(conn, encode_protocol_error(exc))
+
+    async def _reply_internal(self, conn: Connection, request: Request | None) -> None:
+        """A bug: log the traceback, answer INTERNAL; connection and daemon live on."""
+        self.service.stats.count("internalErrors")
+        log.exception(kv(event="internal_error", op=getattr(request, "op", None)))
+        rid = request.id if request is not None else None
+        await self._send(conn, encode_error(rid, "INTERNAL", "internal error; see the log"))
 
     def _observe(self, op: str, started: float) -> None:
         self.service.stats.observe(op, (time.perf_counter() - started) * 1000)
@@ -418,17 +435,44 @@ class LockServer:
             return service.rules(caller)
         raise AssertionError(f"unhandled op {request.op}")
 
-    async def _acquire(
+    def _spawn(
         self,
         conn: Connection,
-        req: Acquire,
         nursery: trio.Nursery,
-        done: Callable[[], None],
+        req: Acquire,
         started: float,
+        work: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Run a request that waits in a task of its own, counted per connection."""
+
+        async def run() -> None:
+            try:
+                await work()
+            except ProtocolError as exc:
+                await self._reply_error(conn, req, exc)
+            except Exception:
+                await self._reply_internal(conn, req)
+            finally:
+                conn.waiting -= 1
+                self._observe(req.op, started)
+                self._reschedule()
+
+        conn.waiting += 1
+        nursery.start_soon(run)
+
+    async def _acquire(
+        self, conn: Connection, req: Acquire, nursery: trio.Nursery, started: float
     ) -> bool:
         """Serve acquire/tryAcquire; True when the request went on to wait."""
         service = self.service
         service.authorize(conn.caller, "acquire", req.key)
+        limit = self.limits.max_pending_per_connection
+        if req.timeout_ms and conn.waiting >= limit:
+            raise ProtocolError(
+                "INVALID_REQUEST",
+                f"{limit} requests are already waiting on this connection",
+                details={"field": None, "limit": limit},
+            )
         retry_after = service.take_attempt(conn.caller)
         if retry_after is not None:
             if req.timeout_ms is None:
@@ -437,19 +481,24 @@ class LockServer:
                 # No room will come within the timeout: waiting is pointless.
                 service.stats.count("rateLimited")
                 raise _timeout(req)
-            nursery.start_soon(self._acquire_after_rate_wait, conn, req, done, started)
+            self._spawn(
+                conn,
+                nursery,
+                req,
+                started,
+                lambda: self._acquire_after_rate_wait(conn, req, started),
+            )
             return True
-        return await self._acquire_now(conn, req, nursery, done, req.timeout_ms)
+        waiter = await self._acquire_now(conn, req, req.timeout_ms)
+        if waiter is None:
+            return False
+        self._spawn(conn, nursery, req, started, lambda: self._wait_parked(conn, req, waiter))
+        return True
 
     async def _acquire_now(
-        self,
-        conn: Connection,
-        req: Acquire,
-        nursery: trio.Nursery,
-        done: Callable[[], None],
-        wait_ms: int | None,
-    ) -> bool:
-        """Ask the engine; True when the request was parked (``done`` deferred)."""
+        self, conn: Connection, req: Acquire, wait_ms: int | None
+    ) -> Waiter | None:
+        """Ask the engine and answer; the waiter when the request was parked."""
         result = self.service.acquire(
             conn.caller,
             conn.id,
@@ -467,52 +516,47 @@ class LockServer:
             raise _timeout(req)
         else:
             assert isinstance(result, Parked)
-            event = trio.Event()
-            self._events[result.waiter.id] = event
-            nursery.start_soon(self._wait_parked, conn, req, result.waiter, event, done)
-            return True
-        return False
+            self._events[result.waiter.id] = trio.Event()
+            self._reschedule()  # its deadline may be the earliest now
+            return result.waiter
+        return None
 
     async def _acquire_after_rate_wait(
-        self, conn: Connection, req: Acquire, done: Callable[[], None], started: float
+        self, conn: Connection, req: Acquire, started: float
     ) -> None:
         """A blocking acquire over the rate limit waits for room in its timeout."""
         assert req.timeout_ms is not None
         deadline = started + req.timeout_ms / 1000
-        try:
-            while True:
-                retry_after = self.service.take_attempt(conn.caller)
-                if retry_after is None:
-                    break
-                if self.shutting_down:
-                    await self._send(conn, _shutting_down(req.id))
-                    return
-                if retry_after / 1000 >= deadline - time.perf_counter():
-                    self.service.stats.count("rateLimited")
-                    await self._send(conn, encode_protocol_error(_timeout(req)))
-                    return
-                with trio.move_on_after(retry_after / 1000):
-                    await self._shutdown_event.wait()
-            left_ms = max(0, int((deadline - time.perf_counter()) * 1000))
-            async with trio.open_nursery() as inner:
-                await self._acquire_now(conn, req, inner, _nothing, left_ms)
-        except ProtocolError as exc:
-            exc.request_id = req.id
-            await self._send(conn, encode_protocol_error(exc))
-        finally:
-            done()
+        while True:
+            if self.shutting_down:
+                await self._send(conn, _shutting_down(req.id))
+                return
+            retry_after = self.service.take_attempt(conn.caller)
+            if retry_after is None:
+                break
+            if retry_after / 1000 >= deadline - time.perf_counter():
+                self.service.stats.count("rateLimited")
+                await self._send(conn, encode_protocol_error(_timeout(req)))
+                return
+            with trio.move_on_after(retry_after / 1000):
+                await self._shutdown_event.wait()
+        left_ms = max(0, int((deadline - time.perf_counter()) * 1000))
+        waiter = await self._acquire_now(conn, req, left_ms)
+        if waiter is not None:
+            await self._wait_parked(conn, req, waiter)
 
-    async def _wait_parked(
-        self,
-        conn: Connection,
-        req: Acquire,
-        waiter: Waiter,
-        event: trio.Event,
-        done: Callable[[], None],
-    ) -> None:
+    async def _wait_parked(self, conn: Connection, req: Acquire, waiter: Waiter) -> None:
+        """Wait for the engine to resolve a parked acquire, then answer it."""
         delivered = False
         try:
-            await event.wait()
+            try:
+                await self._events[waiter.id].wait()
+            finally:
+                self._events.pop(waiter.id, None)
+                if not waiter.resolved:
+                    # Cancelled (connection gone) or woken by shutdown: leave
+                    # the queue before anything else can hand us the key.
+                    self.service.cancel_waiter(waiter)
             if waiter.lease is not None:
                 delivered = await self._send(
                     conn, encode_result(req.id, self.service.lease_view(waiter.lease))
@@ -522,14 +566,9 @@ class LockServer:
             else:
                 await self._send(conn, _shutting_down(req.id))
         finally:
-            self._events.pop(waiter.id, None)
-            if not waiter.resolved:
-                self.service.cancel_waiter(waiter)
-            elif waiter.lease is not None and not delivered:
+            if waiter.lease is not None and not delivered:
                 # Granted, but the reply never reached the caller.
                 self.service.release_undelivered(waiter.lease)
-            self._reschedule()
-            done()
 
     async def _deliver(self, conn: Connection, request_id: RequestId, lease: Lease) -> None:
         """Send a grant; if it cannot be written, release it at once."""
@@ -542,10 +581,6 @@ class LockServer:
             if not delivered:
                 self.service.release_undelivered(lease)
                 self._reschedule()
-
-
-def _nothing() -> None:
-    pass
 
 
 def _timeout(req: Acquire) -> ProtocolError:

@@ -82,7 +82,14 @@ class LockService:
         changes = self.engine.drain()
         if not changes:
             return
-        self.store.apply(changes)
+        try:
+            self.store.apply(changes)
+        except BaseException:
+            # Nothing of the batch is acknowledged: keep it for the next
+            # commit (any later request or timer tick retries), and keep its
+            # woken waiters parked until then.
+            self.engine.undrain(changes)
+            raise
         self.stats.count("grants", changes.grants)
         self.stats.count("retakes", changes.retakes)
         for lease in changes.expired:

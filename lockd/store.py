@@ -163,19 +163,30 @@ class Store:
         The common batch is one row (a grant, a renew, a release): that is a
         single statement in autocommit mode, its own transaction, which
         costs a third of BEGIN + statement + COMMIT. The fence follows by
-        trigger, so ``changes.fence`` needs no statement of its own.
+        trigger, so ``changes.fence`` needs a statement of its own only when
+        no written row carries it.
         """
         rows = changes.rows
-        if not rows:
+        # The trigger raises the stored fence with every lease written; a
+        # grant whose row is gone again in the same batch (granted, then
+        # broken or released) needs the mark written by hand.
+        fence = changes.fence
+        if fence is not None and any(
+            lease is not None and lease.fence >= fence for lease in rows.values()
+        ):
+            fence = None
+        if not rows and fence is None:
             return
         db = self._db
-        if len(rows) == 1:
+        if len(rows) == 1 and fence is None:
             self._write_row(*next(iter(rows.items())))
             return
         db.execute("BEGIN")
         try:
             for key, lease in rows.items():
                 self._write_row(key, lease)
+            if fence is not None:
+                db.execute("UPDATE meta SET value = max(value, ?) WHERE name = 'fence'", (fence,))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:

@@ -1,9 +1,10 @@
 """Review of the daemon core against SPEC: reproductions of defects found.
 
-Each test marked ``xfail(strict=True, reason="BUG: ...")`` shows a confirmed
-defect in a file this test does not own; it starts passing (and so fails the
-suite, being strict) once the defect is fixed, which is the cue to drop the
-marker. The rest pin down behaviour the review checked and found right.
+Most tests here reproduced a defect the review found (all since fixed:
+waiters granted while leaving, stalled timers, a reader blocked by its own
+backpressure, failed commits, fences lost in one batch, crashes from
+background tasks) and now keep them fixed; the rest pin down behaviour the
+review checked and found right.
 
 The server tests run a real :class:`~lockd.server.LockServer` in-process, on
 a real Unix socket, with stubs for what is beside the point (policy, rate
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 
 from lockd.clock import Clock, SystemClock
@@ -193,11 +193,6 @@ def try_acquire(rid: int, key: str, **extra: Any) -> dict[str, Any]:
 # --------------------------------------------------------------- confirmed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: engine.cancel_waiter advances time before cancelling; a waiter granted "
-    "by that advance is not released by server._wait_parked (lease held by nobody)",
-)
 async def test_waiter_granted_while_its_connection_closes_is_released(short_tmp: Path) -> None:
     clock = FakeClock()
     async with running(short_tmp, clock=clock) as h:
@@ -215,11 +210,6 @@ async def test_waiter_granted_while_its_connection_closes_is_released(short_tmp:
         assert status["held"] is False, status
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: server._acquire_after_rate_wait parks a waiter without _reschedule(); "
-    "its timeout only fires when something else moves the timer",
-)
 async def test_rate_waited_acquire_times_out_on_time(short_tmp: Path) -> None:
     # alice's tryAcquire is counted; her acquire is over the limit for 50 ms.
     limiter = ScriptedLimiter([None, 50, None])
@@ -232,11 +222,6 @@ async def test_rate_waited_acquire_times_out_on_time(short_tmp: Path) -> None:
         assert reply["error"]["code"] == "LOCK_TIMEOUT"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: server._read_loop blocks on the pending semaphore and stops reading, "
-    "so it never sees EOF: a closed connection keeps its waiters and releaseOnClose leases",
-)
 async def test_close_noticed_while_pending_limit_reached(short_tmp: Path) -> None:
     async with running(short_tmp, limits=Limits(max_pending_per_connection=2)) as h:
         other, client = await h.connect(), await h.connect()
@@ -253,11 +238,6 @@ async def test_close_noticed_while_pending_limit_reached(short_tmp: Path) -> Non
     assert (waiters, mine) == (0, False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with max_pending_per_connection parked acquires, server._read_loop stops "
-    "reading, so the connection's own release is never served (self-deadlock until TTL)",
-)
 async def test_parked_acquires_do_not_block_the_connections_release(short_tmp: Path) -> None:
     async with running(short_tmp, limits=Limits(max_pending_per_connection=2)) as h:
         client = await h.connect()
@@ -272,11 +252,6 @@ async def test_parked_acquires_do_not_block_the_connections_release(short_tmp: P
     assert sorted(r["id"] for r in replies if r is not None) == [2, 4]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: service.commit drains the engine before store.apply; when apply raises, "
-    "resolved waiters are never woken (and memory and disk disagree)",
-)
 async def test_failed_commit_does_not_strand_parked_waiter(short_tmp: Path) -> None:
     store = FlakyStore(short_tmp / "db", "boot-1")
     async with running(short_tmp, store=store) as h:
@@ -293,11 +268,6 @@ async def test_failed_commit_does_not_strand_parked_waiter(short_tmp: Path) -> N
     assert reply is not None, "parked acquire never answered after a failed commit"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: store.apply ignores changes.fence; a grant overwritten in the same batch "
-    "(expiry hand-off then break) never raises the stored fence, so it repeats after restart",
-)
 def test_fence_of_a_grant_broken_in_the_same_batch_survives_restart(short_tmp: Path) -> None:
     db = short_tmp / "db"
     clock = FakeClock(now=0)
@@ -320,11 +290,6 @@ def test_fence_of_a_grant_broken_in_the_same_batch_survives_restart(short_tmp: P
     assert fence >= 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: same root as cancel_waiter advancing first: at SIGTERM a parked waiter "
-    "is told SHUTTING_DOWN, then granted by cancel_waiter's advance and the lease kept",
-)
 async def test_waiter_told_shutting_down_is_not_left_holding(short_tmp: Path) -> None:
     clock = FakeClock()
     async with running(short_tmp, clock=clock) as h:
@@ -343,11 +308,6 @@ async def test_waiter_told_shutting_down_is_not_left_holding(short_tmp: Path) ->
     assert holder_now is None or holder_now.fence == 1, holder_now
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an exception in a background request task (_acquire_after_rate_wait, "
-    "_wait_parked) is not turned into INTERNAL: it escapes the nursery and stops the daemon",
-)
 async def test_store_error_after_rate_wait_is_internal_not_a_crash(short_tmp: Path) -> None:
     store = FlakyStore(short_tmp / "db", "boot-1")
     outcome: dict[str, Any] = {}
