@@ -44,23 +44,35 @@ from lockd_client import (
     ShuttingDownError,
 )
 
-# --------------------------------------------------------------------------- exit codes
+from .exitcodes import (  # re-exported: the commands import them from here
+    EXIT_BUG as EXIT_BUG,
+)
+from .exitcodes import (
+    EXIT_BUSY as EXIT_BUSY,
+)
+from .exitcodes import (
+    EXIT_DENIED as EXIT_DENIED,
+)
+from .exitcodes import (
+    EXIT_INTERRUPTED as EXIT_INTERRUPTED,
+)
+from .exitcodes import (
+    EXIT_LOST as EXIT_LOST,
+)
+from .exitcodes import (
+    EXIT_OK as EXIT_OK,
+)
+from .exitcodes import (
+    EXIT_RATE_LIMITED as EXIT_RATE_LIMITED,
+)
+from .exitcodes import (
+    EXIT_UNAVAILABLE as EXIT_UNAVAILABLE,
+)
+from .exitcodes import (
+    EXIT_USAGE as EXIT_USAGE,
+)
 
-EXIT_OK = 0
-#: The key is busy (one attempt found it held) or ``--wait`` ran out.
-EXIT_BUSY = 1
-#: Bad command line (click's own code) or ``INVALID_REQUEST`` from the daemon.
-EXIT_USAGE = 2
-EXIT_DENIED = 3
-EXIT_RATE_LIMITED = 4
-#: Daemon unreachable, stopping (``SHUTTING_DOWN``) or failing (``INTERNAL``).
-EXIT_UNAVAILABLE = 5
-#: Lease lost or not the holder (renew/release with a stale handle).
-EXIT_LOST = 6
-#: A bug in the lockd CLI itself (sysexits' EX_SOFTWARE); never expected.
-EXIT_BUG = 70
-#: Interrupted by Ctrl-C (the shell's convention: 128 + SIGINT).
-EXIT_INTERRUPTED = 130
+# --------------------------------------------------------------------------- exit codes
 
 EXIT_CODES_HELP = """\b
 Exit codes:

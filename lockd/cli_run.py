@@ -10,58 +10,17 @@ its arguments, never parsed as options, so ``lockd run k -- ls --help`` runs
 from __future__ import annotations
 
 import os
-import re
-from decimal import ROUND_CEILING, Decimal
-from typing import Any
 
 import click
 
+from .cli_common import Duration
 from .runner import EXIT_BUG, OnLost, Reporter, RunOptions, run_locked
 
 __all__ = ["run"]
 
 _COMMAND_META = "lockd.run.command"
-_MAX_MS = 86_400_000  # 24 h: the daemon's limit for ttlMs and timeoutMs
 _MIN_TTL_MS = 100  # below this, renewing every TTL/3 is hopeless
 _DEBUG_ENV = "LOCKD_DEBUG"
-
-# Private copy of lockd.cli_common.parse_duration_ms (same grammar: ms, s, m, h;
-# a bare number is milliseconds; Decimal, rounded up), kept so this module
-# stands alone until the two are merged.
-_DURATION = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?P<unit>ms|s|m|h)?")
-_UNIT_MS = {"ms": Decimal(1), "s": Decimal(1000), "m": Decimal(60_000), "h": Decimal(3_600_000)}
-
-
-def _parse_duration_ms(text: str) -> int:
-    """``"600ms"``, ``"1.5s"``, ``"2m"``, ``"1h"``, ``"250"`` (ms) -> milliseconds, rounded up."""
-    match = _DURATION.fullmatch(text.strip())
-    if match is None:
-        raise ValueError(
-            f"{text!r} is not a duration (use 500ms, 60s, 1.5s, 5m, 1h; a bare number is ms)"
-        )
-    value = Decimal(match["num"]) * _UNIT_MS[match["unit"] or "ms"]
-    return int(value.to_integral_value(rounding=ROUND_CEILING))
-
-
-class _Duration(click.ParamType):
-    """A click type for durations, converted to milliseconds and range-checked."""
-
-    name = "duration"
-
-    def __init__(self, *, min_ms: int, max_ms: int = _MAX_MS) -> None:
-        self.min_ms = min_ms
-        self.max_ms = max_ms
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            ms = _parse_duration_ms(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-        if not self.min_ms <= ms <= self.max_ms:
-            self.fail(f"{value!r} is out of range ({self.min_ms}ms to 24h)", param, ctx)
-        return ms
 
 
 class _RunCommand(click.Command):
@@ -114,7 +73,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--ttl",
     "ttl_ms",
-    type=_Duration(min_ms=_MIN_TTL_MS),
+    type=Duration(min_ms=_MIN_TTL_MS),
     default="60s",
     show_default=True,
     help="Lease time-to-live, renewed every third of it while COMMAND runs.",
@@ -122,7 +81,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--wait",
     "wait_ms",
-    type=_Duration(min_ms=0),
+    type=Duration(min_ms=0),
     default=None,
     help="Wait up to this long for the key (first come, first served). "
     "Default: one attempt, give up at once if the key is busy.",
@@ -145,7 +104,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--grace",
     "grace_ms",
-    type=_Duration(min_ms=0),
+    type=Duration(min_ms=0),
     default="10s",
     show_default=True,
     help="With --on-lost term: time between SIGTERM and SIGKILL.",

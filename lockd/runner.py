@@ -53,6 +53,20 @@ from lockd_client import (
     ShuttingDownError,
 )
 
+from .exitcodes import (
+    EXIT_BUG,
+    EXIT_BUSY,
+    EXIT_CANNOT_EXECUTE,
+    EXIT_DENIED,
+    EXIT_INTERRUPTED,
+    EXIT_LOST,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_RATE_LIMITED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+)
+
 __all__ = [
     "EXIT_BUG",
     "EXIT_BUSY",
@@ -77,17 +91,6 @@ __all__ = [
     "take_lease",
 ]
 
-EXIT_OK = 0
-EXIT_BUSY = 1  # key busy or wait timed out; --conflict-exit-code replaces it
-EXIT_USAGE = 2
-EXIT_DENIED = 3
-EXIT_RATE_LIMITED = 4
-EXIT_UNAVAILABLE = 5
-EXIT_LOST = 6
-EXIT_BUG = 70  # a bug in lockd run itself (sysexits EX_SOFTWARE), as in lockd.cli_common
-EXIT_CANNOT_EXECUTE = 126  # as a shell: found but not executable
-EXIT_NOT_FOUND = 127  # as a shell: no such command
-EXIT_INTERRUPTED = 130  # SIGINT while waiting for the key (128 + 2)
 
 #: Signals ``lockd run`` passes on to COMMAND's process group.
 FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

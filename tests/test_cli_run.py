@@ -38,7 +38,8 @@ from lockd_client import (
 )
 
 from lockd import runner
-from lockd.cli_run import _parse_duration_ms, run
+from lockd.cli_common import parse_duration_ms
+from lockd.cli_run import run
 from lockd.runner import (
     EXIT_BUSY,
     EXIT_DENIED,
@@ -240,20 +241,20 @@ def test_daemon_unreachable_exits_5_naming_the_socket(short_tmp: Path) -> None:
      ("0.0004s", 1), (" 10s ", 10_000), (".5s", 500), ("1.s", 1000), ("1.1s", 1100)],
 )  # fmt: skip
 def test_duration_parser(text: str, ms: int) -> None:
-    assert _parse_duration_ms(text) == ms
+    assert parse_duration_ms(text) == ms
 
 
 @pytest.mark.parametrize("text", ["", "s", "1d", "-1s", "10S", "1 2s", "nan"])
 def test_duration_parser_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        _parse_duration_ms(text)
+        parse_duration_ms(text)
 
 
 def test_matches_cli_common() -> None:
     """Drift guard for the private duration parser and exit codes (to be merged)."""
     common = pytest.importorskip("lockd.cli_common")
     for text in ("250", "600ms", "1.5s", "1.1s", "2m", "1h", "0.0004s", ".5s", "1.s"):
-        assert _parse_duration_ms(text) == common.parse_duration_ms(text)
+        assert parse_duration_ms(text) == common.parse_duration_ms(text)
     for name in ("BUSY", "USAGE", "DENIED", "RATE_LIMITED", "UNAVAILABLE", "LOST", "BUG"):
         assert getattr(runner, f"EXIT_{name}") == getattr(common, f"EXIT_{name}")
 
