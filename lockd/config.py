@@ -97,7 +97,7 @@ class Settings:
     max_connections: int = 1024
     #: longest request line in bytes (newline not counted).
     max_line_bytes: int = 65536
-    #: requests of one connection being served at once (parked acquires included).
+    #: blocking acquires one connection may have waiting; more are refused.
     max_pending_per_connection: int = 1024
     #: log level: debug, info, warning or error.
     log_level: str = "info"
