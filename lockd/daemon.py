@@ -7,6 +7,7 @@ path each stop it with one clear line and a non-zero exit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -149,6 +150,13 @@ async def _main(daemon: Daemon) -> None:
 def run(paths: Paths) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit status."""
     daemon = build(paths)
+    # Start-up leaves a large heap of long-lived objects (the CEL grammar,
+    # compiled rules, modules): freeze them out of the cyclic collector's
+    # way, and let gen-0 run less often -- request garbage is freed by
+    # reference counting anyway. Measured ~5-10% more round trips per second.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
     try:
         trio.run(_main, daemon)
     finally:
