@@ -477,6 +477,68 @@ def spawn_in_own_session(argv: Sequence[str], env: Mapping[str, str]) -> subproc
     )
 
 
+# The guard's whole program: wait for the pipe to close; unless lockd run
+# said "done" first, it died, so kill COMMAND's group. Kept tiny because it
+# runs as `python -I -S -c` (no site, no lockd import: ~15 ms to start).
+_GUARD_PROGRAM = """
+import os, signal, sys
+said = b""
+while True:
+    chunk = os.read(0, 64)
+    if not chunk:
+        break
+    said += chunk
+if said != b"done":
+    try:
+        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class GroupGuard:
+    """Kills COMMAND's whole process group if ``lockd run`` dies first.
+
+    PR_SET_PDEATHSIG reaches only COMMAND's first process; its children
+    (``sh -c 'a; b'``, a worker pool) would run on without the lock once a
+    killed ``lockd run`` freed the key. The guard is a separate process in a
+    session of its own (so neither a group kill nor the terminal's SIGINT
+    takes it down) that blocks on a pipe only ``lockd run`` can write: the
+    kernel closes it however ``lockd run`` ends, and without a "done" first
+    the guard SIGKILLs the group.
+    """
+
+    def __init__(self, pgid: int) -> None:
+        read_end, write_end = os.pipe()  # both close-on-exec
+        self._write_end: int | None = write_end
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM, str(pgid)],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            os.close(read_end)
+
+    def dismiss(self) -> None:
+        """COMMAND ended while we held the lease: leave its group alone."""
+        if self._write_end is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._write_end, b"done")
+        self.close()
+
+    def close(self) -> None:
+        """Stop guarding (without "done" first, the guard kills the group)."""
+        if self._write_end is None:
+            return
+        fd, self._write_end = self._write_end, None
+        os.close(fd)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+
+
 def _killpg(pgid: int, sig: int) -> None:
     """Signal a process group; a group that is already gone is not an error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -588,6 +650,7 @@ def _run_holding(
         )
         return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
     forwarder.attach(proc.pid)
+    guard = GroupGuard(proc.pid)
 
     wake = threading.Event()
     exited = threading.Event()
@@ -602,7 +665,9 @@ def _run_holding(
     reaper.start()
     try:
         _supervise(proc, keeper, exited, wake, opts, report)
+        guard.dismiss()
     finally:
+        guard.close()  # after an error in lockd run itself: the group goes too
         keeper.stop()
         renew_client.close()
     status = exit_status(proc.returncode)

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import lockd_client
@@ -1165,7 +1165,13 @@ def test_auto_renew_declares_loss_before_lease_runs_out(
     def handler(request: dict[str, Any]) -> dict[str, Any]:
         if request["op"] == "renew":
             return err("INTERNAL", 500)
-        return answer(request)
+        reply = answer(request)
+        if request["op"] == "acquire":
+            # A real daemon's deadline: the client counts the lease from it.
+            expires = datetime.now(UTC) + timedelta(milliseconds=request["ttlMs"])
+            stamp = expires.strftime("%Y-%m-%dT%H:%M:%S.") + f"{expires.microsecond // 1000:03d}Z"
+            reply["result"]["leaseExpiresAt"] = stamp
+        return reply
 
     server = serve(responder(handler))
     called = threading.Event()
@@ -1175,6 +1181,7 @@ def test_auto_renew_declares_loss_before_lease_runs_out(
             "k", ttl=0.09, timeout=1, auto_renew=True, on_lost=lambda h: called.set()
         ) as handle:
             assert called.wait(2)
+            # Reported inside the safety margin, before the lease runs out.
             assert time.monotonic() - started < 0.09
             assert handle.lost
     assert server.ops().count("renew") >= 2

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
-import pytest
 from lockd_client import Handle, LockClient
 
 from .conftest import LOCKD, DaemonProcess
@@ -68,11 +67,6 @@ time.sleep(60)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: runner.spawn_in_own_session: PR_SET_PDEATHSIG kills only COMMAND's leader; "
-    "the rest of its process group outlives a killed lockd run while the key is already free",
-)
 def test_kill9_of_lockd_run_kills_the_whole_command_group(
     daemon: DaemonProcess, short_tmp: Path
 ) -> None:
@@ -101,11 +95,6 @@ def test_kill9_of_lockd_run_kills_the_whole_command_group(
             proc.wait(5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _lock.AutoRenewer: with the daemon unresponsive, on_lost fires only after the "
-    "lease has run out (deadline counted from the reply, no safety margin)",
-)
 def test_auto_renew_reports_loss_before_the_lease_runs_out(daemon: DaemonProcess) -> None:
     """``lock(auto_renew=True)``: renewals failing "until the lease is about to run out".
 

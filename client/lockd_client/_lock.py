@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from ._results import Handle
@@ -21,16 +22,22 @@ log = logging.getLogger("lockd_client")
 
 _JOIN_TIMEOUT = 5.0
 _MAX_RETRY_PAUSE = 1.0
+#: the loss is reported this long (at most; a tenth of the TTL below 20 s)
+#: before the lease would run out.
+_MAX_MARGIN = 2.0
 
 
 class AutoRenewer:
     """A daemon thread that renews ``handle`` every ``ttl/3`` until stopped or lost.
 
     The lease is taken as lost when renew answers ``renewed: false``, or when
-    renewals keep failing and the next attempt would come too late (the
-    lease, counted from the last success on the monotonic clock, is about to
-    run out). Then ``handle.lost`` is set, ``on_lost(handle)`` is called once
-    and the thread ends. Nothing is reported after :meth:`stop`.
+    renewals keep failing into a safety margin before the lease would run out
+    (a tenth of the TTL, at most 2 s): the loss is reported while the lease
+    still holds, so the caller can stop before anyone else gets the key. The
+    lease's end is counted on the monotonic clock from when each successful
+    renewal was *sent* (the daemon extended it no earlier). Then
+    ``handle.lost`` is set, ``on_lost(handle)`` is called once and the thread
+    ends. Nothing is reported after :meth:`stop`.
     """
 
     def __init__(
@@ -40,14 +47,16 @@ class AutoRenewer:
         ttl_ms: int,
         on_lost: Callable[[Handle], object] | None,
         *,
-        granted_at: float,
+        expires_at: float,
     ) -> None:
+        """``expires_at``: when the lease runs out, on ``time.monotonic()``."""
         self._client = client
         self._handle = handle
         self._ttl_ms = ttl_ms
         self._on_lost = on_lost
         self._interval = ttl_ms / 3000
-        self._deadline = granted_at + ttl_ms / 1000
+        self._margin = min(ttl_ms / 10_000, _MAX_MARGIN)
+        self._deadline = expires_at
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"lockd-renew:{handle.key[:64]}", daemon=True
@@ -63,19 +72,25 @@ class AutoRenewer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_JOIN_TIMEOUT)
 
+    def _give_up_at(self) -> float:
+        return self._deadline - self._margin
+
     def _run(self) -> None:
-        pause = self._interval
+        # A lease that is already old (a long blocking wait) renews sooner.
+        pause = min(self._interval, max(0.0, self._give_up_at() - time.monotonic()) / 2)
         while not self._stop.wait(pause):
             sent_at = time.monotonic()
             try:
-                result = self._client._renew(self._handle, self._ttl_ms, give_up_at=self._deadline)
+                result = self._client._renew(
+                    self._handle, self._ttl_ms, give_up_at=self._give_up_at()
+                )
             except Exception as exc:
                 if self._stop.is_set():
                     return
                 pause = min(self._interval, _MAX_RETRY_PAUSE)
-                left = self._deadline - time.monotonic()
+                left = self._give_up_at() - time.monotonic()
                 log.warning(
-                    "lockd: renewing %r failed (%s); %.3f s of lease left",
+                    "lockd: renewing %r failed (%s); %.3f s before giving the lease up",
                     self._handle.key,
                     exc,
                     left,
@@ -118,10 +133,13 @@ def hold(
     ttl_ms = seconds_to_ms(ttl, "ttl", allow_zero=False)
     if on_lost is not None and not callable(on_lost):
         raise TypeError("on_lost must be callable or None")
+    sent_at = time.monotonic()
     handle = client.acquire(key, ttl, timeout, owner=owner, release_on_close=release_on_close)
     renewer: AutoRenewer | None = None
     if auto_renew:
-        renewer = AutoRenewer(client, handle, ttl_ms, on_lost, granted_at=time.monotonic())
+        renewer = AutoRenewer(
+            client, handle, ttl_ms, on_lost, expires_at=_lease_end(handle, sent_at, ttl_ms)
+        )
         renewer.start()
     try:
         yield handle
@@ -136,3 +154,20 @@ def hold(
     if renewer is not None:
         renewer.stop()
     client.release(handle)
+
+
+def _lease_end(handle: Handle, sent_at: float, ttl_ms: int) -> float:
+    """When the lease runs out, on the monotonic clock.
+
+    The daemon shares this host's clock, so its ``leaseExpiresAt`` is exact;
+    a blocking acquire may have waited long, so the send time alone would be
+    far too early. Never later than the send time plus the TTL's worth from
+    the reply, as a guard against a wall clock stepped meanwhile.
+    """
+    now = time.monotonic()
+    latest = now + ttl_ms / 1000
+    expires = handle.lease_expires_at
+    if expires is None:
+        return max(sent_at + ttl_ms / 1000, now)
+    left = (expires - datetime.now(UTC)).total_seconds()
+    return min(now + left, latest)
