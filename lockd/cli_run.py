@@ -14,7 +14,7 @@ import os
 import click
 
 from .cli_common import Duration
-from .runner import EXIT_BUG, OnLost, Reporter, RunOptions, run_locked
+from .runner import EXIT_BUG, EXIT_INTERRUPTED, OnLost, Reporter, RunOptions, run_locked
 
 __all__ = ["run"]
 
@@ -183,6 +183,12 @@ def run(
     report = Reporter(json_lines=json_output)
     try:
         code = run_locked(opts, report)
+    except KeyboardInterrupt:
+        # A Ctrl-C in the instant between taking the key and installing the
+        # forwarder: 130 like a shell, never click's "Aborted!" with 1 ("busy").
+        # The key is freed as our connection closes (releaseOnClose).
+        report("INTERRUPTED", "interrupted")
+        code = EXIT_INTERRUPTED
     except Exception as exc:  # a bug: one line and 70, not a traceback that exits 1 ("busy")
         if os.environ.get(_DEBUG_ENV):
             raise
