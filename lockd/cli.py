@@ -19,6 +19,7 @@ Shell completion is click's: ``eval "$(_LOCKD_COMPLETE=bash_source lockd)"``
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from decimal import Decimal
@@ -65,15 +66,33 @@ def main() -> None:
     type=click.Path(file_okay=False),
     help="Config folder (lockd.toml, rule-sets/).",
 )
-def serve(system: bool, socket_path: str | None, db: str | None, config_dir: str | None) -> None:
-    """Run the daemon in the foreground (stops cleanly on SIGTERM)."""
+@click.option(
+    "--json", "json_output", is_flag=True, help="A start-up error as one JSON line on stderr."
+)
+def serve(
+    system: bool,
+    socket_path: str | None,
+    db: str | None,
+    config_dir: str | None,
+    json_output: bool,
+) -> None:
+    """Run the daemon in the foreground (stops cleanly on SIGTERM).
+
+    It logs key=value lines to stderr; a start-up error (bad lockd.toml or
+    rule set, a live daemon on the socket, a database in use) is one line
+    and exit status 1.
+    """
     from .daemon import StartupError, run
 
     paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
     try:
         code = run(paths)
     except StartupError as exc:
-        click.echo(f"lockd: cannot start: {exc}", err=True)
+        if json_output:
+            error = {"code": "STARTUP_FAILED", "message": str(exc)}
+            click.echo(json.dumps({"error": error}), err=True)
+        else:
+            click.echo(f"lockd: cannot start: {exc}", err=True)
         sys.exit(1)
     sys.exit(code)
 

@@ -56,11 +56,15 @@ class Daemon:
     #: flock held on ``<socket>.lock`` while we serve (None under activation).
     lock_fd: int | None = None
 
+    #: (st_dev, st_ino) of the socket file we bound, to unlink only our own.
+    socket_identity: tuple[int, int] | None = None
+
     def close(self) -> None:
         self.listen_sock.close()
         if self.owns_socket_file:
             try:
-                if self.paths.socket.is_socket():
+                st = self.paths.socket.stat()
+                if (st.st_dev, st.st_ino) == self.socket_identity:
                     self.paths.socket.unlink()
             except OSError:
                 pass
@@ -134,7 +138,11 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
             rules=(policy.rules_result()["policy"] or {}).get("file", "open default"),
         )
     )
-    return Daemon(paths, settings, policy, store, service, server, sock, owns, lock_fd)
+    daemon = Daemon(paths, settings, policy, store, service, server, sock, owns, lock_fd)
+    if owns:
+        st = paths.socket.stat()
+        daemon.socket_identity = (st.st_dev, st.st_ino)
+    return daemon
 
 
 async def _main(daemon: Daemon) -> None:

@@ -1211,3 +1211,11 @@ def test_public_names_are_documented() -> None:
     for name in dir(LockClient):
         if not name.startswith("_"):
             assert getattr(LockClient, name).__doc__, name
+
+
+def test_on_lost_without_auto_renew_is_refused(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    with make_client(server.path) as client:
+        lock = client.lock("k", ttl=1, timeout=1, on_lost=lambda h: None)
+        with pytest.raises(ValueError, match="auto_renew"), lock:
+            pass

@@ -745,3 +745,28 @@ def test_member_without_passwd_entry(daemon_paths: DaemonProcess) -> None:
         status = client.status("root-key")
         assert status.fence == held.fence
         assert client.release(held).released
+
+
+def test_serve_json_reports_a_startup_error_as_one_json_line(
+    daemon_paths: DaemonProcess,
+) -> None:
+    daemon_paths.write_config("acquire_per_hour = 'many'\n")
+    proc = subprocess.run(
+        [
+            *LOCKD,
+            "serve",
+            "--json",
+            "--socket",
+            str(daemon_paths.socket),
+            "--db",
+            str(daemon_paths.db),
+            "--config",
+            str(daemon_paths.config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    error = json.loads(proc.stderr.strip().splitlines()[-1])["error"]
+    assert error["code"] == "STARTUP_FAILED" and "acquire_per_hour" in error["message"]

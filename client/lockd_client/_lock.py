@@ -133,6 +133,9 @@ def hold(
     ttl_ms = seconds_to_ms(ttl, "ttl", allow_zero=False)
     if on_lost is not None and not callable(on_lost):
         raise TypeError("on_lost must be callable or None")
+    if on_lost is not None and not auto_renew:
+        # Without a renewer nothing watches the lease, so it would never be called.
+        raise ValueError("on_lost needs auto_renew=True")
     sent_at = time.monotonic()
     handle = client.acquire(key, ttl, timeout, owner=owner, release_on_close=release_on_close)
     renewer: AutoRenewer | None = None
