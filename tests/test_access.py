@@ -579,6 +579,9 @@ def test_sighup_reloads_at_once(start: Callable[..., Live], cast: Cast) -> None:
     """
     first = rule_set("record.key.startsWith('a:')")
     live = start(first)
+    # A reply means start-up is over, including its one re-read of rule-sets/
+    # once the watch is armed (the socket accepts before that).
+    assert live.root.rules()["policy"]["sha256"] == sha(first)
     path = live.rules_dir / RULE_FILE
     second = rule_set("record.key.startsWith('b:')")
     fd = os.open(path, os.O_RDWR)
