@@ -58,13 +58,7 @@ def start_daemon(stack: ExitStack, rules: str | None) -> DaemonProcess:
     """A daemon in its own temp folder, reachable by other uids; stopped on exit."""
     folder = Path(tempfile.mkdtemp(prefix="lockd-bench-", dir="/tmp"))
     stack.callback(shutil.rmtree, folder, True)
-    daemon = DaemonProcess(
-        root=folder,
-        socket=folder / "lockd.sock",
-        db=folder / "state" / "lockd.db",
-        config=folder / "config",
-        log=folder / "lockd.log",
-    )
+    daemon = DaemonProcess.in_folder(folder)
     daemon.write_config(CONFIG)
     if rules is not None:
         daemon.write_rules("lock-policy.toml", rules)

@@ -36,6 +36,28 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes] | None = None
     extra_args: list[str] = field(default_factory=list)
 
+    @classmethod
+    def in_folder(cls, root: Path) -> DaemonProcess:
+        """A daemon whose socket, database, config and log all live under ``root``."""
+        return cls(
+            root=root,
+            socket=root / "lockd.sock",
+            db=root / "state" / "lockd.db",
+            config=root / "config",
+            log=root / "lockd.log",
+        )
+
+    def terminate(self) -> None:
+        """SIGTERM if still running; SIGKILL if it does not stop within 10 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "LOCKD_SOCKET": str(self.socket)}
@@ -118,13 +140,7 @@ def short_tmp() -> Iterator[Path]:
 @pytest.fixture
 def daemon_paths(short_tmp: Path) -> DaemonProcess:
     """Paths for a daemon, not started (write config/rules first, then .start())."""
-    return DaemonProcess(
-        root=short_tmp,
-        socket=short_tmp / "lockd.sock",
-        db=short_tmp / "state" / "lockd.db",
-        config=short_tmp / "config",
-        log=short_tmp / "lockd.log",
-    )
+    return DaemonProcess.in_folder(short_tmp)
 
 
 @pytest.fixture
@@ -134,10 +150,4 @@ def daemon(daemon_paths: DaemonProcess) -> Iterator[DaemonProcess]:
     try:
         yield daemon_paths
     finally:
-        if daemon_paths.proc is not None and daemon_paths.proc.poll() is None:
-            daemon_paths.proc.send_signal(signal.SIGTERM)
-            try:
-                daemon_paths.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon_paths.proc.kill()
-                daemon_paths.proc.wait()
+        daemon_paths.terminate()

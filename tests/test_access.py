@@ -188,14 +188,7 @@ def start(daemon_paths: DaemonProcess, cast: Cast) -> Iterator[Callable[..., Liv
         for agent in live.agents:
             agent.close()
         live.root.close()
-    proc = daemon_paths.proc
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    daemon_paths.terminate()
 
 
 def assert_denied(error: AgentError, op: str) -> None:

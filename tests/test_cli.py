@@ -319,13 +319,7 @@ def shared() -> Iterator[DaemonProcess]:
     need a fresh daemon (exact counters, config, rules) use ``daemon``.
     """
     root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
-    proc = DaemonProcess(
-        root=root,
-        socket=root / "lockd.sock",
-        db=root / "state" / "lockd.db",
-        config=root / "config",
-        log=root / "lockd.log",
-    )
+    proc = DaemonProcess.in_folder(root)
     proc.start()
     try:
         yield proc

@@ -146,13 +146,7 @@ def shared() -> Iterator[DaemonProcess]:
     Starting a daemon costs ~0.5 s; the test that freezes the daemon gets its own.
     """
     root = Path(tempfile.mkdtemp(prefix="lockd-run-", dir="/tmp"))
-    proc = DaemonProcess(
-        root=root,
-        socket=root / "lockd.sock",
-        db=root / "state" / "lockd.db",
-        config=root / "config",
-        log=root / "lockd.log",
-    )
+    proc = DaemonProcess.in_folder(root)
     proc.start()
     try:
         yield proc

@@ -122,13 +122,7 @@ class RawConn:
 def running_daemon(config: str | None = None) -> Iterator[DaemonProcess]:
     """A daemon in its own short temp folder, for module-scoped fixtures."""
     root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
-    proc = DaemonProcess(
-        root=root,
-        socket=root / "lockd.sock",
-        db=root / "state" / "lockd.db",
-        config=root / "config",
-        log=root / "lockd.log",
-    )
+    proc = DaemonProcess.in_folder(root)
     if config is not None:
         proc.write_config(config)
     try:

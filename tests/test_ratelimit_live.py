@@ -17,8 +17,6 @@ The module is skipped when it cannot create users (not root, no useradd).
 from __future__ import annotations
 
 import itertools
-import signal
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -124,14 +122,7 @@ def start(daemon_paths: DaemonProcess, cast: Cast) -> Iterator[Callable[..., Liv
         for agent in live.agents:
             agent.close()
         live.root.close()
-    proc = daemon_paths.proc
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    daemon_paths.terminate()
 
 
 def test_sixth_try_acquire_is_rate_limited(start: Callable[..., Live], cast: Cast) -> None:
