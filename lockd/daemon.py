@@ -21,18 +21,12 @@ from .clock import Clock, SystemClock
 from .config import ConfigError, Paths, Settings, load_settings
 from .engine import LockEngine
 from .identity import IdentityConfig
+from .listener import SocketInUseError, acquire_path_lock, bind_socket
 from .logfmt import kv, setup_logging
 from .policy import PolicyManager, RuleSetError
 from .ratelimit import RateLimiter
 from .rulewatch import watch_rule_sets
-from .server import (
-    HANDLED_SIGNALS,
-    Limits,
-    LockServer,
-    SocketInUseError,
-    acquire_path_lock,
-    bind_socket,
-)
+from .server import HANDLED_SIGNALS, Limits, LockServer
 from .service import LockService
 from .store import Store, StoreError, read_boot_id
 

@@ -29,7 +29,8 @@ import trio
 from lockd.clock import Clock, SystemClock
 from lockd.engine import Busy, Changes, Lease, LockEngine, Parked
 from lockd.identity import Caller, IdentityConfig
-from lockd.server import Limits, LockServer, bind_socket
+from lockd.listener import bind_socket
+from lockd.server import Limits, LockServer
 from lockd.service import LockService
 from lockd.store import Store
 
