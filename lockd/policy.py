@@ -52,7 +52,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ from lockd.celrules import (
 )
 from lockd.identity import Caller
 from lockd.logfmt import kv
+from lockd.protocol import rfc3339_ms as wire_time
 from lockd.rulefile import Fingerprint as Fingerprint
 from lockd.rulefile import RuleSetError as RuleSetError
 from lockd.rulefile import (
@@ -112,10 +112,8 @@ _OP_HINTS = {
 
 
 def rfc3339_ms(epoch_seconds: float) -> str:
-    """``2026-11-30T03:31:00.123Z`` (UTC, milliseconds, truncated)."""
-    ms = int(epoch_seconds * 1000)
-    dt = datetime.fromtimestamp(ms // 1000, UTC)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"
+    """``2026-11-30T03:31:00.123Z`` for seconds since the epoch (milliseconds, truncated)."""
+    return wire_time(int(epoch_seconds * 1000))
 
 
 # --------------------------------------------------------------------------- rule sets
