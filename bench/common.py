@@ -491,13 +491,13 @@ SLOW_COMMIT_US = 500.0
 
 
 def store_commit_costs(count: int, synchronous: str = "NORMAL") -> dict[str, Any]:
-    """Time :meth:`lockd.store.Store.apply` as the daemon calls it on its loop.
+    """Time :meth:`lockd.daemon.store.Store.apply` as the daemon calls it on its loop.
 
     Alternates a grant (one INSERT OR REPLACE + the fence bump) and a release
     (one DELETE), each its own transaction, on a fresh WAL database in /tmp.
     """
-    from lockd.engine import Changes, Lease, new_handle_id
-    from lockd.store import Store, read_boot_id
+    from lockd.daemon.engine import Changes, Lease, new_handle_id
+    from lockd.daemon.store import Store, read_boot_id
 
     root = Path(tempfile.mkdtemp(prefix="lockd-bench-store-", dir="/tmp"))
     store = Store(root / "state" / "lockd.db", read_boot_id(), synchronous=synchronous)

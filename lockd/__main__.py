@@ -1,5 +1,5 @@
 """``python -m lockd`` runs the CLI."""
 
-from .cli import main
+from lockd.cli import main
 
 main()

@@ -9,7 +9,6 @@ it (``H=$(lockd locks acquire ...)``), and one runs as a throwaway Unix user
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import pwd
@@ -39,7 +38,7 @@ from lockd_client import (
 )
 
 from lockd.cli import main, render_metrics
-from lockd.cli_common import (
+from lockd.cli.common import (
     DEBUG_ENV,
     EXIT_BUSY,
     EXIT_DENIED,
@@ -220,11 +219,6 @@ def test_help_lists_the_exit_codes() -> None:
         assert line in result.stdout
     assert "5  daemon unreachable" in result.stdout
     assert "6  lease lost" in result.stdout
-
-
-def test_run_command_is_added_when_its_module_exists() -> None:
-    exists = importlib.util.find_spec("lockd.cli_run") is not None
-    assert ("run" in main.commands) == exists
 
 
 SNAPSHOT = {

@@ -37,10 +37,10 @@ from lockd_client import (
     ShuttingDownError,
 )
 
-from lockd import runner
-from lockd.cli_common import parse_duration_ms
-from lockd.cli_run import run
-from lockd.runner import (
+from lockd.cli.common import parse_duration_ms
+from lockd.cli.run import run
+from lockd.run import supervisor as runner
+from lockd.run.supervisor import (
     EXIT_BUSY,
     EXIT_DENIED,
     EXIT_LOST,
@@ -246,7 +246,7 @@ def test_duration_parser_rejects(text: str) -> None:
 
 def test_matches_cli_common() -> None:
     """Drift guard for the private duration parser and exit codes (to be merged)."""
-    common = pytest.importorskip("lockd.cli_common")
+    common = pytest.importorskip("lockd.cli.common")
     for text in ("250", "600ms", "1.5s", "1.1s", "2m", "1h", "0.0004s", ".5s", "1.s"):
         assert parse_duration_ms(text) == common.parse_duration_ms(text)
     for name in ("BUSY", "USAGE", "DENIED", "RATE_LIMITED", "UNAVAILABLE", "LOST", "BUG"):

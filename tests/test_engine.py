@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lockd.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
+from lockd.daemon.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
 
 
 def make_engine(fence: int = 0) -> LockEngine:

@@ -1,4 +1,4 @@
-"""Property tests of :class:`lockd.engine.LockEngine` with a fake clock.
+"""Property tests of :class:`lockd.daemon.engine.LockEngine` with a fake clock.
 
 A hypothesis state machine drives random acquires, tries, re-takes, renews,
 releases, breaks, waiter cancellations, connection closes and the passing of
@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from lockd.engine import Busy, Changes, Lease, LockEngine, Parked, TimedOut, Waiter
+from lockd.daemon.engine import Busy, Changes, Lease, LockEngine, Parked, TimedOut, Waiter
 
 KEYS = ("a", "b", "c")
 PRINCIPALS = ("user:alice", "user:bob", "service:cron.service")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lockd.identity import Caller
-from lockd.policy import (
+from lockd.rules.policy import (
     Decision,
     Policy,
     PolicyManager,
@@ -505,7 +505,7 @@ def test_manager_reload_lifecycle(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     # a broken edit keeps the previous policy and reports where
     good.write_text(rule_text(renew="record.key +* 'x'"), encoding="utf-8")
     clock.t = T0 + 2
-    with caplog.at_level(logging.WARNING, logger="lockd.policy"):
+    with caplog.at_level(logging.WARNING, logger="lockd.rules.policy"):
         assert mgr.reload() is False
     assert mgr.policy is first
     err = mgr.last_error
@@ -590,7 +590,7 @@ def test_decide_cost_p50(tmp_path: Path) -> None:
 
 
 def test_verdicts_are_remembered_per_policy_and_bounded(tmp_path: Path) -> None:
-    from lockd import policy as policy_module
+    from lockd.rules import policy as policy_module
 
     policy = policy_with(tmp_path)
     who = caller(groups=("alice",))

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockd.protocol import (
+from lockd.daemon.protocol import (
     ERROR_STATUS,
     OPS,
     Acquire,

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from lockd_client import LockClient
 
-from lockd.protocol import Acquire, Break, ProtocolError, parse_request
+from lockd.daemon.protocol import Acquire, Break, ProtocolError, parse_request
 
 from .conftest import DaemonProcess
 

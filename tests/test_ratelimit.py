@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lockd.ratelimit import HOUR_MS, RateLimiter
+from lockd.daemon.ratelimit import HOUR_MS, RateLimiter
 
 
 def test_limit_reached_gives_exact_retry_after() -> None:

@@ -6,7 +6,7 @@ backpressure, failed commits, fences lost in one batch, crashes from
 background tasks) and now keep them fixed; the rest pin down behaviour the
 review checked and found right.
 
-The server tests run a real :class:`~lockd.server.LockServer` in-process, on
+The server tests run a real :class:`~lockd.daemon.server.LockServer` in-process, on
 a real Unix socket, with stubs for what is beside the point (policy, rate
 limiter, identity) and, where timing matters, a fake boot clock: the expiry
 timer sleeps on trio's clock, so moving the fake clock makes "the lease has
@@ -26,13 +26,13 @@ from typing import Any
 
 import trio
 
-from lockd.clock import Clock, SystemClock
-from lockd.engine import Busy, Changes, Lease, LockEngine, Parked
+from lockd.daemon.clock import Clock, SystemClock
+from lockd.daemon.engine import Busy, Changes, Lease, LockEngine, Parked
+from lockd.daemon.listener import bind_socket
+from lockd.daemon.server import Limits, LockServer
+from lockd.daemon.service import LockService
+from lockd.daemon.store import Store
 from lockd.identity import Caller, IdentityConfig
-from lockd.listener import bind_socket
-from lockd.server import Limits, LockServer
-from lockd.service import LockService
-from lockd.store import Store
 
 MEMBER = Caller("user", "alice", "member", 1000, 1000, 4242, frozenset({"alice"}))
 OWNER = Caller("user", "root", "owner", 0, 0, 1, frozenset({"root"}))

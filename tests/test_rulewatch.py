@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from lockd import rulewatch
-from lockd.policy import PolicyManager
-from lockd.rulewatch import watch_rule_sets
+from lockd.daemon import rulewatch
+from lockd.daemon.rulewatch import watch_rule_sets
+from lockd.rules.policy import PolicyManager
 
 RULES = '[ruleSet]\nname = "p"\nresourceType = "lock"\n[rules.lock]\nacquire = "true"\n'
 
@@ -193,7 +193,7 @@ async def test_on_change_errors_are_logged_and_watch_goes_on(
         await nursery.start(
             lambda task_status: watch_rule_sets(tmp_path, flaky, task_status=task_status)
         )
-        with caplog.at_level(logging.ERROR, logger="lockd.rulewatch"):
+        with caplog.at_level(logging.ERROR, logger="lockd.daemon.rulewatch"):
             (tmp_path / "a.toml").write_text(RULES)
             await trio.sleep(0.2)
             (tmp_path / "b.toml").write_text(RULES)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lockd import store as store_mod
-from lockd.engine import Changes, Lease
-from lockd.store import SCHEMA_VERSION, Store, StoreError
+from lockd.daemon import store as store_mod
+from lockd.daemon.engine import Changes, Lease
+from lockd.daemon.store import SCHEMA_VERSION, Store, StoreError
 
 BOOT = "11111111-2222-3333-4444-555555555555"
 OTHER_BOOT = "99999999-8888-7777-6666-555555555555"

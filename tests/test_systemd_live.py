@@ -1,6 +1,6 @@
 """The real daemon under systemd's protocols, without a running systemd.
 
-``tests/test_systemd_unit.py`` checks ``lockd.systemd`` in isolation; here a
+``tests/test_systemd_unit.py`` checks ``lockd.daemon.systemd`` in isolation; here a
 real ``lockd serve`` subprocess is driven the way the units in ``systemd/``
 drive it, and what it does is observed from outside:
 

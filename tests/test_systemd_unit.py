@@ -1,6 +1,6 @@
 """The systemd edge without a running systemd.
 
-- ``lockd.systemd`` against sockets the test owns: sd_notify datagrams (path
+- ``lockd.daemon.systemd`` against sockets the test owns: sd_notify datagrams (path
   and abstract ``@`` addresses, sender credentials), socket activation
   (``LISTEN_PID``/``LISTEN_FDS``) in child processes, because adopting fds 3..n
   inside the pytest process would steal whatever pytest keeps there, and the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from lockd import systemd
+from lockd.daemon import systemd
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "systemd"
@@ -154,7 +154,7 @@ def test_notify_reuses_one_socket(path_receiver: Receiver) -> None:
 def test_notify_missing_socket_never_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level("DEBUG", logger="lockd.systemd")
+    caplog.set_level("DEBUG", logger="lockd.daemon.systemd")
     missing = tmp_path / "gone"
     monkeypatch.setenv("NOTIFY_SOCKET", str(missing))
     assert systemd.notify("READY=1") is False
@@ -267,7 +267,7 @@ def test_watchdog_interval_disabled(
 _CHILD = textwrap.dedent(
     """
     import json, os, socket, sys
-    from lockd import systemd
+    from lockd.daemon import systemd
 
     spec = json.loads(sys.argv[1])
     # Put a listening stream socket on fd 3, and what the spec asks on fd 4.
@@ -408,7 +408,7 @@ def test_listen_fds_without_environment_is_empty() -> None:
 _ACTIVATED_CHILD = textwrap.dedent(
     """
     import json, os
-    from lockd import systemd
+    from lockd.daemon import systemd
 
     names = systemd.listen_fd_names()
     socks = systemd.listen_fds()

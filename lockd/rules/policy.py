@@ -55,31 +55,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockd.celrules import RULE_FIELDS as RULE_FIELDS
-from lockd.celrules import CompiledRule as CompiledRule
-from lockd.celrules import cel_environment as cel_environment
-from lockd.celrules import (
+from lockd.daemon.protocol import rfc3339_ms as wire_time
+from lockd.identity import Caller
+from lockd.logfmt import kv
+from lockd.rules.celenv import RULE_FIELDS as RULE_FIELDS
+from lockd.rules.celenv import CompiledRule as CompiledRule
+from lockd.rules.celenv import cel_environment as cel_environment
+from lockd.rules.celenv import (
     compile_rule,
     describe_eval_error,
     is_cel_bool,
     rule_activation,
     run_rule,
 )
-from lockd.identity import Caller
-from lockd.logfmt import kv
-from lockd.protocol import rfc3339_ms as wire_time
-from lockd.rulefile import Fingerprint as Fingerprint
-from lockd.rulefile import RuleSetError as RuleSetError
-from lockd.rulefile import (
+from lockd.rules.files import Fingerprint as Fingerprint
+from lockd.rules.files import RuleSetError as RuleSetError
+from lockd.rules.files import (
     RuleSource,
     fingerprint_of,
     parse_toml,
     read_files,
     rule_files,
 )
-from lockd.rulefile import is_rule_file_name as is_rule_file_name
+from lockd.rules.files import is_rule_file_name as is_rule_file_name
 
-log = logging.getLogger("lockd.policy")
+log = logging.getLogger("lockd.rules.policy")
 
 RESOURCE_TYPE = "lock"
 #: Operation names a ``[rules.lock]`` table may define.

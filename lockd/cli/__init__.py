@@ -3,14 +3,13 @@ only through :mod:`lockd_client` (``serve`` is the exception: it *is* the
 daemon; ``rules check`` and ``rules test`` are local too).
 
 Layout: this module holds the root group, ``serve``, ``whoami`` and ``stats``;
-``lockd locks ...`` lives in :mod:`lockd.cli_locks`, ``lockd rules ...`` in
-:mod:`lockd.cli_rules`, shared pieces (exit codes, durations, errors, output)
-in :mod:`lockd.cli_common`, and ``lockd run`` in :mod:`lockd.cli_run` (added
-when that module exists).
+``lockd locks ...`` lives in :mod:`lockd.cli.locks`, ``lockd rules ...`` in
+:mod:`lockd.cli.rules`, shared pieces (exit codes, durations, errors, output)
+in :mod:`lockd.cli.common`, and ``lockd run`` in :mod:`lockd.cli.run`.
 
 Exit codes (also in ``lockd --help``): 0 done; 1 key busy or wait timed out;
 2 usage; 3 access denied; 4 rate limited; 5 daemon unreachable; 6 lease lost
-or not the holder. See :func:`lockd.cli_common.exit_code_for` for the daemon
+or not the holder. See :func:`lockd.cli.common.exit_code_for` for the daemon
 errors SPEC §9 leaves open (``SHUTTING_DOWN``, ``INTERNAL``: 5).
 
 Shell completion is click's: ``eval "$(_LOCKD_COMPLETE=bash_source lockd)"``
@@ -27,7 +26,7 @@ from typing import Any
 
 import click
 
-from .cli_common import (
+from lockd.cli.common import (
     EXIT_CODES_HELP,
     LockdGroup,
     client_command,
@@ -39,9 +38,9 @@ from .cli_common import (
     render_table,
     socket_option,
 )
-from .cli_locks import locks
-from .cli_rules import rules
-from .config import resolve_paths
+from lockd.cli.locks import locks
+from lockd.cli.rules import rules
+from lockd.config import resolve_paths
 
 __all__ = ["EXIT_CODES_HELP", "main"]
 
@@ -82,7 +81,7 @@ def serve(
     rule set, a live daemon on the socket, a database in use) is one line
     and exit status 1.
     """
-    from .daemon import StartupError, run
+    from lockd.daemon.serve import StartupError, run
 
     paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
     try:
@@ -323,14 +322,6 @@ def render_stats_text(snapshot: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- run
-# ``lockd run`` is written separately in lockd/cli_run.py as a click command
-# named ``run``. Until that module (or its ``run``) exists the CLI works
-# without it; an ImportError from *inside* cli_run (say, a missing dependency)
-# is a real bug and is not hidden.
-try:
-    from .cli_run import run as _run_command
-except ImportError as _exc:
-    if _exc.name != f"{__package__}.cli_run":
-        raise
-else:
-    main.add_command(_run_command)
+from lockd.cli.run import run as _run_command  # noqa: E402  (needs ``main`` defined above)
+
+main.add_command(_run_command)

@@ -2,7 +2,7 @@
 
 One table of current leases (at most one row per key) and a ``meta`` table
 holding the fence high-water mark, kept by a trigger on every lease insert.
-:meth:`Store.apply` writes one :class:`~lockd.engine.Changes` batch in one
+:meth:`Store.apply` writes one :class:`~lockd.daemon.engine.Changes` batch in one
 transaction; the server calls it
 before sending the replies that depend on it, so an acknowledged grant,
 renew, release or break survives a crash of the daemon.
@@ -25,10 +25,10 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
-from .engine import Changes, Lease
-from .logfmt import kv
+from lockd.daemon.engine import Changes, Lease
+from lockd.logfmt import kv
 
-log = logging.getLogger("lockd.store")
+log = logging.getLogger("lockd.daemon.store")
 
 SCHEMA_VERSION = 1
 

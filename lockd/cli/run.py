@@ -13,8 +13,15 @@ import os
 
 import click
 
-from .cli_common import Duration
-from .runner import EXIT_BUG, EXIT_INTERRUPTED, OnLost, Reporter, RunOptions, run_locked
+from lockd.cli.common import Duration
+from lockd.run.supervisor import (
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    OnLost,
+    Reporter,
+    RunOptions,
+    run_locked,
+)
 
 __all__ = ["run"]
 

@@ -10,7 +10,7 @@ Why it is built this way:
   member at run time; :func:`_check_names` walks the parse tree at load time
   and refuses names the rules cannot see (variables and fields of
   :data:`RULE_FIELDS`, CEL's functions and macros, ``isMemberOf``). The error
-  is a :class:`~lockd.rulefile.RuleSetError` at the name's line and column in
+  is a :class:`~lockd.rules.files.RuleSetError` at the name's line and column in
   the rule file.
 - **Compile once, evaluate per request.** Building a ``celpy.Environment``
   costs ~0.2 s (the grammar), so there is one lazily created module-level
@@ -41,7 +41,7 @@ from celpy import celtypes
 from celpy.evaluation import base_functions
 
 from lockd.identity import Caller
-from lockd.rulefile import RuleSource
+from lockd.rules.files import RuleSource
 
 # --------------------------------------------------------------------------- names
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
-from .cli_common import (
+from lockd.cli.common import (
     EXIT_DENIED,
     EXIT_OK,
     client_command,
@@ -42,9 +42,9 @@ from .cli_common import (
 )
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .identity import Caller
-    from .policy import Policy
+    from lockd.config import Settings
+    from lockd.identity import Caller
+    from lockd.rules.policy import Policy
 
 #: Exit code of ``rules check`` / ``rules test`` when a rule set or config is invalid.
 EXIT_INVALID = 1
@@ -81,7 +81,7 @@ def check(file: str, as_json: bool) -> None:
     Valid: "ok: NAME: RULES" and exit 0. Invalid: the error as
     FILE:LINE:COLUMN: message on stderr and exit 1.
     """
-    from .policy import RuleSetError, load_rule_set
+    from lockd.rules.policy import RuleSetError, load_rule_set
 
     try:
         policy = load_rule_set(Path(file))
@@ -100,7 +100,7 @@ def check(file: str, as_json: bool) -> None:
 def _now_rfc3339() -> str:
     import time
 
-    from .policy import rfc3339_ms
+    from lockd.rules.policy import rfc3339_ms
 
     return rfc3339_ms(time.time())
 
@@ -200,8 +200,8 @@ def test_cmd(
     passwd and group databases, plus --group), and asks the same policy code.
     Exit 0 allowed, 3 denied; prints what decided.
     """
-    from .config import ConfigError, load_settings, resolve_paths
-    from .policy import RuleSetError, load_policy
+    from lockd.config import ConfigError, load_settings, resolve_paths
+    from lockd.rules.policy import RuleSetError, load_policy
 
     if op in KEYED_OPS and key is None:
         raise click.UsageError(f"KEY is required for --op {op}")
@@ -273,7 +273,7 @@ def build_caller(
     owner, a group in ``admin_groups`` -> admin, else member. The daemon's own
     uid is an owner too, which a local test cannot know: pass ``--role owner``.
     """
-    from .identity import Caller, login_groups
+    from lockd.identity import Caller, login_groups
 
     notes: list[str] = []
     entry: pwd.struct_passwd | None = None

@@ -14,16 +14,16 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import __version__
-from .clock import Clock
-from .engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
-from .identity import Caller
-from .logfmt import kv
-from .protocol import PROTOCOL_VERSION, ProtocolError, rfc3339_ms
-from .stats import Stats
-from .store import Store
+from lockd import __version__
+from lockd.daemon.clock import Clock
+from lockd.daemon.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
+from lockd.daemon.protocol import PROTOCOL_VERSION, ProtocolError, rfc3339_ms
+from lockd.daemon.stats import Stats
+from lockd.daemon.store import Store
+from lockd.identity import Caller
+from lockd.logfmt import kv
 
-log = logging.getLogger("lockd.service")
+log = logging.getLogger("lockd.daemon.service")
 
 
 class Decision(Protocol):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import click
 from lockd_client import LockClient, LockStatus, LockTimeoutError
 
-from .cli_common import (
+from lockd.cli.common import (
     EXIT_BUSY,
     EXIT_CODES_HELP,
     EXIT_LOST,

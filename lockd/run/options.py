@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import IO, Any
 
-from .exitcodes import EXIT_BUSY
+from lockd.exitcodes import EXIT_BUSY
 
 __all__ = ["OnLost", "Reporter", "RunOptions", "format_ms"]
 

@@ -16,21 +16,21 @@ from dataclasses import dataclass
 
 import trio
 
-from . import systemd
-from .clock import Clock, SystemClock
-from .config import ConfigError, Paths, Settings, load_settings
-from .engine import LockEngine
-from .identity import IdentityConfig
-from .listener import SocketInUseError, acquire_path_lock, bind_socket
-from .logfmt import kv, setup_logging
-from .policy import PolicyManager, RuleSetError
-from .ratelimit import RateLimiter
-from .rulewatch import watch_rule_sets
-from .server import HANDLED_SIGNALS, Limits, LockServer
-from .service import LockService
-from .store import Store, StoreError, read_boot_id
+from lockd.config import ConfigError, Paths, Settings, load_settings
+from lockd.daemon import systemd
+from lockd.daemon.clock import Clock, SystemClock
+from lockd.daemon.engine import LockEngine
+from lockd.daemon.listener import SocketInUseError, acquire_path_lock, bind_socket
+from lockd.daemon.ratelimit import RateLimiter
+from lockd.daemon.rulewatch import watch_rule_sets
+from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
+from lockd.daemon.service import LockService
+from lockd.daemon.store import Store, StoreError, read_boot_id
+from lockd.identity import IdentityConfig
+from lockd.logfmt import kv, setup_logging
+from lockd.rules.policy import PolicyManager, RuleSetError
 
-log = logging.getLogger("lockd.daemon")
+log = logging.getLogger("lockd.daemon.serve")
 
 
 class StartupError(Exception):

@@ -26,14 +26,14 @@ from lockd_client import (
     ShuttingDownError,
 )
 
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_DENIED,
     EXIT_INTERRUPTED,
     EXIT_RATE_LIMITED,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
-from .runopts import Reporter, RunOptions, format_ms
+from lockd.run.options import Reporter, RunOptions, format_ms
 
 __all__ = ["Lease", "LeaseKeeper", "take_lease"]
 

@@ -44,11 +44,10 @@ from typing import Any
 import trio
 from inotify_simple import INotify, flags
 
-from lockd.policy import is_rule_file_name
+from lockd.logfmt import kv
+from lockd.rules.policy import is_rule_file_name
 
-from .logfmt import kv
-
-log = logging.getLogger("lockd.rulewatch")
+log = logging.getLogger("lockd.daemon.rulewatch")
 
 _F = flags
 _DIR_MASK = int(

@@ -4,12 +4,12 @@
 differences a lease forces on us: the lease runs out unless renewed, and it can
 be taken away (broken by an admin, re-taken by the same owner). A run:
 
-1. takes the key (:func:`lockd.runlease.take_lease`);
+1. takes the key (:func:`lockd.run.lease.take_lease`);
 2. starts COMMAND in a session of its own, with ``LOCKD_KEY``, ``LOCKD_HANDLE``,
    ``LOCKD_FENCE`` and ``LOCKD_SOCKET`` in its environment, guarded so that it
    dies with ``lockd run`` and receives its SIGINT, SIGTERM and SIGHUP
    (:mod:`lockd.runproc`);
-3. renews the lease from a :class:`~lockd.runlease.LeaseKeeper` thread; when
+3. renews the lease from a :class:`~lockd.run.lease.LeaseKeeper` thread; when
    the lease is lost, the main thread acts on COMMAND's whole process group
    before the lease expires (``--on-lost``);
 4. releases the key when COMMAND exits and returns COMMAND's status the way a
@@ -31,7 +31,7 @@ import time
 
 from lockd_client import Handle, LockClient, LockdError
 
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_BUG,
     EXIT_BUSY,
     EXIT_CANNOT_EXECUTE,
@@ -44,18 +44,18 @@ from .exitcodes import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
-from .runlease import Lease as Lease
-from .runlease import LeaseKeeper as LeaseKeeper
-from .runlease import take_lease as take_lease
-from .runopts import OnLost as OnLost
-from .runopts import Reporter as Reporter
-from .runopts import RunOptions as RunOptions
-from .runopts import format_ms as format_ms
-from .runproc import FORWARDED_SIGNALS as FORWARDED_SIGNALS
-from .runproc import GroupGuard, group_alive, killpg
-from .runproc import SignalForwarder as SignalForwarder
-from .runproc import exit_status as exit_status
-from .runproc import spawn_in_own_session as spawn_in_own_session
+from lockd.run.lease import Lease as Lease
+from lockd.run.lease import LeaseKeeper as LeaseKeeper
+from lockd.run.lease import take_lease as take_lease
+from lockd.run.options import OnLost as OnLost
+from lockd.run.options import Reporter as Reporter
+from lockd.run.options import RunOptions as RunOptions
+from lockd.run.options import format_ms as format_ms
+from lockd.run.process import FORWARDED_SIGNALS as FORWARDED_SIGNALS
+from lockd.run.process import GroupGuard, group_alive, killpg
+from lockd.run.process import SignalForwarder as SignalForwarder
+from lockd.run.process import exit_status as exit_status
+from lockd.run.process import spawn_in_own_session as spawn_in_own_session
 
 __all__ = [
     "EXIT_BUG",

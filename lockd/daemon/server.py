@@ -27,11 +27,9 @@ from typing import Any
 
 import trio
 
-from . import sockio, systemd
-from .engine import Busy, Lease, Parked, TimedOut, Waiter
-from .identity import Caller, IdentityConfig, peer_credentials, resolve_caller
-from .logfmt import kv
-from .protocol import (
+from lockd.daemon import sockio, systemd
+from lockd.daemon.engine import Busy, Lease, Parked, TimedOut, Waiter
+from lockd.daemon.protocol import (
     Acquire,
     Break,
     Hello,
@@ -50,9 +48,11 @@ from .protocol import (
     encode_result,
     parse_request,
 )
-from .service import LockService
+from lockd.daemon.service import LockService
+from lockd.identity import Caller, IdentityConfig, peer_credentials, resolve_caller
+from lockd.logfmt import kv
 
-log = logging.getLogger("lockd.server")
+log = logging.getLogger("lockd.daemon.server")
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: seconds between STATUS= updates to systemd when the load changed.

@@ -44,31 +44,31 @@ from lockd_client import (
     ShuttingDownError,
 )
 
-from .exitcodes import (  # re-exported: the commands import them from here
+from lockd.exitcodes import (  # re-exported: the commands import them from here
     EXIT_BUG as EXIT_BUG,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_BUSY as EXIT_BUSY,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_DENIED as EXIT_DENIED,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_INTERRUPTED as EXIT_INTERRUPTED,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_LOST as EXIT_LOST,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_OK as EXIT_OK,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_RATE_LIMITED as EXIT_RATE_LIMITED,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_UNAVAILABLE as EXIT_UNAVAILABLE,
 )
-from .exitcodes import (
+from lockd.exitcodes import (
     EXIT_USAGE as EXIT_USAGE,
 )
 
