@@ -14,6 +14,10 @@
 #   3. `systemd-sysusers --dry-run` on the sysusers.d entry.
 #   4. `systemd-analyze security --offline=yes` on systemd/lockd.service:
 #      fails when the overall exposure is above $LOCKD_MAX_EXPOSURE (2.0).
+#   5. The system daemon only reads its configuration: no
+#      ConfigurationDirectory= (systemd chowns it to User= and mounts it
+#      read-write), no ReadWritePaths= under /etc, ProtectSystem=strict; and
+#      both services set LimitNOFILE= (systemd's default soft limit is 1024).
 #
 # Installs Debian's systemd package when systemd-analyze is missing (CI runs as
 # root). Exit status 0 when every check passed, 1 otherwise.
@@ -159,6 +163,29 @@ else
     bad "lockd.service: security exposure $exposure is above $max_exposure; settings not tightened:"
     while IFS= read -r line; do note "$line"; done < <(printf '%s\n' "$security_out" | grep '^✗' | sed 's/  */ /g')
 fi
+
+# --- 5: read-only configuration, file descriptor limit ---------------------------------
+# unit_values FILE KEY: the values of KEY= in FILE, one a line (comments skipped).
+unit_values() { sed -n "s/^[[:space:]]*$2=\(.*\)\$/\1/p" "$1"; }
+system_service=$units/lockd.service
+if [ -n "$(unit_values "$system_service" ConfigurationDirectory)" ]; then
+    bad "lockd.service: ConfigurationDirectory= hands /etc/lockd to the daemon's user, read-write"
+elif unit_values "$system_service" ReadWritePaths | grep -q '/etc'; then
+    bad "lockd.service: ReadWritePaths= opens part of /etc to the daemon"
+elif [ "$(unit_values "$system_service" ProtectSystem | tail -n 1)" != strict ]; then
+    bad "lockd.service: ProtectSystem= is not strict, so /etc/lockd is not read-only to the daemon"
+else
+    ok "lockd.service: /etc/lockd is read-only to the daemon (no ConfigurationDirectory=, ProtectSystem=strict)"
+fi
+for service in "$system_service" "$units/user/lockd.service"; do
+    label=${service#"$units"/}
+    nofile=$(unit_values "$service" LimitNOFILE | tail -n 1)
+    if [ -z "$nofile" ]; then
+        bad "$label: no LimitNOFILE= (systemd's default soft limit of 1024 caps connections)"
+    else
+        ok "$label: LimitNOFILE=$nofile"
+    fi
+done
 
 echo "systemd checks ($(systemd-analyze --version | head -n 1)):"
 printf '%s\n' "${summary[@]}"

@@ -611,7 +611,6 @@ def test_service_contract(unit: Path, exec_start: str) -> None:
 def test_system_service_paths_and_identity_constraints() -> None:
     unit = UNITS / "lockd.service"
     assert _get(unit, "Service", "StateDirectory") == ["lockd"]  # /var/lib/lockd
-    assert _get(unit, "Service", "ConfigurationDirectory") == ["lockd lockd/rule-sets"]
     assert _get(unit, "Service", "User") == ["lockd"]
     # RuntimeDirectoryPreserve= + DynamicUser= would move /run/lockd under the
     # 0700 /run/private and lock every non-root client out of the socket.
@@ -622,6 +621,42 @@ def test_system_service_paths_and_identity_constraints() -> None:
     assert _get(unit, "Service", "ProcSubset") == ["all"]
     sysusers = (UNITS / "lockd.sysusers").read_text()
     assert re.search(r"^u\s+lockd\s", sysusers, re.MULTILINE)
+
+
+def test_system_service_only_reads_its_configuration() -> None:
+    """No ConfigurationDirectory=: systemd chowns it to User= and mounts it read-write.
+
+    /etc/lockd is made by root at install (docs/operations.md) and stays
+    read-only in the daemon's namespace through ProtectSystem=strict.
+    """
+    unit = UNITS / "lockd.service"
+    assert _get(unit, "Service", "ConfigurationDirectory") == []
+    assert _get(unit, "Service", "ProtectSystem") == ["strict"]
+    writable = " ".join(_get(unit, "Service", "ReadWritePaths"))
+    assert "/etc" not in writable
+
+
+@pytest.mark.parametrize("unit", [UNITS / "lockd.service", UNITS / "user" / "lockd.service"])
+def test_service_raises_the_file_descriptor_limit(unit: Path) -> None:
+    """systemd's default soft RLIMIT_NOFILE (1024) would cap connections near 1,000."""
+    (value,) = _get(unit, "Service", "LimitNOFILE")
+    soft = int(value.split(":")[0])
+    assert soft >= 16384
+
+
+def test_documented_install_creates_root_owned_config_folder() -> None:
+    """The install block of docs/operations.md makes /etc/lockd, since the unit no longer does."""
+    doc = (REPO / "docs" / "operations.md").read_text()
+    block = doc.split("<!-- e2e: system-install -->", 1)[1].split("```", 2)[1]
+    assert "install -d -m 0755 /etc/lockd/rule-sets" in block
+    # Debian 12 has no /etc/sysusers.d until something creates it.
+    assert "install -D -m 0644 systemd/lockd.sysusers /etc/sysusers.d/lockd.conf" in block
+    # PEP 668 refuses the first on Debian 12; bookworm's pipx has no --global.
+    commands = "".join(doc.split("```")[1::2]) + "".join(
+        line for unit in UNITS.rglob("lockd.service") for line in unit.read_text().splitlines()
+    )
+    for refused in ("pip install --user", "pipx install --global"):
+        assert refused not in commands
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
@@ -643,14 +678,18 @@ def test_ci_systemd_checks_pass() -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
 def test_ci_systemd_checks_catch_broken_units(tmp_path: Path) -> None:
-    """A misspelt key, a bad ExecStart flag and a weak sandbox each fail the script."""
+    """A misspelt key, a bad ExecStart flag, a weak sandbox, a writable config folder
+    and a missing LimitNOFILE= each fail the script."""
     broken = tmp_path / "systemd"
     shutil.copytree(UNITS, broken)
     service = broken / "lockd.service"
     text = service.read_text()
     text = text.replace("serve --system", "serve --sistem")
     text = text.replace("ProtectSystem=strict", "ProtectSytem=strict")
+    text = text.replace("UMask=0077", "UMask=0077\nConfigurationDirectory=lockd")
     service.write_text(text)
+    user_service = broken / "user" / "lockd.service"
+    user_service.write_text(user_service.read_text().replace("LimitNOFILE=", "#LimitNOFILE="))
     # Lower the limit so the (still small) exposure rise must fail the gate.
     env = _checks_env(LOCKD_UNITS_DIR=str(broken), LOCKD_MAX_EXPOSURE="0.5")
     proc = subprocess.run(
@@ -660,4 +699,6 @@ def test_ci_systemd_checks_catch_broken_units(tmp_path: Path) -> None:
     assert "Unknown key 'ProtectSytem'" in proc.stdout
     assert "--sistem" in proc.stdout
     assert re.search(r"FAIL  lockd.service: security exposure [0-9.]+ is above 0.5", proc.stdout)
-    assert "3 failed" in proc.stdout
+    assert "FAIL  lockd.service: ConfigurationDirectory= hands /etc/lockd" in proc.stdout
+    assert "FAIL  user/lockd.service: no LimitNOFILE=" in proc.stdout
+    assert "5 failed" in proc.stdout
