@@ -29,6 +29,7 @@ import trio
 from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.engine import Busy, Changes, Lease, LockEngine, Parked
 from lockd.daemon.listener import bind_socket
+from lockd.daemon.protocol import Acquire
 from lockd.daemon.server import Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import Store
@@ -146,13 +147,19 @@ async def running(
     limiter: ScriptedLimiter | None = None,
     store: Store | None = None,
     limits: Limits | None = None,
+    max_pending_per_connection: int = 1024,
     caller: Callable[[], Caller] = lambda: MEMBER,
 ) -> AsyncIterator[Harness]:
     """A LockServer serving on ``tmp/s.sock`` until the block ends."""
     engine = LockEngine()
     store = store or Store(tmp / "db", "boot-1")
     service = LockService(
-        engine, store, OpenPolicy(), limiter or ScriptedLimiter(), clock or SystemClock()
+        engine,
+        store,
+        OpenPolicy(),
+        limiter or ScriptedLimiter(),
+        clock or SystemClock(),
+        max_pending_per_connection=max_pending_per_connection,
     )
     server = LockServer(
         service,
@@ -224,7 +231,7 @@ async def test_rate_waited_acquire_times_out_on_time(short_tmp: Path) -> None:
 
 
 async def test_close_noticed_while_pending_limit_reached(short_tmp: Path) -> None:
-    async with running(short_tmp, limits=Limits(max_pending_per_connection=2)) as h:
+    async with running(short_tmp, max_pending_per_connection=2) as h:
         other, client = await h.connect(), await h.connect()
         assert (await other.call(try_acquire(1, "busy")))["ok"]
         assert (await client.call(try_acquire(1, "mine", releaseOnClose=True)))["result"]
@@ -240,7 +247,7 @@ async def test_close_noticed_while_pending_limit_reached(short_tmp: Path) -> Non
 
 
 async def test_parked_acquires_do_not_block_the_connections_release(short_tmp: Path) -> None:
-    async with running(short_tmp, limits=Limits(max_pending_per_connection=2)) as h:
+    async with running(short_tmp, max_pending_per_connection=2) as h:
         client = await h.connect()
         handle = (await client.call(try_acquire(1, "k")))["result"]["handle"]
         # Two more threads of the same program wait for k on the shared
@@ -276,9 +283,13 @@ def test_fence_of_a_grant_broken_in_the_same_batch_survives_restart(short_tmp: P
     seen: list[int] = []
     service = LockService(LockEngine(), store, OpenPolicy(), ScriptedLimiter(), clock)
     service.on_resolved = lambda w: seen.append(w.lease.fence) if w.lease else None
-    opts: dict[str, Any] = {"owner": None, "release_on_close": False}
-    service.acquire(MEMBER, 1, "k", ttl_ms=100, wait_ms=None, **opts)  # fence 1
-    parked = service.acquire(MEMBER, 2, "k", ttl_ms=1000, wait_ms=60_000, **opts)
+    opts: dict[str, Any] = {"op": "acquire", "key": "k", "owner": None, "release_on_close": False}
+    service.acquire(
+        MEMBER, 1, Acquire(1, ttl_ms=100, timeout_ms=None, **opts), pending=0
+    )  # fence 1
+    parked = service.acquire(
+        MEMBER, 2, Acquire(2, ttl_ms=1000, timeout_ms=60_000, **opts), pending=0
+    )
     assert isinstance(parked, Parked)
     # The lease ran out at 100; before the timer ticks, an admin breaks the
     # key: the same engine call hands it to the waiter (fence 2) and breaks that.

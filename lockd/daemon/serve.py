@@ -91,7 +91,14 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
         raise StartupError(f"database: {exc}") from None
     engine = LockEngine(fence=fence)
     engine.restore(leases, clock.boot_ms())
-    service = LockService(engine, store, policy, RateLimiter(settings.acquire_per_hour), clock)
+    service = LockService(
+        engine,
+        store,
+        policy,
+        RateLimiter(settings.acquire_per_hour),
+        clock,
+        max_pending_per_connection=settings.max_pending_per_connection,
+    )
     service.commit()  # leases that ran out while the daemon was down
     identity = IdentityConfig(
         daemon_uid=os.getuid(),
@@ -102,7 +109,6 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
     limits = Limits(
         max_connections=settings.max_connections,
         max_line_bytes=settings.max_line_bytes,
-        max_pending_per_connection=settings.max_pending_per_connection,
     )
     server = LockServer(service, identity, limits, reload_rules=policy.reload)
     inherited = systemd.listen_fds()

@@ -21,34 +21,26 @@ import os
 import signal
 import socket as stdsocket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from lockd.daemon import sockio, systemd
-from lockd.daemon.engine import Busy, Lease, Parked, TimedOut, Waiter
+from lockd.daemon.engine import Parked, Waiter
 from lockd.daemon.protocol import (
     Acquire,
-    Break,
-    Hello,
     LineSplitter,
-    ListLocks,
     ProtocolError,
-    Release,
-    Renew,
     Request,
     RequestId,
-    Rules,
-    Stats,
-    Status,
     encode_error,
     encode_protocol_error,
     encode_result,
     parse_request,
 )
-from lockd.daemon.service import LockService
+from lockd.daemon.service import AcquireStep, LockService, Reply, WaitForRoom, shutting_down
 from lockd.identity import Caller, IdentityConfig, peer_credentials, resolve_caller
 from lockd.logfmt import kv
 
@@ -74,9 +66,11 @@ class Connection:
 
 @dataclass
 class Limits:
+    """What one connection may take of the server (the pending-acquire limit
+    is a decision of the service: ``LockService.max_pending_per_connection``)."""
+
     max_connections: int = 1024
     max_line_bytes: int = 65536
-    max_pending_per_connection: int = 1024
 
 
 class LockServer:
@@ -104,6 +98,7 @@ class LockServer:
         self.shutting_down = False
         self._started_at = time.monotonic()
         self.service.on_resolved = self._wake
+        self.service.server_gauges = self.gauges
         self._shutdown_event = trio.Event()
 
     # ------------------------------------------------------------ lifecycle
@@ -135,12 +130,12 @@ class LockServer:
                 await self._drain_waiters()
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
-        log.info(kv(event="stopped", held=self.service.engine.held_count))
+        log.info(kv(event="stopped", held=self.service.gauges()["held"]))
 
     def shutdown(self) -> None:
         """Begin a clean stop: parked acquires get SHUTTING_DOWN, leases stay."""
         if not self.shutting_down:
-            log.info(kv(event="stopping", waiters=self.service.engine.waiter_count))
+            log.info(kv(event="stopping", waiters=self.service.gauges()["waiters"]))
             self.shutting_down = True
             self._shutdown_event.set()
 
@@ -195,8 +190,8 @@ class LockServer:
             await trio.sleep(interval)
 
     def _status_line(self) -> str:
-        engine = self.service.engine
-        held, waiters = engine.held_count, engine.waiter_count
+        gauges = self.service.gauges()
+        held, waiters = gauges["held"], gauges["waiters"]
         return (
             f"{held} lock{'s' if held != 1 else ''} held, "
             f"{waiters} waiter{'s' if waiters != 1 else ''}, "
@@ -204,13 +199,10 @@ class LockServer:
         )
 
     def gauges(self) -> dict[str, Any]:
-        engine = self.service.engine
+        """The server's own gauges; the service adds the engine's for ``stats``."""
         return {
             "uptimeMs": int((time.monotonic() - self._started_at) * 1000),
             "connections": len(self.connections),
-            "held": engine.held_count,
-            "waiters": engine.waiter_count,
-            "fence": engine.fence,
         }
 
     # ---------------------------------------------------------------- timer
@@ -232,14 +224,14 @@ class LockServer:
         scope = self._timer_scope
         if scope is None:
             return
-        deadline = self.service.engine.next_deadline()
+        deadline = self.service.next_deadline()
         if deadline is None:
             return
         target = self._timer_target
         if target is not None and target <= deadline:
             return
         self._timer_target = deadline
-        delay = max(0, deadline - self.service.clock.boot_ms()) / 1000
+        delay = self.service.ms_until(deadline) / 1000
         # trio's clock stops during suspend, CLOCK_BOOTTIME does not: never
         # sleep long, so hand-offs after a resume are late by a second at most.
         scope.deadline = trio.current_time() + min(delay, TIMER_MAX_SLEEP)
@@ -375,11 +367,17 @@ class LockServer:
         try:
             request = parse_request(line)
             if self.shutting_down:
-                raise ProtocolError("SHUTTING_DOWN", "lockd is stopping", request_id=request.id)
+                raise shutting_down()
             if isinstance(request, Acquire):
-                handed_off = await self._acquire(conn, request, nursery, started)
+                step = self.service.acquire(conn.caller, conn.id, request, pending=conn.waiting)
+                if isinstance(step, Reply):
+                    await self._reply(conn, request.id, step)
+                else:
+                    self._wait_in_task(conn, nursery, request, started, step)
+                    handed_off = True
             else:
-                await self._send(conn, encode_result(request.id, self._dispatch(conn, request)))
+                result = self.service.answer(conn.caller, request)
+                await self._send(conn, encode_result(request.id, result))
         except ProtocolError as exc:
             await self._reply_error(conn, request, exc)
         except Exception:
@@ -388,6 +386,16 @@ class LockServer:
             if request is not None and not handed_off:
                 self._observe(request.op, started)
             self._reschedule()
+
+    async def _reply(self, conn: Connection, request_id: RequestId, reply: Reply) -> None:
+        """Write a reply; a grant whose reply cannot be written is released at once."""
+        delivered = False
+        try:
+            delivered = await self._send(conn, encode_result(request_id, reply.result))
+        finally:
+            if reply.grant is not None and not delivered:
+                self.service.release_undelivered(reply.grant)
+                self._reschedule()
 
     async def _reply_error(
         self, conn: Connection, request: Request | None, exc: ProtocolError
@@ -408,40 +416,23 @@ class LockServer:
     def _observe(self, op: str, started: float) -> None:
         self.service.stats.observe(op, (time.perf_counter() - started) * 1000)
 
-    def _dispatch(self, conn: Connection, request: Request) -> Any:
-        service, caller = self.service, conn.caller
-        if isinstance(request, Release):
-            return service.release(caller, request.key, request.handle)
-        if isinstance(request, Renew):
-            return service.renew(caller, request.key, request.handle, request.ttl_ms)
-        if isinstance(request, Status):
-            return service.status(request.key)
-        if isinstance(request, Hello):
-            return service.hello(caller)
-        if isinstance(request, ListLocks):
-            return service.list(caller, request.prefix, request.limit)
-        if isinstance(request, Break):
-            return service.break_lock(caller, request.key, request.reason)
-        if isinstance(request, Stats):
-            service.authorize(caller, "stats")
-            return service.stats.snapshot(self.gauges())
-        if isinstance(request, Rules):
-            return service.rules(caller)
-        raise AssertionError(f"unhandled op {request.op}")
+    # -------------------------------------------------------- waiting acquires
 
-    def _spawn(
+    def _wait_in_task(
         self,
         conn: Connection,
         nursery: trio.Nursery,
         req: Acquire,
         started: float,
-        work: Callable[[], Awaitable[None]],
+        step: WaitForRoom | Parked,
     ) -> None:
-        """Run a request that waits in a task of its own, counted per connection."""
+        """Follow an acquire that has to wait in a task of its own, counted per connection."""
+        self._track(step)  # before any await: the waiter may be resolved at once
 
         async def run() -> None:
             try:
-                await work()
+                reply = await self._wait_for_reply(conn, req, step)
+                await self._reply(conn, req.id, reply)
             except ProtocolError as exc:
                 await self._reply_error(conn, req, exc)
             except Exception:
@@ -454,137 +445,31 @@ class LockServer:
         conn.waiting += 1
         nursery.start_soon(run)
 
-    async def _acquire(
-        self, conn: Connection, req: Acquire, nursery: trio.Nursery, started: float
-    ) -> bool:
-        """Serve acquire/tryAcquire; True when the request went on to wait."""
-        service = self.service
-        service.authorize(conn.caller, "acquire", req.key)
-        limit = self.limits.max_pending_per_connection
-        if req.timeout_ms and conn.waiting >= limit:
-            raise ProtocolError(
-                "INVALID_REQUEST",
-                f"{limit} requests are already waiting on this connection",
-                details={"field": None, "limit": limit},
-            )
-        retry_after = service.take_attempt(conn.caller)
-        if retry_after is not None:
-            if req.timeout_ms is None:
-                raise service.rate_limited(retry_after)
-            if retry_after >= req.timeout_ms:
-                # No room will come within the timeout: waiting is pointless.
-                service.stats.count("rateLimited")
-                raise _timeout(req)
-            self._spawn(
-                conn,
-                nursery,
-                req,
-                started,
-                lambda: self._acquire_after_rate_wait(conn, req, started),
-            )
-            return True
-        waiter = await self._acquire_now(conn, req, req.timeout_ms)
-        if waiter is None:
-            return False
-        self._spawn(conn, nursery, req, started, lambda: self._wait_parked(conn, req, waiter))
-        return True
-
-    async def _acquire_now(
-        self, conn: Connection, req: Acquire, wait_ms: int | None
-    ) -> Waiter | None:
-        """Ask the engine and answer; the waiter when the request was parked."""
-        result = self.service.acquire(
-            conn.caller,
-            conn.id,
-            req.key,
-            ttl_ms=req.ttl_ms,
-            owner=req.owner,
-            release_on_close=req.release_on_close,
-            wait_ms=wait_ms,
-        )
-        if isinstance(result, Lease):
-            await self._deliver(conn, req.id, result)
-        elif isinstance(result, Busy):
-            await self._send(conn, encode_result(req.id, None))
-        elif isinstance(result, TimedOut):
-            raise _timeout(req)
-        else:
-            assert isinstance(result, Parked)
-            self._events[result.waiter.id] = trio.Event()
+    def _track(self, step: AcquireStep) -> AcquireStep:
+        """Give a parked waiter the event its resolution sets."""
+        if isinstance(step, Parked):
+            self._events[step.waiter.id] = trio.Event()
             self._reschedule()  # its deadline may be the earliest now
-            return result.waiter
-        return None
+        return step
 
-    async def _acquire_after_rate_wait(
-        self, conn: Connection, req: Acquire, started: float
-    ) -> None:
-        """A blocking acquire over the rate limit waits for room in its timeout."""
-        assert req.timeout_ms is not None
-        deadline = started + req.timeout_ms / 1000
+    async def _wait_for_reply(self, conn: Connection, req: Acquire, step: AcquireStep) -> Reply:
+        """Do the waiting each step asks for until the service has the reply."""
         while True:
-            if self.shutting_down:
-                await self._send(conn, _shutting_down(req.id))
-                return
-            retry_after = self.service.take_attempt(conn.caller)
-            if retry_after is None:
-                break
-            if retry_after / 1000 >= deadline - time.perf_counter():
-                self.service.stats.count("rateLimited")
-                await self._send(conn, encode_protocol_error(_timeout(req)))
-                return
-            with trio.move_on_after(retry_after / 1000):
-                await self._shutdown_event.wait()
-        left_ms = max(0, int((deadline - time.perf_counter()) * 1000))
-        waiter = await self._acquire_now(conn, req, left_ms)
-        if waiter is not None:
-            await self._wait_parked(conn, req, waiter)
-
-    async def _wait_parked(self, conn: Connection, req: Acquire, waiter: Waiter) -> None:
-        """Wait for the engine to resolve a parked acquire, then answer it."""
-        delivered = False
-        try:
-            try:
-                await self._events[waiter.id].wait()
-            finally:
-                self._events.pop(waiter.id, None)
-                if not waiter.resolved:
+            if isinstance(step, Reply):
+                return step
+            if isinstance(step, WaitForRoom):
+                with trio.move_on_after(step.delay_ms / 1000):
+                    await self._shutdown_event.wait()
+                if self.shutting_down:
+                    raise shutting_down()
+                step = self._track(self.service.acquire_after_wait(conn.caller, conn.id, req, step))
+            else:
+                waiter = step.waiter
+                try:
+                    await self._events[waiter.id].wait()
+                finally:
+                    self._events.pop(waiter.id, None)
                     # Cancelled (connection gone) or woken by shutdown: leave
                     # the queue before anything else can hand us the key.
                     self.service.cancel_waiter(waiter)
-            if waiter.lease is not None:
-                delivered = await self._send(
-                    conn, encode_result(req.id, self.service.lease_view(waiter.lease))
-                )
-            elif waiter.timed_out:
-                await self._send(conn, encode_protocol_error(_timeout(req)))
-            else:
-                await self._send(conn, _shutting_down(req.id))
-        finally:
-            if waiter.lease is not None and not delivered:
-                # Granted, but the reply never reached the caller.
-                self.service.release_undelivered(waiter.lease)
-
-    async def _deliver(self, conn: Connection, request_id: RequestId, lease: Lease) -> None:
-        """Send a grant; if it cannot be written, release it at once."""
-        delivered = False
-        try:
-            delivered = await self._send(
-                conn, encode_result(request_id, self.service.lease_view(lease))
-            )
-        finally:
-            if not delivered:
-                self.service.release_undelivered(lease)
-                self._reschedule()
-
-
-def _timeout(req: Acquire) -> ProtocolError:
-    return ProtocolError(
-        "LOCK_TIMEOUT",
-        f"key {req.key!r} was not granted within {req.timeout_ms} ms",
-        request_id=req.id,
-        details={"key": req.key, "timeoutMs": req.timeout_ms},
-    )
-
-
-def _shutting_down(request_id: RequestId) -> bytes:
-    return encode_error(request_id, "SHUTTING_DOWN", "lockd is stopping")
+                step = self.service.parked_reply(req, waiter)

@@ -1,29 +1,71 @@
-"""The daemon's decisions for each op, synchronous and free of sockets.
+"""The daemon's decisions for each request, synchronous and free of sockets.
 
-:class:`LockService` strings together what an ``acquire`` passes through --
-policy, rate limit, engine, store -- and formats the wire results. Every
+:class:`LockService` decides everything a request needs decided; the trio
+server (``server.py``) only reads requests, waits, and writes replies. Every
 method runs to completion without awaiting, so the engine never sees two
-requests interleaved and a commit always precedes the reply built from it.
-The trio server (``server.py``) only adds waiting: parked acquires, the
-rate-limit wait of a blocking acquire, and the expiry timer.
+requests interleaved, and a commit always precedes the reply built from it.
+
+Every op but ``acquire``/``tryAcquire`` is one call, :meth:`LockService.answer`,
+which returns the wire result or raises :class:`ProtocolError`.
+
+An acquire may have to wait, so it is answered in steps. The server calls
+:meth:`LockService.acquire` and gets one of
+
+* :class:`Reply` -- write ``result`` now. If ``grant`` is set the result hands
+  out that lease, and the server must call :meth:`release_undelivered` when
+  the reply cannot be written (nobody could ever present its handle);
+* :class:`WaitForRoom` -- over the rate limit with time left: sleep
+  ``delay_ms`` (or until shutdown), then call :meth:`acquire_after_wait`,
+  which answers with a step again;
+* :class:`~lockd.daemon.engine.Parked` -- queued in the engine: wait until
+  :attr:`on_resolved` fires for the waiter (or the connection goes, or the
+  daemon stops), call :meth:`cancel_waiter` (a no-op once resolved), then
+  :meth:`parked_reply` for the final :class:`Reply`.
+
+Refusals (access denied, too many pending acquires on the connection, rate
+limited, timed out) are raised as :class:`ProtocolError` at any step. The
+decision order of one acquire is: access (policy) -> pending limit per
+connection -> rate limit -> engine -> commit -> result.
+
+The server also asks the service when the engine next needs time to pass
+(:meth:`next_deadline`, :meth:`ms_until`, then :meth:`tick`) and for the
+engine's gauges (:meth:`gauges`); it never touches the engine or the clock.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lockd import __version__
 from lockd.daemon.clock import Clock
 from lockd.daemon.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
-from lockd.daemon.protocol import PROTOCOL_VERSION, ProtocolError, rfc3339_ms
-from lockd.daemon.stats import Stats
+from lockd.daemon.protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    Break,
+    Hello,
+    ListLocks,
+    ProtocolError,
+    Release,
+    Renew,
+    Request,
+    Rules,
+    Stats,
+    Status,
+    rfc3339_ms,
+)
+from lockd.daemon.stats import Stats as StatsCounters
 from lockd.daemon.store import Store
 from lockd.identity import Caller
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.service")
+
+#: blocking acquires one connection may have waiting at once (SPEC leaves it open).
+DEFAULT_MAX_PENDING_PER_CONNECTION = 1024
 
 
 class Decision(Protocol):
@@ -47,6 +89,27 @@ class RateLimiterLike(Protocol):
     def try_take(self, principal: str, now_ms: int) -> int | None: ...
 
 
+@dataclass(slots=True)
+class Reply:
+    """Write ``result`` now; ``grant`` is the lease it hands out, if any."""
+
+    result: Any
+    grant: Lease | None = None
+
+
+@dataclass(slots=True)
+class WaitForRoom:
+    """A blocking acquire over the rate limit: ask again after ``delay_ms``."""
+
+    delay_ms: int
+    #: boot-clock ms when the acquire's ``timeoutMs`` runs out.
+    deadline: int
+
+
+#: what :meth:`LockService.acquire` and :meth:`LockService.acquire_after_wait` return.
+AcquireStep = Reply | WaitForRoom | Parked
+
+
 def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
     where = f" on key {key!r}" if key is not None else ""
     return ProtocolError(
@@ -54,6 +117,18 @@ def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
         f"{caller.principal} (role {caller.role}) may not {op}{where}",
         details={"op": op, **({"key": key} if key is not None else {})},
     )
+
+
+def _timed_out(req: Acquire) -> ProtocolError:
+    return ProtocolError(
+        "LOCK_TIMEOUT",
+        f"key {req.key!r} was not granted within {req.timeout_ms} ms",
+        details={"key": req.key, "timeoutMs": req.timeout_ms},
+    )
+
+
+def shutting_down() -> ProtocolError:
+    return ProtocolError("SHUTTING_DOWN", "lockd is stopping")
 
 
 class LockService:
@@ -64,16 +139,21 @@ class LockService:
         policy: PolicyLike,
         ratelimiter: RateLimiterLike,
         clock: Clock,
-        stats: Stats | None = None,
+        stats: StatsCounters | None = None,
+        *,
+        max_pending_per_connection: int = DEFAULT_MAX_PENDING_PER_CONNECTION,
     ) -> None:
         self.engine = engine
         self.store = store
         self.policy = policy
         self.ratelimiter = ratelimiter
         self.clock = clock
-        self.stats = stats or Stats()
+        self.stats = stats or StatsCounters()
+        self.max_pending_per_connection = max_pending_per_connection
         #: called for each waiter the engine resolved, after the commit.
         self.on_resolved: Callable[[Waiter], None] = lambda waiter: None
+        #: the server's own gauges (uptime, connections) for the ``stats`` op.
+        self.server_gauges: Callable[[], dict[str, Any]] = dict
 
     # ----------------------------------------------------------- plumbing
 
@@ -107,10 +187,26 @@ class LockService:
                 )
             self.on_resolved(waiter)
 
+    def next_deadline(self) -> int | None:
+        """The engine's earliest lease or waiter deadline (boot-clock ms), if any."""
+        return self.engine.next_deadline()
+
+    def ms_until(self, deadline: int) -> int:
+        """Milliseconds from now until ``deadline`` (0 when it has passed)."""
+        return max(0, deadline - self.clock.boot_ms())
+
     def tick(self) -> None:
         """Let time pass in the engine (the expiry timer calls this)."""
         self.engine.advance(self.clock.boot_ms())
         self.commit()
+
+    def gauges(self) -> dict[str, int]:
+        engine = self.engine
+        return {
+            "held": engine.held_count,
+            "waiters": engine.waiter_count,
+            "fence": engine.fence,
+        }
 
     def authorize(self, caller: Caller, op: str, key: str | None = None) -> None:
         decision = self.policy.decide(caller, op, key or "")
@@ -159,7 +255,136 @@ class LockService:
             "waiters": waiters,
         }
 
-    # ---------------------------------------------------------------- ops
+    # ------------------------------------------------------------ acquire
+
+    def acquire(self, caller: Caller, conn: int, req: Acquire, *, pending: int) -> AcquireStep:
+        """The first step of an acquire/tryAcquire on connection ``conn``.
+
+        ``pending`` is how many of the connection's acquires are waiting now.
+        """
+        self.authorize(caller, "acquire", req.key)
+        limit = self.max_pending_per_connection
+        if req.timeout_ms and pending >= limit:
+            raise ProtocolError(
+                "INVALID_REQUEST",
+                f"{limit} requests are already waiting on this connection",
+                details={"field": None, "limit": limit},
+            )
+        now = self.clock.boot_ms()
+        if req.timeout_ms is None:
+            retry_after = self._take_attempt(caller, now)
+            if retry_after is not None:
+                raise self._rate_limited(retry_after)
+            return self._acquire_in_engine(caller, conn, req, now, None)
+        return self._acquire_within(caller, conn, req, now, now + req.timeout_ms)
+
+    def acquire_after_wait(
+        self, caller: Caller, conn: int, req: Acquire, room: WaitForRoom
+    ) -> AcquireStep:
+        """The next step of a blocking acquire that waited for rate-limit room."""
+        return self._acquire_within(caller, conn, req, self.clock.boot_ms(), room.deadline)
+
+    def parked_reply(self, req: Acquire, waiter: Waiter) -> Reply:
+        """The answer to a parked acquire once it left the queue."""
+        if waiter.lease is not None:
+            return Reply(self.lease_view(waiter.lease), waiter.lease)
+        if waiter.timed_out:
+            raise _timed_out(req)
+        raise shutting_down()  # cancelled: the daemon is stopping
+
+    def cancel_waiter(self, waiter: Waiter) -> None:
+        """Take a parked acquire out of its queue, unless it already left."""
+        if waiter.resolved:
+            return
+        self.engine.cancel_waiter(self.clock.boot_ms(), waiter)
+        self.commit()
+
+    def release_undelivered(self, lease: Lease) -> None:
+        """A grant whose reply could not be written is released at once."""
+        if self.engine.release(self.clock.boot_ms(), lease.key, lease.handle):
+            self.stats.count("releases")
+            log.info(kv(event="released_undelivered", key=lease.key, principal=lease.principal))
+        self.commit()
+
+    def _acquire_within(
+        self, caller: Caller, conn: int, req: Acquire, now: int, deadline: int
+    ) -> AcquireStep:
+        """Count the attempt of a blocking acquire, then ask the engine."""
+        retry_after = self._take_attempt(caller, now)
+        left = deadline - now
+        if retry_after is None:
+            return self._acquire_in_engine(caller, conn, req, now, max(0, left))
+        if retry_after >= left:
+            # No room will come within the timeout: waiting is pointless.
+            self.stats.count("rateLimited")
+            raise _timed_out(req)
+        return WaitForRoom(retry_after, deadline)
+
+    def _take_attempt(self, caller: Caller, now: int) -> int | None:
+        """Count one acquire attempt; the ms to wait for room when over limit.
+
+        Owners and services are not counted by the rate limit (SPEC 6).
+        """
+        if caller.role in ("owner", "service"):
+            return None
+        return self.ratelimiter.try_take(caller.principal, now)
+
+    def _rate_limited(self, retry_after_ms: int) -> ProtocolError:
+        self.stats.count("rateLimited")
+        return ProtocolError(
+            "RATE_LIMITED",
+            f"too many acquire attempts; retry in {retry_after_ms} ms",
+            details={"retryAfterMs": retry_after_ms, "limit": self.ratelimiter.limit},
+        )
+
+    def _acquire_in_engine(
+        self, caller: Caller, conn: int, req: Acquire, now: int, wait_ms: int | None
+    ) -> AcquireStep:
+        result = self.engine.acquire(
+            now,
+            req.key,
+            ttl_ms=req.ttl_ms,
+            principal=caller.principal,
+            owner=req.owner,
+            conn=conn,
+            release_on_close=req.release_on_close,
+            wait_ms=wait_ms,
+        )
+        self.commit()
+        if isinstance(result, Lease):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    kv(event="granted", key=req.key, principal=caller.principal, fence=result.fence)
+                )
+            return Reply(self.lease_view(result), result)
+        if isinstance(result, Busy):
+            return Reply(None)
+        if isinstance(result, TimedOut):
+            self.stats.count("timeouts")
+            raise _timed_out(req)
+        return result
+
+    # ------------------------------------------------------ the other ops
+
+    def answer(self, caller: Caller, request: Request) -> Any:
+        """The wire result of any request but an acquire."""
+        if isinstance(request, Release):
+            return self.release(caller, request.key, request.handle)
+        if isinstance(request, Renew):
+            return self.renew(caller, request.key, request.handle, request.ttl_ms)
+        if isinstance(request, Status):
+            return self.status(request.key)
+        if isinstance(request, Hello):
+            return self.hello(caller)
+        if isinstance(request, ListLocks):
+            return self.list(caller, request.prefix, request.limit)
+        if isinstance(request, Break):
+            return self.break_lock(caller, request.key, request.reason)
+        if isinstance(request, Stats):
+            return self.stats_result(caller)
+        if isinstance(request, Rules):
+            return self.rules(caller)
+        raise AssertionError(f"unhandled op {request.op}")
 
     def hello(self, caller: Caller) -> dict[str, Any]:
         return {
@@ -170,55 +395,6 @@ class LockService:
             "uid": caller.uid,
             "pid": caller.pid,
         }
-
-    def rate_counted(self, caller: Caller) -> bool:
-        """Owners and services are not counted by the rate limit (SPEC 6)."""
-        return caller.role not in ("owner", "service")
-
-    def take_attempt(self, caller: Caller) -> int | None:
-        """Count one acquire attempt; the ms to wait for room when over limit."""
-        if not self.rate_counted(caller):
-            return None
-        return self.ratelimiter.try_take(caller.principal, self.clock.boot_ms())
-
-    def rate_limited(self, retry_after_ms: int) -> ProtocolError:
-        self.stats.count("rateLimited")
-        return ProtocolError(
-            "RATE_LIMITED",
-            f"too many acquire attempts; retry in {retry_after_ms} ms",
-            details={"retryAfterMs": retry_after_ms, "limit": self.ratelimiter.limit},
-        )
-
-    def acquire(
-        self,
-        caller: Caller,
-        conn: int,
-        key: str,
-        *,
-        ttl_ms: int,
-        owner: str | None,
-        release_on_close: bool,
-        wait_ms: int | None,
-    ) -> Lease | Busy | Parked | TimedOut:
-        result = self.engine.acquire(
-            self.clock.boot_ms(),
-            key,
-            ttl_ms=ttl_ms,
-            principal=caller.principal,
-            owner=owner,
-            conn=conn,
-            release_on_close=release_on_close,
-            wait_ms=wait_ms,
-        )
-        self.commit()
-        if isinstance(result, Lease):
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    kv(event="granted", key=key, principal=caller.principal, fence=result.fence)
-                )
-        elif isinstance(result, TimedOut):
-            self.stats.count("timeouts")
-        return result
 
     def renew(self, caller: Caller, key: str, handle: str, ttl_ms: int) -> dict[str, Any]:
         self.authorize(caller, "renew", key)
@@ -239,22 +415,11 @@ class LockService:
             log.debug(kv(event="released", key=key, principal=caller.principal))
         return {"released": True}
 
-    def release_undelivered(self, lease: Lease) -> None:
-        """A grant whose reply could not be written is released at once."""
-        if self.engine.release(self.clock.boot_ms(), lease.key, lease.handle):
-            self.stats.count("releases")
-            log.info(kv(event="released_undelivered", key=lease.key, principal=lease.principal))
-        self.commit()
-
     def connection_closed(self, conn: int, *, release_bound: bool = True) -> None:
         now = self.clock.boot_ms()
         for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):
             self.stats.count("releases")
             log.debug(kv(event="released_on_close", key=lease.key, principal=lease.principal))
-        self.commit()
-
-    def cancel_waiter(self, waiter: Waiter) -> None:
-        self.engine.cancel_waiter(self.clock.boot_ms(), waiter)
         self.commit()
 
     def status(self, key: str) -> dict[str, Any]:
@@ -292,6 +457,10 @@ class LockService:
             "owner": broken.owner,
             "fence": broken.fence,
         }
+
+    def stats_result(self, caller: Caller) -> dict[str, Any]:
+        self.authorize(caller, "stats")
+        return self.stats.snapshot({**self.server_gauges(), **self.gauges()})
 
     def rules(self, caller: Caller) -> dict[str, Any]:
         self.authorize(caller, "rules")
