@@ -123,7 +123,7 @@ def test_parse_duration_rejects(text: str) -> None:
         ["locks", "acquire", "k", "--ttl", "1s", "--wait", "soon"],
         ["locks", "renew", "k", "--handle", "h", "--ttl", "-5s"],
         ["locks", "nope"],
-        ["stats", "--json", "--format", "openmetrics"],
+        ["stats", "--format", "openmetrics", "--json"],
     ],
 )
 def test_usage_errors_exit_2_on_one_line(args: list[str]) -> None:
@@ -131,8 +131,16 @@ def test_usage_errors_exit_2_on_one_line(args: list[str]) -> None:
     result = invoke([*args, "--socket", "/nonexistent/lockd.sock"])
     assert result.exit_code == EXIT_USAGE, result.output
     line = one_line(result.stderr)
-    assert line.startswith("lockd ")
-    assert result.stdout == ""
+    if "--json" in args:
+        assert json.loads(line)["error"]["code"] == "USAGE"
+    else:
+        assert line.startswith("lockd ")
+        assert result.stdout == ""
+    # The same failure with --json: one JSON line, same exit code.
+    as_json = invoke([*args, "--socket", "/nonexistent/lockd.sock", "--json"])
+    assert as_json.exit_code == EXIT_USAGE and as_json.stdout == ""
+    error = json.loads(one_line(as_json.stderr))["error"]
+    assert (error["code"], error["status"]) == ("USAGE", 400) and error["message"]
 
 
 def test_bad_duration_message_names_the_option_and_the_forms() -> None:
@@ -392,8 +400,10 @@ def test_busy_key_exits_1_with_who_holds_it(shared: DaemonProcess) -> None:
     assert "timed out after 100ms" in one_line(waited.stderr)
 
     as_json = run_cli(shared, "locks", "acquire", "busy", "--ttl", "60s", "--json")
-    assert as_json.exit_code == EXIT_BUSY
-    assert json.loads(as_json.stdout) is None
+    assert as_json.exit_code == EXIT_BUSY and as_json.stdout == ""
+    error = json.loads(one_line(as_json.stderr))["error"]
+    assert (error["code"], error["status"]) == ("KEY_BUSY", 409)
+    assert error["details"]["key"] == "busy" and error["details"]["holder"]["owner"] == "first"
 
 
 def test_wait_gets_the_key_when_the_holder_expires(shared: DaemonProcess) -> None:

@@ -118,11 +118,12 @@ def test_check_json(tmp_path: Path) -> None:
 
     bad = write(tmp_path, "bad.toml", BAD_NAME)
     err = invoke("rules", "check", str(bad), "--json")
-    assert err.exit_code == 1
-    doc = json.loads(err.stdout)
-    assert doc["ok"] is False
-    assert (doc["error"]["file"], doc["error"]["line"]) == (str(bad), 6)
-    assert isinstance(doc["error"]["column"], int)
+    assert err.exit_code == 1 and err.stdout == ""
+    (line,) = err.stderr.splitlines()  # SPEC §9: one error line, the shape of every command
+    error = json.loads(line)["error"]
+    assert (error["code"], error["status"]) == ("USAGE", 400)
+    assert (error["details"]["file"], error["details"]["line"]) == (str(bad), 6)
+    assert isinstance(error["details"]["column"], int) and str(bad) in error["message"]
 
 
 def test_check_missing_file_is_a_usage_error(tmp_path: Path) -> None:

@@ -35,10 +35,12 @@ from lockd_client import (
     LockAccessDeniedError,
     LockClient,
     LockdError,
+    LockLostError,
     LockStatus,
     LockTimeoutError,
     RateLimitedError,
     ShuttingDownError,
+    SocketPermissionError,
     _paths,
     default_socket_path,
 )
@@ -496,7 +498,10 @@ def test_error_mapping(
         assert exc.key == "k" and exc.timeout_ms == 1500
     if isinstance(exc, RateLimitedError):
         assert exc.retry_after == 2.5 and exc.limit == 600
-    assert server.connections == 1 and len(server.requests) == 1  # errors are not retried
+    if code == "SHUTTING_DOWN":  # a blocking acquire parks again until its timeout
+        assert len(server.requests) > 1
+    else:
+        assert server.connections == 1 and len(server.requests) == 1  # errors are not retried
 
 
 def test_malformed_line_is_a_protocol_error(serve: Callable[[Script], FakeServer]) -> None:
@@ -1080,15 +1085,119 @@ def test_default_socket_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> 
 def test_lock_releases_on_normal_exit(serve: Callable[[Script], FakeServer]) -> None:
     server = serve(responder(answer))
     with make_client(server.path) as client:
-        with client.lock("k", ttl=10, timeout=1, owner="o") as handle:
+        with client.lock("k", ttl=10, timeout=1, owner="o", auto_renew=False) as handle:
             assert handle.key == "k" and handle.owner == "o"
         assert server.ops() == ["acquire", "release"]
+    # Safe by default: bound to the connection; plain acquire is not.
+    assert server.requests[0]["releaseOnClose"] is True
+
+
+def test_plain_acquire_keeps_ttl_lease_unless_asked(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(answer))
+    with make_client(server.path) as client:
+        client.acquire("k", ttl=1, timeout=1)
+        client.try_acquire("k", ttl=1)
+        client.try_acquire("k", ttl=1, release_on_close=True)
+        with client.lock("k", ttl=1, timeout=1, release_on_close=False, auto_renew=False):
+            pass
+    sent = [r.get("releaseOnClose", False) for r in server.requests if r["op"] != "release"]
+    assert sent == [False, False, True, False]
+
+
+def test_lock_raises_lock_lost_when_release_answers_not_holder(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "release":
+            return ok({"released": False, "reason": "not_holder"})
+        return answer(request)
+
+    server = serve(responder(handler))
+    lost: list[Handle] = []
+    with make_client(server.path) as client:
+        lock = client.lock("k", ttl=100, timeout=1, on_lost=lost.append)
+        with pytest.raises(LockLostError, match="not_holder") as caught, lock as handle:
+            pass
+        assert caught.value.fence == 7 and caught.value.details["key"] == "k"
+        assert lost == [handle] and handle.lost
+        # The block's own exception wins: no LockLostError over it.
+        with pytest.raises(KeyError), client.lock("k", ttl=10, timeout=1):
+            raise KeyError("mine")
+
+
+def test_blocking_acquire_reparks_after_shutting_down(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    """SHUTTING_DOWN to a parked acquire: a new connection, parked again with the rest."""
+
+    def script(peer: Peer, index: int) -> None:
+        request = peer.recv()
+        assert request is not None
+        if index == 0:
+            time.sleep(0.2)  # parked for a while, then the daemon stops
+            peer.reply(request, err("SHUTTING_DOWN", 503))
+            peer.close()
+        else:
+            peer.reply(request, answer(request))
+            while peer.recv() is not None:
+                pass
+
+    server = serve(script)
+    with make_client(server.path) as client:
+        handle = client.acquire("k", ttl=5, timeout=3)  # no owner: re-parked all the same
+    assert handle.key == "k" and server.connections == 2
+    first, second = (r["timeoutMs"] for r in server.requests if r["op"] == "acquire")
+    assert first == 3000 and 0 < second <= 2800
+
+
+def test_blocking_acquire_reparks_after_the_connection_drops(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    def script(peer: Peer, index: int) -> None:
+        request = peer.recv()
+        assert request is not None
+        if index == 0:
+            peer.close()  # killed while we were parked
+            return
+        peer.reply(request, answer(request))
+        while peer.recv() is not None:
+            pass
+
+    server = serve(script)
+    with make_client(server.path) as client:
+        assert client.acquire("k", ttl=5, timeout=3).key == "k"
+        assert server.connections == 2
+
+
+def test_try_acquire_is_not_reparked(serve: Callable[[Script], FakeServer]) -> None:
+    server = serve(responder(lambda request: err("SHUTTING_DOWN", 503)))
+    with make_client(server.path) as client, pytest.raises(ShuttingDownError):
+        client.try_acquire("k", ttl=5)
+    assert server.connections == 1
+
+
+def test_socket_permission_denied_names_owner_and_mode(
+    serve: Callable[[Script], FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(responder(answer))
+
+    def refuse(self: socket.socket, address: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    os.chmod(server.path, 0o660)
+    with make_client(server.path) as client, pytest.raises(SocketPermissionError) as caught:
+        client.hello()
+    exc = caught.value
+    assert isinstance(exc, LockAccessDeniedError) and exc.code == "LOCK_ACCESS_DENIED"
+    assert exc.details["mode"] == "0660" and "owner" in exc.details
+    assert "may not use its socket" in exc.message and server.path in exc.message
 
 
 def test_lock_releases_on_exception(serve: Callable[[Script], FakeServer]) -> None:
     server = serve(responder(answer))
     with make_client(server.path) as client:
-        with pytest.raises(KeyError), client.lock("k", ttl=10, timeout=1):
+        with pytest.raises(KeyError), client.lock("k", ttl=10, timeout=1, auto_renew=False):
             raise KeyError("boom")
         assert server.ops() == ["acquire", "release"]
 
@@ -1103,7 +1212,8 @@ def test_failed_release_does_not_mask_the_exception(
 
     server = serve(responder(handler))
     with make_client(server.path) as client:
-        with pytest.raises(ZeroDivisionError), client.lock("k", ttl=10, timeout=1):
+        lock = client.lock("k", ttl=10, timeout=1, auto_renew=False)
+        with pytest.raises(ZeroDivisionError), lock:
             1 / 0  # noqa: B018
         assert server.ops() == ["acquire", "release"]
 
@@ -1152,11 +1262,15 @@ def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], Fak
         called.set()
 
     with make_client(server.path) as client:
-        with client.lock("k", ttl=0.03, timeout=1, auto_renew=True, on_lost=on_lost) as handle:
+        with (
+            pytest.raises(LockLostError, match="lease_lost") as caught,
+            client.lock("k", ttl=0.03, timeout=1, auto_renew=True, on_lost=on_lost) as handle,
+        ):
             assert called.wait(2)
             time.sleep(0.05)  # it must not renew again or report twice
         assert lost == [handle] and handle.lost
         assert server.ops() == ["acquire", "renew", "release"]
+    assert (caught.value.key, caught.value.fence, caught.value.code) == ("k", 7, "LEASE_LOST")
 
 
 def test_auto_renew_declares_loss_before_lease_runs_out(
@@ -1177,9 +1291,12 @@ def test_auto_renew_declares_loss_before_lease_runs_out(
     called = threading.Event()
     with make_client(server.path) as client:
         started = time.monotonic()
-        with client.lock(
-            "k", ttl=0.09, timeout=1, auto_renew=True, on_lost=lambda h: called.set()
-        ) as handle:
+        with (
+            pytest.raises(LockLostError, match="about to run out"),
+            client.lock(
+                "k", ttl=0.09, timeout=1, auto_renew=True, on_lost=lambda h: called.set()
+            ) as handle,
+        ):
             assert called.wait(2)
             # Reported inside the safety margin, before the lease runs out.
             assert time.monotonic() - started < 0.09
@@ -1216,6 +1333,6 @@ def test_public_names_are_documented() -> None:
 def test_on_lost_without_auto_renew_is_refused(serve: Callable[[Script], FakeServer]) -> None:
     server = serve(responder(answer))
     with make_client(server.path) as client:
-        lock = client.lock("k", ttl=1, timeout=1, on_lost=lambda h: None)
+        lock = client.lock("k", ttl=1, timeout=1, on_lost=lambda h: None, auto_renew=False)
         with pytest.raises(ValueError, match="auto_renew"), lock:
             pass

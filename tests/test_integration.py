@@ -29,7 +29,6 @@ from lockd_client import (
     LockClient,
     LockdError,
     LockTimeoutError,
-    ShuttingDownError,
 )
 
 from .conftest import LOCKD, DaemonProcess
@@ -610,15 +609,17 @@ def test_sigterm_answers_parked_acquires_and_keeps_leases(daemon_paths: DaemonPr
     raw.close()
     assert reply["id"] == "w" and reply["ok"] is False
     assert (reply["error"]["code"], reply["error"]["status"]) == ("SHUTTING_DOWN", 503)
-    waiter.finish()
-    assert isinstance(waiter.error, ShuttingDownError)
     assert not daemon_paths.socket.exists()
     daemon_paths.start()
     with LockClient(str(daemon_paths.socket)) as client:
         status = client.status("term")
         assert status.held and status.fence == held.fence and status.owner == "run"
-        assert status.waiters == 0
+        # The client's waiter was answered SHUTTING_DOWN and parked again (SPEC §8).
+        wait_for(lambda: waiters(client, "term") == 1, what="the waiter to park again")
         assert client.release(held).released
+        waiter.finish()
+        assert waiter.error is None and waiter.handle is not None
+        assert waiter.handle.fence > held.fence
         assert client.renew(other, ttl=60).renewed
         assert client.status("term:bound").fence == bound.fence
         assert client.release(bound).released

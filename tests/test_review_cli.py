@@ -20,7 +20,8 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from lockd_client import Handle, LockClient
+import pytest
+from lockd_client import Handle, LockClient, LockLostError
 
 from .conftest import LOCKD, DaemonProcess
 
@@ -111,7 +112,8 @@ def test_auto_renew_reports_loss_before_the_lease_runs_out(daemon: DaemonProcess
         done.set()
 
     client = LockClient(daemon.socket)
-    with client, client.lock("freeze", ttl=0.6, timeout=1, auto_renew=True, on_lost=on_lost) as h:
+    lock = client.lock("freeze", ttl=0.6, timeout=1, auto_renew=True, on_lost=on_lost)
+    with client, pytest.raises(LockLostError), lock as h:  # the block ends after the loss
         expires = h.lease_expires_at
         assert expires is not None
         os.kill(daemon.proc.pid, signal.SIGSTOP)

@@ -14,7 +14,9 @@ Standard library only (never imports trio or click)::
         finally:
             client.release(handle)
 
-        with client.lock("refresh:42", ttl=30, timeout=5, auto_renew=True) as handle:
+        # Renewed in the background and bound to this connection; raises
+        # LockLostError at the end if the hold was lost meanwhile.
+        with client.lock("refresh:42", ttl=30, timeout=5) as handle:
             ...
 
 Times are seconds (floats) on the Python side, whole milliseconds (rounded
@@ -22,21 +24,27 @@ up) on the wire. One client is safe to share between threads; it uses one
 pipelined connection. After a daemon restart it reconnects by itself and
 re-sends the requests that are safe to repeat: ``hello``, ``status``, ``list``,
 ``stats``, ``rules``, ``renew``, ``release``, and ``acquire``/``try_acquire``
-when an ``owner`` is given. ``acquire``/``try_acquire`` without an owner and
+when an ``owner`` is given. A blocking ``acquire`` that meets a daemon
+restart while waiting parks again with what is left of its timeout.
+``try_acquire`` without an owner and
 ``break_lock`` are not re-sent once sent; they raise
 :class:`DaemonUnavailableError` instead (see :mod:`lockd_client._client`).
 """
 
 from ._client import HandleRef, LockClient
 from ._errors import (
+    CancelledError,
     DaemonUnavailableError,
     InternalError,
     InvalidRequestError,
     LockAccessDeniedError,
     LockdError,
+    LockLostError,
     LockTimeoutError,
     RateLimitedError,
     ShuttingDownError,
+    SocketPermissionError,
+    StorageUnavailableError,
 )
 from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
 from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
@@ -44,6 +52,7 @@ from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResul
 __all__ = [
     "SOCKET_ENV",
     "BreakResult",
+    "CancelledError",
     "DaemonUnavailableError",
     "Handle",
     "HandleRef",
@@ -51,6 +60,7 @@ __all__ = [
     "InvalidRequestError",
     "LockAccessDeniedError",
     "LockClient",
+    "LockLostError",
     "LockStatus",
     "LockTimeoutError",
     "LockdError",
@@ -58,6 +68,8 @@ __all__ = [
     "ReleaseResult",
     "RenewResult",
     "ShuttingDownError",
+    "SocketPermissionError",
+    "StorageUnavailableError",
     "default_socket_path",
     "resolve_socket_path",
 ]

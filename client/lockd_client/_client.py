@@ -11,7 +11,7 @@ before sending: on a Unix stream socket whose peer has closed, ``send`` fails
 at once (EPIPE/ECONNRESET), so a dead connection shows itself when used.
 
 Retry rules. A request is sent again, on a new connection, in exactly these
-two cases, for up to ``retry_window`` seconds (5 s by default) with a short
+three cases, for up to ``retry_window`` seconds (5 s by default) with a short
 backoff, then :class:`DaemonUnavailableError` is raised:
 
 1. It was never sent, whatever the operation: connecting failed, the
@@ -29,13 +29,21 @@ backoff, then :class:`DaemonUnavailableError` is raised:
    grant, if there was one; a retried blocking ``acquire`` waits only for what
    is left of its timeout). ``renew`` also stops retrying at the end of the
    lease when it renews for auto-renew.
+3. A blocking ``acquire`` (with or without owner) that meets a daemon restart
+   while parked: the reply ``SHUTTING_DOWN``, or the connection breaking
+   after it was sent. A parked acquire was never granted, so it is parked
+   again on a new connection with what is left of its timeout, for as long
+   as that timeout (at least ``retry_window``) lasts. One residual risk,
+   accepted: a daemon killed in the instant between committing a grant and
+   writing its reply leaves that grant held until its TTL, as a crashed
+   holder would.
 
-Never sent twice: ``acquire``/``try_acquire`` without an owner and
+Never sent twice: ``try_acquire`` without an owner and
 ``break_lock`` that were sent on a connection that then broke: the daemon may
 have applied them, so they raise DaemonUnavailableError ("not retried"). No
 request is retried after its reply timed out (``request_timeout``) on a live
 connection; that raises DaemonUnavailableError ("no reply"). Daemon errors
-such as ``SHUTTING_DOWN`` are raised, not retried. A ``release`` retried after
+such as ``SHUTTING_DOWN`` are raised, not retried (except by rule 3). A ``release`` retried after
 a break may answer ``released: false`` although the first attempt released
 the key.
 """
@@ -53,7 +61,13 @@ from types import TracebackType
 from typing import Any
 
 from ._connection import Connection, ConnectionLost, ReplyTimeout
-from ._errors import DaemonUnavailableError, LockdError, error_from_reply
+from ._errors import (
+    DaemonUnavailableError,
+    LockdError,
+    ShuttingDownError,
+    SocketPermissionError,
+    error_from_reply,
+)
 from ._paths import resolve_socket_path
 from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
 from ._wire import (
@@ -152,7 +166,12 @@ class LockClient:
         """Wait up to ``timeout`` seconds for ``key``; hold it for ``ttl`` seconds.
 
         The daemon queues waiters first-in-first-out. Raises
-        :class:`LockTimeoutError` when the time runs out.
+        :class:`LockTimeoutError` when the time runs out. A wait that meets a
+        daemon restart (``SHUTTING_DOWN``, or the connection closing while
+        parked) was never granted: the client reconnects and parks again with
+        what is left of ``timeout`` (the place in the queue is lost).
+        ``release_on_close=True`` binds the lease to this client's connection:
+        closing the client (or the process dying) frees the key at once.
         """
         base = self._grant_args(key, ttl, owner, release_on_close)
         timeout_ms = seconds_to_ms(timeout, "timeout", allow_zero=True)
@@ -171,7 +190,9 @@ class LockClient:
             return {**base, "timeoutMs": ms}, read_timeout
 
         args, read_timeout = build()
-        result = self._call("acquire", args, read_timeout, retry=owner is not None, again=build)
+        result = self._call(
+            "acquire", args, read_timeout, retry=owner is not None, again=build, repark=deadline
+        )
         return Handle.from_result(result)
 
     def try_acquire(
@@ -181,7 +202,10 @@ class LockClient:
         owner: str | None = None,
         release_on_close: bool = False,
     ) -> Handle | None:
-        """One attempt at ``key``: the Handle, or ``None`` when someone else holds it."""
+        """One attempt at ``key``: the Handle, or ``None`` when someone else holds it.
+
+        ``release_on_close`` as for :meth:`acquire`.
+        """
         args = self._grant_args(key, ttl, owner, release_on_close)
         result = self._call("tryAcquire", args, self.request_timeout, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
@@ -246,19 +270,25 @@ class LockClient:
         ttl: float,
         timeout: float,
         owner: str | None = None,
-        auto_renew: bool = False,
+        auto_renew: bool = True,
         on_lost: Callable[[Handle], object] | None = None,
-        release_on_close: bool = False,
+        release_on_close: bool = True,
     ) -> AbstractContextManager[Handle]:
         """Context manager: acquire ``key`` (blocking), yield the Handle, release on exit.
 
+        Safe by default: the lease is renewed in the background
+        (``auto_renew``, every ``ttl/3``) and bound to this client's
+        connection (``release_on_close``), so a process killed inside the
+        block frees the key at once, as with flock.
+
         The release also happens when the block raises; a failing release
-        then is logged, never raised over the block's own exception. With
-        ``auto_renew=True`` a daemon thread renews the lease every ``ttl/3``
-        seconds; once the lease is lost (renew answers ``renewed: false``, or
-        renewals keep failing until the lease is about to run out) it sets
-        ``handle.lost = True``, calls ``on_lost(handle)`` once from that
-        thread, and stops. The thread is stopped when the block exits.
+        then is logged, never raised over the block's own exception. When the
+        block ends normally but the hold was lost meanwhile (the renewer saw
+        ``lease_lost``, renewals failed until the lease was about to run out,
+        or the release answers ``not_holder``), :class:`LockLostError` is
+        raised. ``on_lost(handle)`` is called once, from the renewer's thread,
+        the moment the loss is seen (or at the release, if that is where it is
+        seen first); ``handle.lost`` is set then too.
         """
         from ._lock import hold
 
@@ -360,8 +390,14 @@ class LockClient:
         retry: bool,
         again: _Build | None = None,
         give_up_at: float | None = None,
+        repark: float | None = None,
     ) -> Any:
         """Send ``op`` and return its ``result``, reconnecting and re-sending as documented.
+
+        ``repark`` (a blocking acquire's deadline, monotonic): ``SHUTTING_DOWN``
+        and a connection lost after sending are retried too, up to that
+        deadline (or ``retry_window``, whichever ends later): a parked acquire
+        was never granted, so it is always safe to park it again.
 
         ``retry`` says whether a request that was sent, but whose connection
         broke before the reply, may be sent again. ``again`` recomputes the
@@ -373,8 +409,11 @@ class LockClient:
         resent_at_once = False
         while True:
             at_once = False
+            shutting_down: ShuttingDownError | None = None
             try:
                 conn = self._connection()
+            except PermissionError:
+                raise SocketPermissionError(self.socket_path) from None
             except OSError as exc:
                 failure = f"cannot connect ({exc.strerror or exc})"
                 can_retry = self._connected_once  # nothing was sent: safe for every op
@@ -395,8 +434,8 @@ class LockClient:
                         raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
                     else:  # rule 2: only what is harmless twice
                         failure = f"connection lost during {op!r} ({exc.reason})"
-                        can_retry = retry
-                        if not retry:
+                        can_retry = retry or repark is not None
+                        if not can_retry:
                             failure += "; not retried, as the daemon may have carried it out"
                 except ReplyTimeout:
                     waited = "" if read_timeout is None else f" within {read_timeout:g} s"
@@ -404,14 +443,26 @@ class LockClient:
                         self.socket_path, f"no reply to {op!r}{waited}"
                     ) from None
                 else:
-                    return _unwrap(reply)
+                    try:
+                        return _unwrap(reply)
+                    except ShuttingDownError as exc:
+                        if repark is None:
+                            raise
+                        shutting_down = exc
+                        # The daemon is stopping; it closes this connection itself.
+                        failure = f"the daemon shut down during {op!r}"
+                        can_retry = True
             now = time.monotonic()
             if retry_until is None:
                 retry_until = now + self.retry_window
                 if give_up_at is not None:
                     retry_until = min(retry_until, give_up_at)
+                if repark is not None:
+                    retry_until = max(retry_until, repark)
             pause = 0.0 if at_once else delay
             if not can_retry or now + pause > retry_until:
+                if shutting_down is not None:  # the daemon kept saying so: it stays down
+                    raise shutting_down
                 raise DaemonUnavailableError(self.socket_path, failure)
             if pause:
                 time.sleep(pause)

@@ -8,17 +8,25 @@ cannot reach the daemon.
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
+import stat
 from typing import Any
 
 __all__ = [
+    "CancelledError",
     "DaemonUnavailableError",
     "InternalError",
     "InvalidRequestError",
     "LockAccessDeniedError",
+    "LockLostError",
     "LockTimeoutError",
     "LockdError",
     "RateLimitedError",
     "ShuttingDownError",
+    "SocketPermissionError",
+    "StorageUnavailableError",
     "error_from_reply",
 ]
 
@@ -115,8 +123,43 @@ class ShuttingDownError(LockdError):
     """``SHUTTING_DOWN`` (503): the daemon is stopping. Try again once it is back."""
 
 
+class StorageUnavailableError(LockdError):
+    """``STORAGE_UNAVAILABLE`` (503): the daemon cannot write its database; nothing took effect."""
+
+
+class CancelledError(LockdError):
+    """``CANCELLED`` (499): a parked acquire was withdrawn with ``cancel``.
+
+    The async clients send ``cancel`` when the task waiting in ``acquire`` is
+    cancelled; they raise the task's own cancellation, not this.
+    """
+
+
 class InternalError(LockdError):
     """``INTERNAL`` (500): a bug in the daemon; the daemon itself lives on."""
+
+
+class LockLostError(LockdError):
+    """The hold of a ``with client.lock(...)`` block was lost before the block ended.
+
+    Raised when the block ends normally but the lease was gone meanwhile: the
+    release answered ``not_holder``, or the renewer saw ``lease_lost`` (the
+    key was broken, re-taken, or the lease ran out). The work done inside the
+    block ran, at least in part, without the lock. ``key`` and ``fence``
+    identify the hold; code ``LEASE_LOST``.
+    """
+
+    key: str
+    fence: int
+
+    def __init__(self, key: str, fence: int, reason: str) -> None:
+        super().__init__(
+            f"the lease on {key!r} (fence {fence}) was lost before the block ended: {reason}",
+            code="LEASE_LOST",
+            details={"key": key, "fence": fence, "reason": reason},
+        )
+        self.key = key
+        self.fence = fence
 
 
 class DaemonUnavailableError(LockdError):
@@ -138,12 +181,82 @@ class DaemonUnavailableError(LockdError):
         self.socket_path = socket_path
 
 
+class SocketPermissionError(LockAccessDeniedError):
+    """The daemon's socket exists, but this user may not connect to it (``EACCES``).
+
+    Not "daemon unavailable": something listens there, only the socket's
+    permissions keep this user out. The message names the socket, its owner,
+    group and mode; ``details`` has ``socketPath``, ``owner``, ``group``,
+    ``mode`` (octal text) when they could be read. Code ``LOCK_ACCESS_DENIED``.
+    """
+
+    socket_path: str
+
+    def __init__(self, socket_path: str) -> None:
+        details: dict[str, Any] = {"socketPath": socket_path}
+        details.update(_socket_facts(socket_path))
+        who = _user_name(os.geteuid())
+        if "mode" in details:
+            facts = f" (owner {details['owner']}, group {details['group']}, mode {details['mode']})"
+        else:
+            facts = f" ({details['denied']})" if "denied" in details else ""
+        super().__init__(
+            f"permission denied on the lockd socket {socket_path}{facts}: the daemon is "
+            f"there, but user {who} may not use its socket. Ask its administrator for "
+            "access (e.g. membership of the socket's group), or set LOCKD_SOCKET to a "
+            "daemon of your own (`lockd serve` runs one as you).",
+            code="LOCK_ACCESS_DENIED",
+            status=403,
+            details=details,
+        )
+        self.socket_path = socket_path
+
+
+def _socket_facts(path: str) -> dict[str, Any]:
+    """Owner, group and mode of the socket, or which folder refused us."""
+    try:
+        st = os.stat(path)
+    except PermissionError:  # a folder on the way refuses us: name the first one
+        folder = os.path.dirname(os.path.abspath(path))
+        ancestors = [folder]
+        while folder != os.path.dirname(folder):
+            folder = os.path.dirname(folder)
+            ancestors.append(folder)
+        for folder in reversed(ancestors):
+            if not os.access(folder, os.X_OK):
+                return {"denied": f"cannot enter the folder {folder}"}
+        return {}
+    except OSError:
+        return {}
+    return {
+        "owner": _user_name(st.st_uid),
+        "group": _group_name(st.st_gid),
+        "mode": f"{stat.S_IMODE(st.st_mode):04o}",
+    }
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 _BY_CODE: dict[str, type[LockdError]] = {
     "INVALID_REQUEST": InvalidRequestError,
     "LOCK_ACCESS_DENIED": LockAccessDeniedError,
     "LOCK_TIMEOUT": LockTimeoutError,
     "RATE_LIMITED": RateLimitedError,
+    "CANCELLED": CancelledError,
     "SHUTTING_DOWN": ShuttingDownError,
+    "STORAGE_UNAVAILABLE": StorageUnavailableError,
     "INTERNAL": InternalError,
 }
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from ._errors import LockdError, LockLostError
 from ._results import Handle
 from ._wire import seconds_to_ms
 
@@ -57,6 +58,7 @@ class AutoRenewer:
         self._interval = ttl_ms / 3000
         self._margin = min(ttl_ms / 10_000, _MAX_MARGIN)
         self._deadline = expires_at
+        self.lost_reason: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"lockd-renew:{handle.key[:64]}", daemon=True
@@ -96,25 +98,23 @@ class AutoRenewer:
                     left,
                 )
                 if left <= pause:
-                    self._lose()
+                    self._lose(f"renewals failed until the lease was about to run out ({exc})")
                     return
                 continue
             if self._stop.is_set():
                 return
             if not result.renewed:
-                self._lose()
+                self._lose(f"renew answered {result.reason or 'renewed: false'}")
                 return
             self._deadline = sent_at + self._ttl_ms / 1000
             pause = self._interval
 
-    def _lose(self) -> None:
+    def _lose(self, reason: str) -> None:
+        self.lost_reason = reason
         self._handle.lost = True
         log.warning("lockd: lease on %r lost", self._handle.key)
         if self._on_lost is not None:
-            try:
-                self._on_lost(self._handle)
-            except Exception:
-                log.exception("lockd: on_lost callback for %r raised", self._handle.key)
+            _call_on_lost(self._on_lost, self._handle)
 
 
 @contextmanager
@@ -156,7 +156,27 @@ def hold(
         raise
     if renewer is not None:
         renewer.stop()
-    client.release(handle)
+    if handle.lost:  # the renewer saw it: release what may remain, then say so
+        try:
+            client.release(handle)
+        except LockdError as exc:
+            log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
+        reason = renewer.lost_reason if renewer is not None else None
+        raise LockLostError(handle.key, handle.fence, reason or "lost")
+    result = client.release(handle)
+    if not result.released:
+        handle.lost = True
+        if on_lost is not None:
+            _call_on_lost(on_lost, handle)
+        reason = result.reason or "released: false"
+        raise LockLostError(handle.key, handle.fence, f"the release answered {reason}")
+
+
+def _call_on_lost(on_lost: Callable[[Handle], object], handle: Handle) -> None:
+    try:
+        on_lost(handle)
+    except Exception:
+        log.exception("lockd: on_lost callback for %r raised", handle.key)
 
 
 def _lease_end(handle: Handle, sent_at: float, ttl_ms: int) -> float:

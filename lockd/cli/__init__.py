@@ -18,7 +18,6 @@ Shell completion is click's: ``eval "$(_LOCKD_COMPLETE=bash_source lockd)"``
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from decimal import Decimal
@@ -41,6 +40,7 @@ from lockd.cli.common import (
 from lockd.cli.locks import locks
 from lockd.cli.rules import rules
 from lockd.config import resolve_paths
+from lockd.exitcodes import USAGE, error_document
 
 __all__ = ["EXIT_CODES_HELP", "main"]
 
@@ -66,7 +66,10 @@ def main() -> None:
     help="Config folder (lockd.toml, rule-sets/).",
 )
 @click.option(
-    "--json", "json_output", is_flag=True, help="A start-up error as one JSON line on stderr."
+    "--json",
+    "json_output",
+    is_flag=True,
+    help='A start-up error as one JSON line on stderr ({"error": {...}}, code USAGE).',
 )
 def serve(
     system: bool,
@@ -87,9 +90,12 @@ def serve(
     try:
         code = run(paths)
     except StartupError as exc:
+        # Exit 1; under --json the code is USAGE: the config, the rule sets or
+        # the paths given do not allow a start (details.reason says so).
         if json_output:
-            error = {"code": "STARTUP_FAILED", "message": str(exc)}
-            click.echo(json.dumps({"error": error}), err=True)
+            message = f"cannot start: {' '.join(str(exc).split())}"
+            details = {"reason": "startup_failed"}
+            click.echo(error_document(USAGE, message, details), err=True)
         else:
             click.echo(f"lockd: cannot start: {exc}", err=True)
         sys.exit(1)

@@ -7,10 +7,13 @@ the pieces a script relies on must behave the same in every command:
   mapping from :mod:`lockd_client` errors to them (:func:`exit_code_for`).
 - **Errors are one line on stderr**, never a traceback: :func:`client_command`
   turns client errors into :class:`CliFailure`, and :class:`LockdGroup` prints
-  click's usage errors on one line too (exit 2).
+  click's usage errors on one line too (exit 2). With ``--json`` that line is
+  ``{"error": {"code", "status", "message", "details"}}`` for every failure
+  (:func:`lockd.exitcodes.error_document`).
 - **Durations** (``500ms``, ``60s``, ``5m``, ``1h``, bare number = ms) parse
   through one click type, :class:`Duration`, so a bad value is a usage error
-  with a one-line reason in every command.
+  with a one-line reason in every command, and a bare number below 1000 warns
+  that it was read as milliseconds.
 - **Output**: ``--json`` prints ONE JSON document (the daemon's wire result);
   human output is aligned tables and ``key: value`` blocks.
 
@@ -39,11 +42,20 @@ from lockd_client import (
     LockAccessDeniedError,
     LockClient,
     LockdError,
+    LockLostError,
     LockTimeoutError,
     RateLimitedError,
     ShuttingDownError,
+    SocketPermissionError,
 )
 
+from lockd.exitcodes import (
+    DAEMON_UNAVAILABLE,
+    KEY_BUSY,
+    LEASE_LOST,
+    USAGE,
+    error_document,
+)
 from lockd.exitcodes import (  # re-exported: the commands import them from here
     EXIT_BUG as EXIT_BUG,
 )
@@ -79,7 +91,7 @@ Exit codes:
   0  done
   1  key busy, or the wait timed out
   2  usage error (also a request the daemon refused as invalid)
-  3  access denied
+  3  access denied (also: this user may not open the socket)
   4  rate limited
   5  daemon unreachable, shutting down, or failing (internal error)
   6  lease lost, or not the holder
@@ -96,6 +108,7 @@ def exit_code_for(exc: LockdError) -> int:
     all three the daemon cannot serve the request now and a script should
     retry later or alert, never treat the key as busy (1) or itself as
     wrong (2). Client-side protocol errors (a garbled reply) are the same.
+    A socket this user may not open is access denied (3).
     """
     if isinstance(exc, LockTimeoutError):
         return EXIT_BUSY
@@ -105,14 +118,16 @@ def exit_code_for(exc: LockdError) -> int:
         return EXIT_DENIED
     if isinstance(exc, RateLimitedError):
         return EXIT_RATE_LIMITED
+    if isinstance(exc, LockLostError):
+        return EXIT_LOST
     return EXIT_UNAVAILABLE
 
 
 def describe_error(exc: LockdError) -> str:
     """One line for stderr (without the ``lockd: `` prefix)."""
     message = " ".join(exc.message.split())  # the one-line promise holds for any message
-    if isinstance(exc, DaemonUnavailableError):
-        # The client's message names the socket and how to start the daemon.
+    if isinstance(exc, DaemonUnavailableError | SocketPermissionError):
+        # The client's message names the socket and what to do.
         return message.removeprefix("lockd ")
     if isinstance(exc, LockAccessDeniedError):
         return f"access denied: {message}"
@@ -131,20 +146,102 @@ def describe_error(exc: LockdError) -> str:
     return f"{exc.code}: {message}"
 
 
-class CliFailure(click.ClickException):
-    """A command outcome that exits non-zero with one line on stderr."""
+# --------------------------------------------------------------------------- --json errors
 
-    def __init__(self, message: str, exit_code: int) -> None:
+_json_errors = False  # set from the command line by LockdGroup, before any parsing
+
+
+def json_requested(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among ``args`` (before a ``--``: after it is COMMAND's)."""
+    if "--" in args:
+        args = args[: list(args).index("--")]
+    return "--json" in args
+
+
+def json_errors() -> bool:
+    """True when failures must be reported as one JSON line (SPEC §9).
+
+    From the command line as the root group saw it, or, for a command invoked
+    on its own (tests), from its parsed ``--json`` option.
+    """
+    if _json_errors:
+        return True
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        if ctx.params.get("as_json") or ctx.params.get("json_output"):
+            return True
+        ctx = ctx.parent
+    return False
+
+
+#: The ``--json`` code of a failure that only has an exit code.
+_CODE_FOR_EXIT = {
+    EXIT_BUSY: KEY_BUSY,
+    EXIT_USAGE: USAGE,
+    EXIT_DENIED: "LOCK_ACCESS_DENIED",
+    EXIT_RATE_LIMITED: "RATE_LIMITED",
+    EXIT_UNAVAILABLE: DAEMON_UNAVAILABLE,
+    EXIT_LOST: LEASE_LOST,
+    EXIT_INTERRUPTED: "CANCELLED",
+    EXIT_BUG: "INTERNAL",
+}
+
+
+def echo_error(message: str, code: str, details: dict[str, Any] | None = None) -> None:
+    """Report a failure on stderr: ``lockd: message``, or the JSON line under ``--json``."""
+    if json_errors():
+        click.echo(error_document(code, message, details), err=True)
+    else:
+        click.echo(f"lockd: {message}", err=True)
+
+
+def warn(message: str, code: str) -> None:
+    """A warning on stderr; under ``--json`` a ``{"warning": {code, message}}`` line."""
+    if json_errors():
+        body = {"warning": {"code": code, "message": message}}
+        click.echo(json.dumps(body, ensure_ascii=False, separators=(",", ":")), err=True)
+    else:
+        click.echo(f"lockd: warning: {message}", err=True)
+
+
+class CliFailure(click.ClickException):
+    """A command outcome that exits non-zero with one line on stderr.
+
+    ``code`` is the ``--json`` error code (default: the one for ``exit_code``),
+    ``details`` its details object.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        exit_code: int,
+        *,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
+        self.code = code or _CODE_FOR_EXIT.get(exit_code, "INTERNAL")
+        self.details = details or {}
 
     def show(self, file: IO[Any] | None = None) -> None:
-        click.echo(f"lockd: {self.format_message()}", err=True)
+        echo_error(self.format_message(), self.code, self.details)
 
 
-def fail(message: str, exit_code: int) -> NoReturn:
-    """Stop the command: ``lockd: message`` on stderr, exit ``exit_code``."""
-    raise CliFailure(message, exit_code)
+def fail(
+    message: str,
+    exit_code: int,
+    *,
+    code: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> NoReturn:
+    """Stop the command: ``lockd: message`` on stderr (or the JSON line), exit ``exit_code``."""
+    raise CliFailure(message, exit_code, code=code, details=details)
+
+
+def failure_for(exc: LockdError) -> CliFailure:
+    """The CliFailure for a client error: its exit code, wire code and details."""
+    return CliFailure(describe_error(exc), exit_code_for(exc), code=exc.code, details=exc.details)
 
 
 P = ParamSpec("P")
@@ -167,7 +264,7 @@ def client_command(func: Callable[P, R]) -> Callable[P, R]:
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except LockdError as exc:
-            raise CliFailure(describe_error(exc), exit_code_for(exc)) from None
+            raise failure_for(exc) from None
         except ValueError as exc:
             raise CliFailure(f"invalid argument: {exc}", EXIT_USAGE) from None
         except KeyboardInterrupt:
@@ -193,6 +290,10 @@ class _OneLineUsageError(click.UsageError):
 
     def show(self, file: IO[Any] | None = None) -> None:
         where = self.ctx.command_path if self.ctx is not None else "lockd"
+        if json_errors():
+            details = {"command": where}
+            click.echo(error_document(USAGE, self.format_message(), details), err=True)
+            return
         hint = ""
         if self.ctx is not None and self.ctx.help_option_names:
             hint = f" (see '{self.ctx.command_path} {self.ctx.help_option_names[-1]}')"
@@ -211,8 +312,10 @@ class LockdGroup(click.Group):
     """The root group: click's usage errors, from any subcommand, on one line (exit 2).
 
     Click prints usage, a hint and the error on four lines; SPEC §9 wants one
-    clear line on stderr. Subcommands are parsed inside the root's
-    :meth:`invoke`, so catching here covers every command.
+    clear line on stderr (one JSON line with ``--json``, which is looked for
+    here, before parsing, so that a usage error is reported in JSON too).
+    Subcommands are parsed inside the root's :meth:`invoke`, so catching here
+    covers every command.
     """
 
     def make_context(
@@ -222,6 +325,9 @@ class LockdGroup(click.Group):
         parent: click.Context | None = None,
         **extra: Any,
     ) -> click.Context:
+        global _json_errors
+        if parent is None:
+            _json_errors = json_requested(args)
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as exc:
@@ -237,6 +343,7 @@ class LockdGroup(click.Group):
 # --------------------------------------------------------------------------- durations
 
 _DURATION_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?P<unit>ms|s|m|h)?")
+_BARE_NUMBER_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 _UNIT_MS = {"ms": Decimal(1), "s": Decimal(1000), "m": Decimal(60_000), "h": Decimal(3_600_000)}
 MAX_DURATION_MS = 86_400_000  # 24 h: the daemon's limit for ttlMs and timeoutMs
 DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1h; a bare number is milliseconds"
@@ -283,6 +390,11 @@ class Duration(click.ParamType):
             self.fail(f"{value!r} is too short: at least {_exact(self.min_ms)}", param, ctx)
         if ms > self.max_ms:
             self.fail(f"{value!r} is too long: at most {_exact(self.max_ms)}", param, ctx)
+        if isinstance(value, str) and _BARE_NUMBER_RE.fullmatch(value.strip()) and 0 < ms < 1000:
+            # flock's -w and timeout(1) count seconds: say what we read it as.
+            name = param.opts[0] if param is not None and param.opts else "the duration"
+            text = value.strip()
+            warn(f"{name} {text} is {text} ms; write {text}s for seconds", "BARE_NUMBER_IS_MS")
         return ms
 
 

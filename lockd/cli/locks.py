@@ -9,11 +9,11 @@ internals). What a script can rely on (SPEC §9):
   the ``lockd`` process that took it. Busy or timed out: exit 1.
 - ``renew`` / ``release`` with a handle that no longer holds the key: exit 6.
 - ``break`` of a free key: exit 0, saying it was free.
-- ``--json`` prints the daemon's result as ONE JSON document, also for the
-  "no" results that are not errors (``null`` for a busy key, ``renewed:
-  false``, ``released: false``, ``broken: false``); the exit code still
-  tells. For errors (denied, unreachable ...) stdout stays empty and stderr
-  has the one line.
+- ``--json`` prints the daemon's result as ONE JSON document, also for
+  ``renewed: false``, ``released: false`` and ``broken: false``; the exit
+  code still tells. Every failure (busy, denied, unreachable, lease lost ...)
+  prints exactly one ``{"error": {...}}`` line on stderr; a busy key leaves
+  stdout empty.
 """
 
 from __future__ import annotations
@@ -76,13 +76,24 @@ def _holder_phrase(status: LockStatus) -> str:
     return f"held by {status.held_by}{owner}{left}"
 
 
-def _busy_detail(client: LockClient, key: str) -> str:
-    """Who holds ``key`` right now, best effort (it may have changed already)."""
+def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
+    """Who holds ``key`` right now, best effort (it may have changed already).
+
+    The text to append to the message, and the error's ``details``.
+    """
+    details: dict[str, object] = {"key": key}
     try:
         status = client.status(key)
     except Exception:
-        return ""
-    return f": {_holder_phrase(status)}" if status.held else ""
+        return "", details
+    if not status.held:
+        return "", details
+    details["holder"] = {k: status.raw.get(k) for k in _HOLDER_FIELDS if k in status.raw}
+    return f": {_holder_phrase(status)}", details
+
+
+#: What the busy error's ``details.holder`` repeats from ``status``.
+_HOLDER_FIELDS = ("heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process")
 
 
 @locks.command("list")
@@ -177,7 +188,8 @@ def acquire(
         lockd locks release backup --handle "$H"
 
     The lease outlives this command: release it, or it ends after --ttl.
-    Busy (or --wait timed out): exit 1.
+    Busy (or --wait timed out): exit 1. A wait that meets a daemon restart
+    waits on in the new daemon's queue, for what is left of --wait.
     """
     with open_client(socket_path) as client:
         if wait is None:
@@ -185,13 +197,17 @@ def acquire(
         else:
             try:
                 handle = client.acquire(key, ttl=ttl / 1000, timeout=wait / 1000, owner=owner)
-            except LockTimeoutError:
-                detail = _busy_detail(client, key)
-                fail(f"timed out after {format_ms(wait)} waiting for {key!r}{detail}", EXIT_BUSY)
+            except LockTimeoutError as exc:
+                text, details = _busy(client, key)
+                fail(
+                    f"timed out after {format_ms(wait)} waiting for {key!r}{text}",
+                    EXIT_BUSY,
+                    code=exc.code,
+                    details={**exc.details, **details},
+                )
         if handle is None:
-            if as_json:
-                print_json(None)
-            fail(f"key {key!r} is busy{_busy_detail(client, key)}", EXIT_BUSY)
+            text, details = _busy(client, key)
+            fail(f"key {key!r} is busy{text}", EXIT_BUSY, details=details)
     if as_json:
         print_json(handle.raw)
     else:
@@ -216,6 +232,7 @@ def renew(key: str, handle_id: str, ttl: int, socket_path: str | None, as_json: 
             f"lease lost: the handle no longer holds {key!r} "
             f"({result.reason or 'lease_lost'}: expired, broken, released or re-taken)",
             EXIT_LOST,
+            details={"key": key, "reason": result.reason},
         )
     if not as_json:
         left = format_relative(ms_until(result.lease_expires_at))
@@ -239,6 +256,7 @@ def release(key: str, handle_id: str, socket_path: str | None, as_json: bool) ->
             f"not the holder: the handle no longer holds {key!r} "
             f"({result.reason or 'not_holder'}: expired, broken, released or re-taken)",
             EXIT_LOST,
+            details={"key": key, "reason": result.reason},
         )
     if not as_json:
         click.echo(f"released {key!r}")

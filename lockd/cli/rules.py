@@ -29,6 +29,7 @@ from lockd.cli.common import (
     EXIT_DENIED,
     EXIT_OK,
     client_command,
+    echo_error,
     fail,
     format_relative,
     format_time,
@@ -40,6 +41,7 @@ from lockd.cli.common import (
     render_fields,
     socket_option,
 )
+from lockd.exitcodes import USAGE
 
 if TYPE_CHECKING:
     from lockd.config import Settings
@@ -86,9 +88,10 @@ def check(file: str, as_json: bool) -> None:
     try:
         policy = load_rule_set(Path(file))
     except RuleSetError as err:
-        if as_json:
-            print_json({"ok": False, "error": err.as_dict(at=_now_rfc3339())})
-        click.echo(" ".join(str(err).split()), err=True)
+        line = " ".join(str(err).split())
+        if as_json:  # the one error line; details: file, line, column, message, at
+            fail(line, EXIT_INVALID, code=USAGE, details=err.as_dict(at=_now_rfc3339()))
+        click.echo(line, err=True)
         raise click.exceptions.Exit(EXIT_INVALID) from None
     if as_json:
         print_json({"ok": True, **(policy.info or {}), "rules": list(policy.rule_names)})
@@ -212,9 +215,10 @@ def test_cmd(
         settings = load_settings(paths.config_dir)
         policy = load_policy(paths.rule_sets_dir)
     except ConfigError as err:
-        fail(f"cannot load the config: {' '.join(str(err).split())}", EXIT_INVALID)
+        fail(f"cannot load the config: {' '.join(str(err).split())}", EXIT_INVALID, code=USAGE)
     except RuleSetError as err:
-        fail(f"cannot load the rule sets: {' '.join(str(err).split())}", EXIT_INVALID)
+        text = " ".join(str(err).split())
+        fail(f"cannot load the rule sets: {text}", EXIT_INVALID, code=USAGE)
     caller, notes = build_caller(user, extra_groups, role, settings)
     decision = policy.decide(caller, op, key or "")
     if as_json:
@@ -240,6 +244,8 @@ def test_cmd(
         click.echo(_describe(caller, policy, paths.rule_sets_dir))
         for note in notes:
             click.echo(f"note: {note}", err=True)
+    if not decision.allowed and as_json:  # the verdict is on stdout; the failure line too
+        echo_error(f"denied: {decision.reason}", "LOCK_ACCESS_DENIED", {"op": op, "key": key})
     raise click.exceptions.Exit(EXIT_OK if decision.allowed else EXIT_DENIED)
 
 

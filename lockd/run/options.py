@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import IO, Any
 
-from lockd.exitcodes import EXIT_BUSY
+from lockd.exitcodes import EXIT_BUSY, USAGE, error_document
 
 __all__ = ["OnLost", "Reporter", "RunOptions", "format_ms"]
 
@@ -47,8 +47,14 @@ class Reporter:
     """``lockd run``'s own voice: one line per event on stderr.
 
     stdout belongs to COMMAND, so nothing is ever written there. With
-    ``json_lines`` each line is ``{"error": {"code", "message", "details"}}``,
-    the shape of the daemon's errors, for scripts that parse stderr.
+    ``json_lines`` a failure is ONE line ``{"error": {"code", "status",
+    "message", "details"}}`` (SPEC §9, :func:`lockd.exitcodes.error_document`),
+    and a notice that is not the run's failure (a release that could not be
+    sent, a loss ignored while COMMAND runs on) a ``{"warning": {"code",
+    "message", "details"}}`` line. run's own names for failures without a wire
+    code are mapped to the documented ones: ``INTERRUPTED`` is ``CANCELLED``,
+    ``BUG`` is ``INTERNAL``, a COMMAND that cannot be run is ``USAGE``
+    (``details.reason``).
     """
 
     def __init__(
@@ -63,16 +69,34 @@ class Reporter:
         self.prog = prog
 
     def __call__(self, code: str, message: str, **details: Any) -> None:
-        """Write one line: ``code`` is a stable name such as ``KEY_BUSY`` or ``LEASE_LOST``."""
-        stream = self._stream if self._stream is not None else sys.stderr
+        """Report a failure: ``code`` is a stable name such as ``KEY_BUSY`` or ``LEASE_LOST``."""
+        if code in _RUN_REASONS:
+            code, details = _RUN_REASONS[code], {**details, "reason": code.lower()}
+        self._write(error_document(code, message, details) if self.json_lines else None, message)
+
+    def warning(self, code: str, message: str, **details: Any) -> None:
+        """Report something that is not (yet) the run's failure."""
+        line = None
         if self.json_lines:
-            body = {"code": code, "message": message, "details": details}
-            line = json.dumps({"error": body}, ensure_ascii=False)
-        else:
-            line = f"{self.prog}: {message}"
+            body = {"warning": {"code": code, "message": message, "details": details}}
+            line = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        self._write(line, message)
+
+    def _write(self, json_line: str | None, message: str) -> None:
+        stream = self._stream if self._stream is not None else sys.stderr
+        line = json_line if json_line is not None else f"{self.prog}: {message}"
         with contextlib.suppress(OSError, ValueError):  # a closed stderr must not hide the exit
             stream.write(line + "\n")
             stream.flush()
+
+
+#: run's own failure names -> the documented --json code (the name goes to details.reason).
+_RUN_REASONS = {
+    "INTERRUPTED": "CANCELLED",
+    "BUG": "INTERNAL",
+    "COMMAND_NOT_FOUND": USAGE,
+    "COMMAND_NOT_EXECUTABLE": USAGE,
+}
 
 
 def format_ms(ms: int) -> str:

@@ -229,8 +229,8 @@ def _supervise(
 def _act_on_lost(pgid: int, reason: str, opts: RunOptions, report: Reporter) -> float | None:
     """Signal the group as ``--on-lost`` says and report it; return when SIGKILL is due."""
     head = f"lease on {opts.key!r} lost ({reason})"
-    if opts.on_lost is OnLost.IGNORE:
-        report(
+    if opts.on_lost is OnLost.IGNORE:  # the failure is reported when COMMAND exits
+        report.warning(
             "LEASE_LOST",
             f"{head}; --on-lost ignore: COMMAND keeps running without the lock",
             key=opts.key,
@@ -270,7 +270,7 @@ def _release(
     try:
         result = client.release(handle)
     except LockdError as exc:
-        report(
+        report.warning(
             "RELEASE_FAILED",
             f"could not release key {handle.key!r} ({exc.message}); it is freed when this"
             " process exits, or when its TTL runs out",
