@@ -770,4 +770,6 @@ def test_serve_json_reports_a_startup_error_as_one_json_line(
     )
     assert proc.returncode == 1
     error = json.loads(proc.stderr.strip().splitlines()[-1])["error"]
-    assert error["code"] == "STARTUP_FAILED" and "acquire_per_hour" in error["message"]
+    assert (error["code"], error["status"]) == ("USAGE", 400)  # SPEC §9's one shape
+    assert error["details"] == {"reason": "startup_failed"}
+    assert "acquire_per_hour" in error["message"]
