@@ -40,17 +40,19 @@ from lockd_client import (
 from lockd.cli import main, render_metrics
 from lockd.cli.common import (
     DEBUG_ENV,
+    client_command,
+    exit_code_for,
+    format_ms,
+    parse_duration_ms,
+    render_table,
+)
+from lockd.exitcodes import (
     EXIT_BUSY,
     EXIT_DENIED,
     EXIT_LOST,
     EXIT_RATE_LIMITED,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    client_command,
-    exit_code_for,
-    format_ms,
-    parse_duration_ms,
-    render_table,
 )
 
 from .conftest import DaemonProcess

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from lockd.cli import main
-from lockd.cli.common import EXIT_DENIED, EXIT_USAGE
+from lockd.exitcodes import EXIT_DENIED, EXIT_USAGE
 
 from .conftest import DaemonProcess
 

@@ -39,20 +39,17 @@ from lockd_client import (
 
 from lockd.cli.common import parse_duration_ms
 from lockd.cli.run import run
-from lockd.run import supervisor as runner
-from lockd.run.supervisor import (
+from lockd.exitcodes import (
     EXIT_BUSY,
     EXIT_DENIED,
     EXIT_LOST,
     EXIT_RATE_LIMITED,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    LeaseKeeper,
-    Reporter,
-    RunOptions,
-    exit_status,
-    take_lease,
 )
+from lockd.run.lease import LeaseKeeper, take_lease
+from lockd.run.options import Reporter, RunOptions
+from lockd.run.process import exit_status
 
 from .conftest import LOCKD, DaemonProcess
 
@@ -242,15 +239,6 @@ def test_duration_parser(text: str, ms: int) -> None:
 def test_duration_parser_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_duration_ms(text)
-
-
-def test_matches_cli_common() -> None:
-    """Drift guard for the private duration parser and exit codes (to be merged)."""
-    common = pytest.importorskip("lockd.cli.common")
-    for text in ("250", "600ms", "1.5s", "1.1s", "2m", "1h", "0.0004s", ".5s", "1.s"):
-        assert parse_duration_ms(text) == common.parse_duration_ms(text)
-    for name in ("BUSY", "USAGE", "DENIED", "RATE_LIMITED", "UNAVAILABLE", "LOST", "BUG"):
-        assert getattr(runner, f"EXIT_{name}") == getattr(common, f"EXIT_{name}")
 
 
 def test_exit_status_like_a_shell() -> None:

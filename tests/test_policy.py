@@ -12,19 +12,18 @@ from pathlib import Path
 import pytest
 
 from lockd.identity import Caller
+from lockd.rules.celenv import cel_environment
+from lockd.rules.files import RuleSetError
 from lockd.rules.policy import (
     Decision,
     Policy,
     PolicyManager,
-    RuleSetError,
-    cel_environment,
     load_policy,
     load_rule_set,
-    rfc3339_ms,
 )
 
 OWN_KEY = "record.key.startsWith('user:' + user.userId + ':')"
-T0 = 1796009460.123  # 2026-11-30T03:31:00.123Z
+T0 = 1_796_009_460_123  # 2026-11-30T03:31:00.123Z, in ms since the epoch
 
 
 def caller(
@@ -64,7 +63,7 @@ def write(directory: Path, text: str, filename: str = "policy.toml") -> Path:
 
 def policy_with(tmp_path: Path, **rules: str | None) -> Policy:
     write(tmp_path / "rule-sets", rule_text(**rules))  # type: ignore[arg-type]
-    return load_policy(tmp_path / "rule-sets", wall_clock=lambda: T0)
+    return load_policy(tmp_path / "rule-sets", wall_ms=lambda: T0)
 
 
 def load_error(tmp_path: Path, text: str | bytes) -> RuleSetError:
@@ -452,8 +451,6 @@ def test_info_sha256_and_loaded_at(tmp_path: Path) -> None:
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "loadedAt": "2026-11-30T03:31:00.123Z",
     }
-    assert rfc3339_ms(0) == "1970-01-01T00:00:00.000Z"
-    assert rfc3339_ms(1.9999) == "1970-01-01T00:00:01.999Z"
     now = load_policy(tmp_path / "rule-sets").info
     assert now is not None
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", now["loadedAt"])
@@ -480,23 +477,25 @@ def test_rule_set_error_str() -> None:
 
 
 class FakeClock:
-    def __init__(self, t: float = T0) -> None:
+    """A wall clock in ms since the epoch, moved by hand."""
+
+    def __init__(self, t: int = T0) -> None:
         self.t = t
 
-    def __call__(self) -> float:
+    def __call__(self) -> int:
         return self.t
 
 
 def test_manager_reload_lifecycle(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = tmp_path / "rule-sets"
     clock = FakeClock()
-    mgr = PolicyManager(d, wall_clock=clock)
+    mgr = PolicyManager(d, wall_ms=clock)
     assert mgr.load_initial().is_open
     assert mgr.rules_result() == {"policy": None, "lastError": None}
     assert mgr.decide(MEMBER, "acquire", "anything").allowed
 
     good = write(d, rule_text())
-    clock.t = T0 + 1
+    clock.t = T0 + 1_000
     assert mgr.reload() is True
     first = mgr.policy
     assert first.info is not None and first.info["loadedAt"] == "2026-11-30T03:31:01.123Z"
@@ -504,7 +503,7 @@ def test_manager_reload_lifecycle(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 
     # a broken edit keeps the previous policy and reports where
     good.write_text(rule_text(renew="record.key +* 'x'"), encoding="utf-8")
-    clock.t = T0 + 2
+    clock.t = T0 + 2_000
     with caplog.at_level(logging.WARNING, logger="lockd.rules.policy"):
         assert mgr.reload() is False
     assert mgr.policy is first
@@ -529,7 +528,7 @@ def test_manager_reload_lifecycle(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 
     # a good change swaps
     good.write_text(rule_text(renew=None), encoding="utf-8")
-    clock.t = T0 + 3
+    clock.t = T0 + 3_000
     assert mgr.reload() is True
     assert mgr.policy is not first
     assert not mgr.decide(MEMBER, "renew", "user:alice:x").allowed
@@ -552,7 +551,7 @@ def test_manager_reload_lifecycle(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 def test_manager_load_initial_refuses_broken(tmp_path: Path) -> None:
     d = tmp_path / "rule-sets"
     write(d, rule_text(acquire="usr.x"))
-    mgr = PolicyManager(d, wall_clock=FakeClock())
+    mgr = PolicyManager(d, wall_ms=FakeClock())
     with pytest.raises(RuleSetError) as info:
         mgr.load_initial()
     assert info.value.line == 6

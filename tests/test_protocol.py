@@ -33,7 +33,6 @@ from lockd.daemon.protocol import (
     encode_protocol_error,
     encode_result,
     parse_request,
-    rfc3339_ms,
 )
 
 #: 341 three-byte characters: 1023 bytes of UTF-8.
@@ -343,12 +342,6 @@ def test_result_and_error_encoding() -> None:
     }
     # Non-ASCII and lone surrogates in an id stay encodable (escaped).
     assert decode_reply(encode_result("\u20ac\ud800", None))["id"] == "\u20ac\ud800"
-
-
-def test_rfc3339_milliseconds() -> None:
-    assert rfc3339_ms(0) == "1970-01-01T00:00:00.000Z"
-    assert rfc3339_ms(1_796_009_460_123) == "2026-11-30T03:31:00.123Z"
-    assert rfc3339_ms(1_796_009_460_005) == "2026-11-30T03:31:00.005Z"
 
 
 # -------------------------------------------------------------- framing

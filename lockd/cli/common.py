@@ -51,37 +51,18 @@ from lockd_client import (
 
 from lockd.exitcodes import (
     DAEMON_UNAVAILABLE,
+    EXIT_BUG,
+    EXIT_BUSY,
+    EXIT_DENIED,
+    EXIT_INTERRUPTED,
+    EXIT_LOST,
+    EXIT_RATE_LIMITED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
     KEY_BUSY,
     LEASE_LOST,
     USAGE,
     error_document,
-)
-from lockd.exitcodes import (  # re-exported: the commands import them from here
-    EXIT_BUG as EXIT_BUG,
-)
-from lockd.exitcodes import (
-    EXIT_BUSY as EXIT_BUSY,
-)
-from lockd.exitcodes import (
-    EXIT_DENIED as EXIT_DENIED,
-)
-from lockd.exitcodes import (
-    EXIT_INTERRUPTED as EXIT_INTERRUPTED,
-)
-from lockd.exitcodes import (
-    EXIT_LOST as EXIT_LOST,
-)
-from lockd.exitcodes import (
-    EXIT_OK as EXIT_OK,
-)
-from lockd.exitcodes import (
-    EXIT_RATE_LIMITED as EXIT_RATE_LIMITED,
-)
-from lockd.exitcodes import (
-    EXIT_UNAVAILABLE as EXIT_UNAVAILABLE,
-)
-from lockd.exitcodes import (
-    EXIT_USAGE as EXIT_USAGE,
 )
 
 # --------------------------------------------------------------------------- exit codes

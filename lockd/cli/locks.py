@@ -22,9 +22,7 @@ import click
 from lockd_client import LockClient, LockStatus, LockTimeoutError
 
 from lockd.cli.common import (
-    EXIT_BUSY,
     EXIT_CODES_HELP,
-    EXIT_LOST,
     TTL,
     WAIT,
     client_command,
@@ -40,6 +38,7 @@ from lockd.cli.common import (
     render_table,
     socket_option,
 )
+from lockd.exitcodes import EXIT_BUSY, EXIT_LOST
 
 
 def complete_keys(

@@ -1,9 +1,9 @@
 """``lockd rules ...``: check a rule file, show the daemon's rules, test a decision.
 
 ``check`` and ``test`` are local: they load rule sets with the daemon's own
-code (:mod:`lockd.policy`), so they see exactly the verdicts the daemon
+code (:mod:`lockd.rules.policy`), so they see exactly the verdicts the daemon
 would, without a daemon running. ``show`` asks the daemon (``rules`` op).
-:mod:`lockd.policy` pulls in celpy (~0.2 s to build its grammar), so it is
+:mod:`lockd.rules.policy` pulls in celpy (~0.2 s to build its grammar), so it is
 imported inside the commands, never at start-up: shell completion runs
 ``lockd`` on every <TAB>.
 
@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
+from lockd import timefmt
 from lockd.cli.common import (
-    EXIT_DENIED,
-    EXIT_OK,
     client_command,
     echo_error,
     fail,
@@ -41,7 +40,7 @@ from lockd.cli.common import (
     render_fields,
     socket_option,
 )
-from lockd.exitcodes import USAGE
+from lockd.exitcodes import EXIT_DENIED, EXIT_OK, USAGE
 
 if TYPE_CHECKING:
     from lockd.config import Settings
@@ -83,14 +82,16 @@ def check(file: str, as_json: bool) -> None:
     Valid: "ok: NAME: RULES" and exit 0. Invalid: the error as
     FILE:LINE:COLUMN: message on stderr and exit 1.
     """
-    from lockd.rules.policy import RuleSetError, load_rule_set
+    from lockd.rules.files import RuleSetError
+    from lockd.rules.policy import load_rule_set
 
     try:
         policy = load_rule_set(Path(file))
     except RuleSetError as err:
         line = " ".join(str(err).split())
         if as_json:  # the one error line; details: file, line, column, message, at
-            fail(line, EXIT_INVALID, code=USAGE, details=err.as_dict(at=_now_rfc3339()))
+            at = timefmt.format_epoch_ms(timefmt.wall_ms())
+            fail(line, EXIT_INVALID, code=USAGE, details=err.as_dict(at=at))
         click.echo(line, err=True)
         raise click.exceptions.Exit(EXIT_INVALID) from None
     if as_json:
@@ -98,14 +99,6 @@ def check(file: str, as_json: bool) -> None:
         return
     names = ", ".join(policy.rule_names) or "no rules (members are denied acquire and renew)"
     click.echo(f"ok: {policy.name}: {names}")
-
-
-def _now_rfc3339() -> str:
-    import time
-
-    from lockd.rules.policy import rfc3339_ms
-
-    return rfc3339_ms(time.time())
 
 
 # --------------------------------------------------------------------------- show
@@ -204,7 +197,8 @@ def test_cmd(
     Exit 0 allowed, 3 denied; prints what decided.
     """
     from lockd.config import ConfigError, load_settings, resolve_paths
-    from lockd.rules.policy import RuleSetError, load_policy
+    from lockd.rules.files import RuleSetError
+    from lockd.rules.policy import load_policy
 
     if op in KEYED_OPS and key is None:
         raise click.UsageError(f"KEY is required for --op {op}")

@@ -1,6 +1,6 @@
 """``lockd run KEY [OPTIONS] -- COMMAND [ARGS]...``: flock(1) for lockd leases.
 
-A thin click command over :mod:`lockd.runner`; registered on the ``lockd``
+A thin click command over :mod:`lockd.run.supervisor`; registered on the ``lockd``
 group by :mod:`lockd.cli`. Everything after the first ``--`` is COMMAND and
 its arguments, never parsed as options, so ``lockd run k -- ls --help`` runs
 ``ls --help``. The ``--`` is required: without it, a COMMAND option such as
@@ -14,14 +14,9 @@ import os
 import click
 
 from lockd.cli.common import Duration
-from lockd.run.supervisor import (
-    EXIT_BUG,
-    EXIT_INTERRUPTED,
-    OnLost,
-    Reporter,
-    RunOptions,
-    run_locked,
-)
+from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
+from lockd.run.options import OnLost, Reporter, RunOptions
+from lockd.run.supervisor import run_locked
 
 __all__ = ["run"]
 

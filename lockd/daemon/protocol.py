@@ -10,10 +10,8 @@ an optional field given as ``null`` counts as absent.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,19 +313,6 @@ def encode_protocol_error(exc: ProtocolError) -> bytes:
 def _line(obj: dict[str, Any]) -> bytes:
     # ensure_ascii keeps any lone surrogate a client sent (in an id) encodable.
     return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
-
-
-@functools.lru_cache(maxsize=256)
-def _utc_second(seconds: int) -> str:
-    # Deadlines of one busy second share their prefix; strftime is the
-    # costly part of formatting a reply time.
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-
-
-def rfc3339_ms(epoch_ms: int) -> str:
-    """``2026-11-30T03:31:00.123Z`` for milliseconds since the epoch."""
-    seconds, millis = divmod(epoch_ms, 1000)
-    return f"{_utc_second(seconds)}.{millis:03d}Z"
 
 
 # ------------------------------------------------------------------ framing

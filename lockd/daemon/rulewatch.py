@@ -45,7 +45,7 @@ import trio
 from inotify_simple import INotify, flags
 
 from lockd.logfmt import kv
-from lockd.rules.policy import is_rule_file_name
+from lockd.rules.files import is_rule_file_name
 
 log = logging.getLogger("lockd.daemon.rulewatch")
 

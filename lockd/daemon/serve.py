@@ -28,7 +28,8 @@ from lockd.daemon.service import LockService
 from lockd.daemon.store import Store, StoreError, read_boot_id
 from lockd.identity import IdentityConfig
 from lockd.logfmt import kv, setup_logging
-from lockd.rules.policy import PolicyManager, RuleSetError
+from lockd.rules.files import RuleSetError
+from lockd.rules.policy import PolicyManager
 
 log = logging.getLogger("lockd.daemon.serve")
 

@@ -55,12 +55,12 @@ from lockd.daemon.protocol import (
     Rules,
     Stats,
     Status,
-    rfc3339_ms,
 )
 from lockd.daemon.stats import Stats as StatsCounters
 from lockd.daemon.store import Store
 from lockd.identity import Caller
 from lockd.logfmt import kv
+from lockd.timefmt import format_epoch_ms
 
 log = logging.getLogger("lockd.daemon.service")
 
@@ -230,7 +230,7 @@ class LockService:
         }
 
     def _wall(self, boot_deadline: int) -> str:
-        return rfc3339_ms(self.clock.wall_ms() + boot_deadline - self.clock.boot_ms())
+        return format_epoch_ms(self.clock.wall_ms() + boot_deadline - self.clock.boot_ms())
 
     def status_view(self, key: str, holder: Lease | None, waiters: int) -> dict[str, Any]:
         if holder is None:

@@ -13,7 +13,7 @@ SPEC §5 in code. A rule set lives in ``<config>/rule-sets/*.toml``::
 This module holds the rule-set schema, the decision order (:class:`Policy`),
 loading (:func:`load_policy`, :func:`load_rule_set`) and hot reloads
 (:class:`PolicyManager`). Files, TOML and error positions are in
-:mod:`lockd.rulefile`; compiling and running CEL is in :mod:`lockd.celrules`.
+:mod:`lockd.rules.files`; compiling and running CEL is in :mod:`lockd.rules.celenv`.
 
 Why it is built this way:
 
@@ -48,36 +48,32 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lockd.daemon.protocol import rfc3339_ms as wire_time
+from lockd import timefmt
 from lockd.identity import Caller
 from lockd.logfmt import kv
-from lockd.rules.celenv import RULE_FIELDS as RULE_FIELDS
-from lockd.rules.celenv import CompiledRule as CompiledRule
-from lockd.rules.celenv import cel_environment as cel_environment
 from lockd.rules.celenv import (
+    CompiledRule,
     compile_rule,
     describe_eval_error,
     is_cel_bool,
     rule_activation,
     run_rule,
 )
-from lockd.rules.files import Fingerprint as Fingerprint
-from lockd.rules.files import RuleSetError as RuleSetError
 from lockd.rules.files import (
+    Fingerprint,
+    RuleSetError,
     RuleSource,
     fingerprint_of,
     parse_toml,
     read_files,
     rule_files,
 )
-from lockd.rules.files import is_rule_file_name as is_rule_file_name
 
 log = logging.getLogger("lockd.rules.policy")
 
@@ -106,14 +102,6 @@ _OP_HINTS = {
     "rules": "rules is for owners, admins and services, not rule-gated",
     "break": "break is for owners and admins, not rule-gated",
 }
-
-
-# --------------------------------------------------------------------------- time
-
-
-def rfc3339_ms(epoch_seconds: float) -> str:
-    """``2026-11-30T03:31:00.123Z`` for seconds since the epoch (milliseconds, truncated)."""
-    return wire_time(int(epoch_seconds * 1000))
 
 
 # --------------------------------------------------------------------------- rule sets
@@ -303,23 +291,23 @@ class Policy:
         return Decision(False, f"{where} denied")
 
 
-def load_rule_set(path: Path, *, wall_clock: Callable[[], float] = time.time) -> Policy:
+def load_rule_set(path: Path, *, wall_ms: Callable[[], int] = timefmt.wall_ms) -> Policy:
     """Load one rule file (``lockd rules check FILE``); raises :class:`RuleSetError`."""
     files = read_files([path])
     if not files:
         raise RuleSetError(str(path), None, None, "cannot read: no such file")
-    return _build(files, wall_clock)
+    return _build(files, wall_ms)
 
 
-def load_policy(rule_sets_dir: Path, *, wall_clock: Callable[[], float] = time.time) -> Policy:
+def load_policy(rule_sets_dir: Path, *, wall_ms: Callable[[], int] = timefmt.wall_ms) -> Policy:
     """The policy of a ``rule-sets/`` folder; raises :class:`RuleSetError`.
 
     A missing folder or one without ``*.toml`` files gives the open default.
     """
-    return _build(read_files(rule_files(rule_sets_dir)), wall_clock)
+    return _build(read_files(rule_files(rule_sets_dir)), wall_ms)
 
 
-def _build(files: list[tuple[Path, bytes]], wall_clock: Callable[[], float]) -> Policy:
+def _build(files: list[tuple[Path, bytes]], wall_ms: Callable[[], int]) -> Policy:
     if not files:
         return Policy.open()
     parsed = [(path, data, _parse_rule_set(str(path), data)) for path, data in files]
@@ -338,7 +326,7 @@ def _build(files: list[tuple[Path, bytes]], wall_clock: Callable[[], float]) -> 
         name=name,
         description=description,
         sha256=hashlib.sha256(data).hexdigest(),
-        loaded_at=rfc3339_ms(wall_clock()),
+        loaded_at=timefmt.format_epoch_ms(wall_ms()),
         fingerprint=fingerprint_of(files),
     )
 
@@ -350,9 +338,11 @@ class PolicyManager:
     force (SPEC §5) and the error is kept for ``rules`` / ``lockd rules show``.
     """
 
-    def __init__(self, rule_sets_dir: Path, *, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, rule_sets_dir: Path, *, wall_ms: Callable[[], int] = timefmt.wall_ms
+    ) -> None:
         self.rule_sets_dir = rule_sets_dir
-        self._wall_clock = wall_clock
+        self._wall_ms = wall_ms
         self._policy = Policy.open()
         self._last_error: dict[str, Any] | None = None
 
@@ -367,9 +357,9 @@ class PolicyManager:
     def load_initial(self) -> Policy:
         """Start-up load; raises :class:`RuleSetError` (the daemon must not start)."""
         try:
-            policy = load_policy(self.rule_sets_dir, wall_clock=self._wall_clock)
+            policy = load_policy(self.rule_sets_dir, wall_ms=self._wall_ms)
         except RuleSetError as err:
-            self._last_error = err.as_dict(rfc3339_ms(self._wall_clock()))
+            self._last_error = err.as_dict(timefmt.format_epoch_ms(self._wall_ms()))
             raise
         self._install(policy)
         return policy
@@ -387,9 +377,9 @@ class PolicyManager:
                     log.info(kv(event="rules_error_cleared"))
                 self._last_error = None
                 return True
-            policy = _build(files, self._wall_clock)
+            policy = _build(files, self._wall_ms)
         except RuleSetError as err:
-            self._last_error = err.as_dict(rfc3339_ms(self._wall_clock()))
+            self._last_error = err.as_dict(timefmt.format_epoch_ms(self._wall_ms()))
             log.warning(
                 kv(
                     event="rules_rejected",

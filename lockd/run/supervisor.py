@@ -8,7 +8,7 @@ be taken away (broken by an admin, re-taken by the same owner). A run:
 2. starts COMMAND in a session of its own, with ``LOCKD_KEY``, ``LOCKD_HANDLE``,
    ``LOCKD_FENCE`` and ``LOCKD_SOCKET`` in its environment, guarded so that it
    dies with ``lockd run`` and receives its SIGINT, SIGTERM and SIGHUP
-   (:mod:`lockd.runproc`);
+   (:mod:`lockd.run.process`);
 3. renews the lease from a :class:`~lockd.run.lease.LeaseKeeper` thread; when
    the lease is lost, the main thread acts on COMMAND's whole process group
    before the lease expires (``--on-lost``);
@@ -16,9 +16,9 @@ be taken away (broken by an admin, re-taken by the same owner). A run:
    shell reports it (128+N for death by signal N).
 
 This module is that sequence and the supervision loop; the option and report
-types live in :mod:`lockd.runopts`. Every name of those modules that callers
-use is re-exported here. Nothing here knows about click; :mod:`lockd.cli_run`
-is the thin command on top.
+types live in :mod:`lockd.run.options`, COMMAND's process group in
+:mod:`lockd.run.process`. Nothing here knows about click;
+:mod:`lockd.cli.run` is the thin command on top.
 """
 
 from __future__ import annotations
@@ -32,54 +32,22 @@ import time
 from lockd_client import Handle, LockClient, LockdError
 
 from lockd.exitcodes import (
-    EXIT_BUG,
-    EXIT_BUSY,
     EXIT_CANNOT_EXECUTE,
-    EXIT_DENIED,
-    EXIT_INTERRUPTED,
     EXIT_LOST,
     EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_RATE_LIMITED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
 )
-from lockd.run.lease import Lease as Lease
-from lockd.run.lease import LeaseKeeper as LeaseKeeper
-from lockd.run.lease import take_lease as take_lease
-from lockd.run.options import OnLost as OnLost
-from lockd.run.options import Reporter as Reporter
-from lockd.run.options import RunOptions as RunOptions
-from lockd.run.options import format_ms as format_ms
-from lockd.run.process import FORWARDED_SIGNALS as FORWARDED_SIGNALS
-from lockd.run.process import GroupGuard, group_alive, killpg
-from lockd.run.process import SignalForwarder as SignalForwarder
-from lockd.run.process import exit_status as exit_status
-from lockd.run.process import spawn_in_own_session as spawn_in_own_session
+from lockd.run.lease import Lease, LeaseKeeper, take_lease
+from lockd.run.options import OnLost, Reporter, RunOptions, format_ms
+from lockd.run.process import (
+    GroupGuard,
+    SignalForwarder,
+    exit_status,
+    group_alive,
+    killpg,
+    spawn_in_own_session,
+)
 
-__all__ = [
-    "EXIT_BUG",
-    "EXIT_BUSY",
-    "EXIT_CANNOT_EXECUTE",
-    "EXIT_DENIED",
-    "EXIT_INTERRUPTED",
-    "EXIT_LOST",
-    "EXIT_NOT_FOUND",
-    "EXIT_OK",
-    "EXIT_RATE_LIMITED",
-    "EXIT_UNAVAILABLE",
-    "EXIT_USAGE",
-    "FORWARDED_SIGNALS",
-    "LeaseKeeper",
-    "OnLost",
-    "Reporter",
-    "RunOptions",
-    "SignalForwarder",
-    "exit_status",
-    "run_locked",
-    "spawn_in_own_session",
-    "take_lease",
-]
+__all__ = ["run_locked"]
 
 
 #: Time allowed for the final release.
