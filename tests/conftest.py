@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +62,13 @@ class DaemonProcess:
     def env(self) -> dict[str, str]:
         return {**os.environ, "LOCKD_SOCKET": str(self.socket)}
 
-    def start(self, *, wait: bool = True, env: dict[str, str] | None = None) -> DaemonProcess:
+    def start(
+        self,
+        *,
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], object] | None = None,
+    ) -> DaemonProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         logf = self.log.open("ab")
         self.proc = subprocess.Popen(
@@ -80,6 +86,7 @@ class DaemonProcess:
             stdout=logf,
             stderr=logf,
             env=env or os.environ.copy(),
+            preexec_fn=preexec_fn,
         )
         logf.close()
         if wait:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import trio
 
 from lockd.config import ConfigError, Paths, Settings, load_settings
-from lockd.daemon import systemd
+from lockd.daemon import fdlimit, systemd
 from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.engine import LockEngine
 from lockd.daemon.listener import SocketInUseError, acquire_path_lock, bind_socket
@@ -107,8 +107,23 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
         service_units=frozenset(settings.service_units),
         service_users=frozenset(settings.service_users),
     )
+    # Every connection is a descriptor: keep max_connections under the limit,
+    # so that clients over it are refused at once instead of left hanging.
+    nofile, _hard = fdlimit.raise_soft_limit()
+    max_connections = min(settings.max_connections, fdlimit.connection_budget(nofile))
+    if max_connections < settings.max_connections:
+        log.warning(
+            kv(
+                event="max_connections_lowered",
+                configured=settings.max_connections,
+                max_connections=max_connections,
+                nofile=nofile,
+                reserved=fdlimit.RESERVED_FDS,
+                hint="raise LimitNOFILE= (or ulimit -n) or lower max_connections",
+            )
+        )
     limits = Limits(
-        max_connections=settings.max_connections,
+        max_connections=max_connections,
         max_line_bytes=settings.max_line_bytes,
     )
     server = LockServer(service, identity, limits, reload_rules=policy.reload)
@@ -136,6 +151,8 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
             config=paths.config_dir,
             leases=engine.held_count,
             fence=engine.fence,
+            max_connections=max_connections,
+            nofile=nofile,
             rules=(policy.rules_result()["policy"] or {}).get("file", "open default"),
         )
     )

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from lockd.daemon import sockio, systemd
+from lockd.daemon import fdlimit, sockio, systemd
 from lockd.daemon.engine import Parked, Waiter
 from lockd.daemon.protocol import (
     Acquire,
@@ -100,6 +100,7 @@ class LockServer:
         self.service.on_resolved = self._wake
         self.service.server_gauges = self.gauges
         self._shutdown_event = trio.Event()
+        self._warnings = fdlimit.ThrottledWarnings(log)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -259,17 +260,29 @@ class LockServer:
     async def _accept_loop(
         self, listen_sock: stdsocket.socket, nursery: trio.Nursery, scope: trio.CancelScope
     ) -> None:
-        with scope:
-            await self._accept_forever(listen_sock, nursery)
+        spare_fd = fdlimit.SpareFd()
+        try:
+            with scope:
+                await self._accept_forever(listen_sock, nursery, spare_fd)
+        finally:
+            spare_fd.close()
 
-    async def _accept_forever(self, listen_sock: stdsocket.socket, nursery: trio.Nursery) -> None:
+    async def _accept_forever(
+        self, listen_sock: stdsocket.socket, nursery: trio.Nursery, spare_fd: fdlimit.SpareFd
+    ) -> None:
         listen_sock.setblocking(False)
         while True:
             try:
                 sock = await sockio.accept(listen_sock)
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning(kv(event="accept_failed", error=exc.strerror))
+                # Out of descriptors: refuse the waiting client at once rather
+                # than leave it in the backlog (see fdlimit.SpareFd).
+                if exc.errno in fdlimit.OUT_OF_FDS and spare_fd.refuse_one(listen_sock):
+                    self.service.stats.count("connectionsRefused")
+                    self._warnings.warn("connection_refused", "no_file_descriptors")
+                    continue
+                if exc.errno in (*fdlimit.OUT_OF_FDS, errno.ENOBUFS, errno.ENOMEM):
+                    self._warnings.warn("accept_failed", errno.errorcode[exc.errno])
                     await trio.sleep(0.1)
                     continue
                 if self.shutting_down or exc.errno == errno.EBADF:
@@ -279,7 +292,9 @@ class LockServer:
             # burst of connects cannot overshoot the limit.
             if self._open_connections >= self.limits.max_connections:
                 self.service.stats.count("connectionsRefused")
-                log.warning(kv(event="connection_refused", limit=self.limits.max_connections))
+                self._warnings.warn(
+                    "connection_refused", "max_connections", limit=self.limits.max_connections
+                )
                 sock.close()
                 continue
             self._open_connections += 1
