@@ -119,8 +119,8 @@ def insert_foreign_lease(db: str, key: str, fence: int) -> None:
     with sqlite3.connect(db) as conn:
         conn.execute(
             "INSERT INTO leases "
-            "(key, handle, fence, owner, principal, ttl_ms, expires_at, boot_id) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "(key, slot, handle, fence, owner, principal, ttl_ms, expires_at, boot_id, "
+            "mode, hold_limit) VALUES (?, 0, ?, ?, ?, ?, ?, ?, ?, 'exclusive', 1)",
             (
                 key,
                 "F" * 22,

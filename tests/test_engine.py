@@ -33,7 +33,7 @@ def test_grant_then_busy_then_release_frees() -> None:
     assert e.release(20, "k", lease.handle)
     assert e.status(20, "k").holder is None
     changes = e.drain()
-    assert changes.rows == {"k": None}
+    assert changes.rows == {("k", 0): None}
     assert changes.fence == 1 and changes.grants == 1
     e.check_invariants()
 
@@ -53,7 +53,7 @@ def test_lease_expires_at_deadline_exactly() -> None:
     assert e.status(1000, "k").holder is None
     changes = e.drain()
     assert [lease.key for lease in changes.expired] == ["k"]
-    assert changes.rows["k"] is None
+    assert changes.rows[("k", 0)] is None
 
 
 def test_fifo_handoff_on_release() -> None:
@@ -89,7 +89,7 @@ def test_handoff_on_expiry_and_on_break() -> None:
     e.advance(100)
     assert w1.lease is not None and w1.lease.expires_at == 200
     broken = e.break_lock(150, "k")
-    assert broken is w1.lease
+    assert broken == [w1.lease]
     assert w2.lease is not None and w2.lease.fence == 3
     # The broken holder's handle is fenced.
     assert not e.release(151, "k", w1.lease.handle)
@@ -237,7 +237,7 @@ def test_restore_keeps_live_leases_and_frees_expired_ones() -> None:
     assert e.fence == 9
     assert e.status(2000, "live").holder is live
     assert e.status(2000, "dead").holder is None
-    assert e.drain().rows == {"dead": None}
+    assert e.drain().rows == {("dead", 0): None}
     assert e.release(2001, "live", "h-live")
     assert grant(e.acquire(2002, "x", ttl_ms=1, principal="user:a")).fence == 10
 

@@ -357,7 +357,8 @@ def test_break_result_and_warning_log(shared: DaemonProcess, client: LockClient)
     result = client.break_lock("breakme", "operator: stuck job")
     assert result.broken and result.held_by == "user:root"
     assert result.owner == "job-9" and result.fence == handle.fence
-    assert set(result.raw) == {"broken", "heldBy", "owner", "fence"}
+    assert set(result.raw) == {"broken", "holders", "heldBy", "owner", "fence"}
+    assert result.raw["holders"] == 1
     assert client.release(handle).reason == "not_holder"
     assert client.renew(handle, ttl=5).reason == "lease_lost"
     free = client.break_lock("breakme", "again")

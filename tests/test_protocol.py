@@ -324,6 +324,7 @@ def test_error_statuses_mirror_http() -> None:
         "RATE_LIMITED": 429,
         "INTERNAL": 500,
         "SHUTTING_DOWN": 503,
+        "STORAGE_UNAVAILABLE": 503,
     }
 
 

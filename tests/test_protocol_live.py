@@ -46,7 +46,14 @@ STATUS_FIELDS = {
     "leaseExpiresAt",
     "expiresInMs",
     "waiters",
+    "pid",
+    "process",
+    "mode",
+    "limit",
+    "holderCount",
+    "holders",
 }
+HOLDER_FIELDS = {"heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process"}
 MAX_LINE = 65536
 
 
@@ -200,6 +207,10 @@ def test_every_op_result_has_the_spec_fields(conn: RawConn) -> None:
     assert status["owner"] == "run-1" and status["fence"] == handle["fence"]
     assert RFC3339_MS.match(status["leaseExpiresAt"])
     assert 0 < status["expiresInMs"] <= 60_000 and status["waiters"] == 0
+    assert status["pid"] == os.getpid()
+    assert (status["mode"], status["limit"], status["holderCount"]) == ("exclusive", 1, 1)
+    [holder] = status["holders"]
+    assert set(holder) == HOLDER_FIELDS and holder == {f: status[f] for f in HOLDER_FIELDS}
 
     renew = conn.result(
         {"id": 5, "op": "renew", "key": key, "handle": handle["handle"], "ttlMs": 30_000}
@@ -211,7 +222,7 @@ def test_every_op_result_has_the_spec_fields(conn: RawConn) -> None:
 
     listed = conn.result({"id": 7, "op": "list", "prefix": key})
     assert set(listed) == {"locks"} and len(listed["locks"]) == 1
-    moving = {"expiresInMs", "leaseExpiresAt"}  # renewed since the status above
+    moving = {"expiresInMs", "leaseExpiresAt", "holders"}  # renewed since the status above
     entry = listed["locks"][0]
     assert set(entry) == STATUS_FIELDS
     assert {k: v for k, v in entry.items() if k not in moving} == {
@@ -233,13 +244,25 @@ def test_every_op_result_has_the_spec_fields(conn: RawConn) -> None:
         "leaseExpiresAt": None,
         "expiresInMs": None,
         "waiters": 0,
+        "pid": None,
+        "process": None,
+        "mode": None,
+        "limit": None,
+        "holderCount": 0,
+        "holders": [],
     }
     assert conn.result({"id": 11, "op": "break", "key": key, "reason": "test"}) == {"broken": False}
     again = conn.result({"id": 12, "op": "tryAcquire", "key": key, "ttlMs": 60_000})
     assert set(again) == HANDLE_FIELDS and again["owner"] is None
     assert again["fence"] > handle["fence"]
     broken = conn.result({"id": 13, "op": "break", "key": key, "reason": "test"})
-    assert broken == {"broken": True, "heldBy": "user:root", "owner": None, "fence": again["fence"]}
+    assert broken == {
+        "broken": True,
+        "holders": 1,
+        "heldBy": "user:root",
+        "owner": None,
+        "fence": again["fence"],
+    }
 
     stats = conn.result({"id": 14, "op": "stats"})
     assert {"counters", "latency"} <= set(stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import shutil
 import sqlite3
 import stat
 from collections.abc import Iterator
@@ -11,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from lockd.daemon import store as store_mod
-from lockd.daemon.engine import Changes, Lease
+from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import SCHEMA_VERSION, Store, StoreError
 
+FIXTURES = Path(__file__).parent / "fixtures"
 BOOT = "11111111-2222-3333-4444-555555555555"
 OTHER_BOOT = "99999999-8888-7777-6666-555555555555"
 
@@ -31,7 +33,26 @@ def lease(key: str, fence: int, owner: str | None = None, expires_at: int = 5000
 
 
 def changes(rows: dict[str, Lease | None], fence: int | None = None) -> Changes:
-    return Changes(rows=rows, fence=fence)
+    """A batch of exclusive holds: each key's row is its slot 0."""
+    return Changes(rows={(key, 0): lease for key, lease in rows.items()}, fence=fence)
+
+
+def persisted(lease: Lease) -> tuple[object, ...]:
+    """What the store keeps of a lease (the connection binding is not kept)."""
+    return (
+        lease.key,
+        lease.slot,
+        lease.handle,
+        lease.fence,
+        lease.owner,
+        lease.principal,
+        lease.ttl_ms,
+        lease.expires_at,
+        lease.mode,
+        lease.limit,
+        lease.pid,
+        lease.process,
+    )
 
 
 @pytest.fixture
@@ -129,7 +150,7 @@ def test_apply_load_round_trip(store: Store, db_path: Path) -> None:
     leases, fence = again.load()
     again.close()
     assert fence == 4
-    assert leases == [b2]
+    assert [persisted(x) for x in leases] == [persisted(b2)]
     (got,) = leases
     assert (got.handle, got.owner, got.principal, got.ttl_ms, got.expires_at) == (
         b2.handle,
@@ -217,3 +238,96 @@ def test_apply_rolls_back_a_failed_batch(store: Store) -> None:
         store.apply(changes({"a": None, "b": broken}, fence=2))
     leases, fence = store.load()
     assert [x.key for x in leases] == ["a"] and fence == 1
+
+
+# ------------------------------------------------ schema 2: several holders per key
+
+
+def test_holders_of_one_key_round_trip_with_mode_limit_slot_and_process(
+    store: Store, db_path: Path
+) -> None:
+    readers = [
+        Lease(
+            "r",
+            f"handle-reader-{i}-xxxxxxxxxx",
+            10 + i,
+            None,
+            "user:alice",
+            1000,
+            5000,
+            mode="shared",
+            slot=i,
+            pid=100 + i,
+            process="backup.sh",
+        )
+        for i in range(3)
+    ]
+    store.apply(Changes(rows={("r", x.slot): x for x in readers}, fence=12))
+    store.apply(Changes(rows={("r", 1): None}))  # the middle reader left
+    sem = Lease(
+        "s",
+        "handle-sem-xxxxxxxxxxxxx",
+        13,
+        "run-1",
+        "user:bob",
+        1000,
+        5000,
+        limit=3,
+        slot=2,
+        pid=7,
+        process="rsync",
+    )
+    store.apply(Changes(rows={("s", 2): sem}, fence=13))
+    store.close()
+    again = Store(db_path, BOOT)
+    leases, fence = again.load()
+    again.close()
+    assert fence == 13
+    got = sorted((persisted(x) for x in leases), key=lambda row: row[3])
+    assert got == [persisted(readers[0]), persisted(readers[2]), persisted(sem)]
+
+
+def test_a_schema_1_database_keeps_its_leases_handles_and_fence(tmp_path: Path) -> None:
+    """tests/fixtures/lockd-v1.db was written by the release before schema 2.
+
+    (tests/fixtures/make_v1_db.py says how it was made.) Each lease becomes
+    the exclusive holder (slot 0) of its key; the earlier boot's lease goes.
+    """
+    db = tmp_path / "state" / "lockd.db"
+    db.parent.mkdir(mode=0o700)
+    shutil.copyfile(FIXTURES / "lockd-v1.db", db)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (1,)
+    conn.close()
+    s = Store(db, BOOT)
+    leases, fence = s.load()
+    s.close()
+    assert fence == 4  # "gone" (fence 3... 4) was released; the mark stays
+    by_key = {x.key: x for x in leases}
+    assert sorted(by_key) == ["alpha", "beta", "gamma"]
+    assert persisted(by_key["alpha"]) == (
+        "alpha",
+        0,
+        "handle-alpha-000000000",
+        1,
+        None,
+        "user:alice",
+        3_600_000,
+        4_600_000,
+        "exclusive",
+        1,
+        None,
+        None,
+    )
+    assert by_key["beta"].owner == "run-7" and by_key["beta"].handle == "handle-beta-0000000000"
+    assert by_key["gamma"].fence == 4
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+    conn.close()
+    # The migrated database goes on working: the engine takes the leases up.
+    engine = LockEngine(fence=fence)
+    engine.restore(leases, now=1_000_000)
+    assert engine.status(1_000_000, "beta").holder is by_key["beta"]
+    assert engine.release(1_000_001, "alpha", "handle-alpha-000000000")
+    granted = engine.acquire(1_000_002, "new", ttl_ms=10, principal="user:a")
+    assert isinstance(granted, Lease) and granted.fence == 5

@@ -3,21 +3,37 @@
 Every public method takes ``now`` (milliseconds on a clock that wall-clock
 steps cannot move; the daemon passes CLOCK_BOOTTIME) and answers at once.
 What must happen outside -- rows to persist, parked waiters to wake -- piles up
-in :class:`Changes`, which the caller drains with :meth:`LockEngine.drain`
+in :class:`Changes`, which the caller takes with :meth:`LockEngine.drain`
 after each call, commits, and only then replies. This is the h11 shape: the
 engine is a state machine, the server moves bytes and time.
 
+A key has any number of holders (SPEC 10): one exclusive holder, several
+shared ones, or up to ``limit`` exclusive holders of a semaphore, each with
+its own lease, handle, fence and slot. Which request fits, who goes first
+and what a re-take is are the rules of :mod:`lockd.daemon.holds`; this
+module keeps the state they are applied to.
+
 Invariants the methods keep (and ``check_invariants`` asserts in tests):
 
-* a key with waiters has a holder: a freed key is handed to the head of its
-  queue in the same step, so no grant can slip in between;
-* a holder's handle is the only valid handle for its key: a re-take, a break
-  or an expiry fences every earlier handle of that key;
+* every tracked key has a holder; a key with waiters has a holder, and the
+  head of its queue does not fit (else it would hold already);
+* an exclusive hold never shares its key; a semaphore never has more than
+  ``limit`` holders; a key's holders all have one mode and one limit;
+* only a holder's own handle releases or renews it; a re-take, a break or an
+  expiry fences the handle of the hold it ends;
 * fences strictly increase across every grant of the engine's life.
 
-Expiry is driven by the earliest deadline: leases and waiter deadlines sit in
-two heaps with lazy deletion, so neither the timer nor any operation ever
-scans all keys.
+Costs: holders and waiters of a key are intrusive doubly linked lists in
+grant / arrival order, so a grant, a release, a cancel and every hand-off
+are O(1) (O(number granted) for a hand-out to consecutive shared waiters).
+Leases and waiter deadlines sit in two heaps with lazy deletion, so neither
+the timer nor any operation scans all keys.
+
+Requests are all or nothing: a request's own changes are recorded in an undo
+log, and :meth:`LockEngine.rollback` puts the engine back exactly as it was
+before the request when its commit fails (disk full). Time passing and
+clients leaving are facts, not requests: they are not undone, their effects
+stay pending and go out with the next commit that succeeds.
 """
 
 from __future__ import annotations
@@ -27,9 +43,33 @@ import itertools
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from lockd.daemon import holds
+from lockd.daemon.holds import EXCLUSIVE, SHARED, Refused
+
+__all__ = [
+    "EXCLUSIVE",
+    "MAX_TIMEOUT_MS",
+    "MAX_TTL_MS",
+    "SHARED",
+    "AcquireResult",
+    "Busy",
+    "Changes",
+    "KeyStatus",
+    "Lease",
+    "LockEngine",
+    "Parked",
+    "Refused",
+    "TimedOut",
+    "Waiter",
+    "new_handle_id",
+]
 
 MAX_TTL_MS = 86_400_000
 MAX_TIMEOUT_MS = 86_400_000
+#: holders listed per key by status and list (SPEC 10).
+MAX_LISTED_HOLDERS = 100
 
 
 def new_handle_id() -> str:
@@ -37,54 +77,150 @@ def new_handle_id() -> str:
     return secrets.token_urlsafe(16)
 
 
-@dataclass
 class Lease:
-    """A hold on a key. ``expires_at`` is in boot-clock milliseconds."""
+    """One holder's hold on a key. ``expires_at`` is in boot-clock milliseconds.
 
-    key: str
-    handle: str
-    fence: int
-    owner: str | None
-    principal: str
-    ttl_ms: int
-    expires_at: int
-    #: id of the connection the lease is bound to (``releaseOnClose``), or None.
-    conn: int | None = None
+    ``slot`` numbers the holders of a key (0 for an exclusive hold); the
+    store keeps one row per (key, slot), so a hand-off or a re-take
+    overwrites one row. ``pid`` and ``process`` are the holder's process as
+    the daemon saw it at the grant. ``prev``/``next`` link the key's holders
+    in grant order.
+    """
+
+    __slots__ = (
+        "conn",
+        "expires_at",
+        "fence",
+        "handle",
+        "key",
+        "limit",
+        "mode",
+        "next",
+        "owner",
+        "pid",
+        "prev",
+        "principal",
+        "process",
+        "slot",
+        "ttl_ms",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        handle: str,
+        fence: int,
+        owner: str | None,
+        principal: str,
+        ttl_ms: int,
+        expires_at: int,
+        conn: int | None = None,
+        mode: str = EXCLUSIVE,
+        limit: int = 1,
+        slot: int = 0,
+        pid: int | None = None,
+        process: str | None = None,
+    ) -> None:
+        self.key = key
+        self.handle = handle
+        self.fence = fence
+        self.owner = owner
+        self.principal = principal
+        self.ttl_ms = ttl_ms
+        self.expires_at = expires_at
+        #: id of the connection the lease is bound to (``releaseOnClose``), or None.
+        self.conn = conn
+        self.mode = mode
+        self.limit = limit
+        self.slot = slot
+        self.pid = pid
+        self.process = process
+        self.prev: Lease | None = None
+        self.next: Lease | None = None
 
     def __repr__(self) -> str:  # never show the handle id, not even in a traceback
         return (
             f"Lease(key={self.key!r}, fence={self.fence}, owner={self.owner!r}, "
-            f"principal={self.principal!r}, expires_at={self.expires_at})"
+            f"principal={self.principal!r}, mode={self.mode}, limit={self.limit}, "
+            f"slot={self.slot}, expires_at={self.expires_at})"
         )
 
 
-@dataclass(eq=False)
 class Waiter:
     """A parked blocking acquire. The engine fills ``lease`` or ``timed_out``."""
 
-    id: int
-    key: str
-    principal: str
-    owner: str | None
-    ttl_ms: int
-    conn: int
-    release_on_close: bool
-    deadline: int
-    lease: Lease | None = None
-    timed_out: bool = False
-    cancelled: bool = False
+    __slots__ = (
+        "cancelled",
+        "conn",
+        "deadline",
+        "id",
+        "key",
+        "lease",
+        "limit",
+        "mode",
+        "next",
+        "owner",
+        "pid",
+        "prev",
+        "principal",
+        "process",
+        "release_on_close",
+        "timed_out",
+        "ttl_ms",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        key: str,
+        principal: str,
+        owner: str | None,
+        ttl_ms: int,
+        conn: int,
+        release_on_close: bool,
+        deadline: int,
+        mode: str = EXCLUSIVE,
+        limit: int = 1,
+        pid: int | None = None,
+        process: str | None = None,
+    ) -> None:
+        self.id = id
+        self.key = key
+        self.principal = principal
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+        self.conn = conn
+        self.release_on_close = release_on_close
+        self.deadline = deadline
+        self.mode = mode
+        self.limit = limit
+        self.pid = pid
+        self.process = process
+        self.lease: Lease | None = None
+        self.timed_out = False
+        self.cancelled = False
+        self.prev: Waiter | None = None
+        self.next: Waiter | None = None
 
     @property
     def resolved(self) -> bool:
         return self.lease is not None or self.timed_out or self.cancelled
+
+    def __repr__(self) -> str:
+        return f"Waiter(id={self.id}, key={self.key!r}, mode={self.mode}, deadline={self.deadline})"
+
+
+#: (key, slot): the store's row address of a lease.
+RowId = tuple[str, int]
 
 
 @dataclass
 class Changes:
     """Effects of the calls since the last :meth:`LockEngine.drain`."""
 
-    #: key -> its lease now, or None when the key became free. Last write wins.
-    rows: dict[str, Lease | None] = field(default_factory=dict)
+    #: (key, slot) -> the lease in that slot now, or None when it became free.
+    #: Last write wins, so a hand-off is one row.
+    rows: dict[RowId, Lease | None] = field(default_factory=dict)
     #: the highest fence handed out so far, when it moved.
     fence: int | None = None
     #: waiters granted or timed out; the server wakes each one.
@@ -98,29 +234,27 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.rows or self.fence is not None or self.resolved or self.expired)
 
-    def merged_with(self, newer: Changes) -> Changes:
-        """This batch followed by ``newer`` (a failed commit is retried so)."""
-        fences = [f for f in (self.fence, newer.fence) if f is not None]
-        return Changes(
-            rows={**self.rows, **newer.rows},
-            fence=max(fences) if fences else None,
-            resolved=self.resolved + newer.resolved,
-            expired=self.expired + newer.expired,
-            grants=self.grants + newer.grants,
-            retakes=self.retakes + newer.retakes,
-        )
-
 
 @dataclass(frozen=True)
 class KeyStatus:
     key: str
-    holder: Lease | None
+    #: "exclusive" or "shared"; None when the key is free.
+    mode: str | None
+    limit: int | None
+    holder_count: int
+    #: the oldest holders first, at most MAX_LISTED_HOLDERS of them.
+    holders: list[Lease]
     waiters: int
+
+    @property
+    def holder(self) -> Lease | None:
+        """The oldest current grant (SPEC 10: the singular status fields)."""
+        return self.holders[0] if self.holders else None
 
 
 @dataclass(frozen=True)
 class Busy:
-    """tryAcquire found the key held."""
+    """tryAcquire found the key taken (or others queued before it)."""
 
     holder: Lease
 
@@ -134,17 +268,52 @@ class Parked:
 
 @dataclass(frozen=True)
 class TimedOut:
-    """A blocking acquire with nothing left of its timeout found the key held."""
+    """A blocking acquire with nothing left of its timeout found the key taken."""
 
 
-AcquireResult = Lease | Busy | Parked | TimedOut
+AcquireResult = Lease | Busy | Parked | TimedOut | Refused
 
 
-@dataclass
 class _KeyState:
-    holder: Lease | None = None
-    #: FIFO of parked waiters; a dict keeps insertion order and removes in O(1).
-    queue: dict[int, Waiter] = field(default_factory=dict)
+    """Holders and waiters of one key (only keys with a holder are tracked)."""
+
+    __slots__ = (
+        "by_handle",
+        "count",
+        "first",
+        "free_slots",
+        "last",
+        "limit",
+        "mode",
+        "next_slot",
+        "q_first",
+        "q_last",
+        "q_len",
+    )
+
+    def __init__(self, mode: str, limit: int) -> None:
+        self.mode = mode
+        self.limit = limit
+        #: holders, linked oldest (``first``) to newest (``last``).
+        self.count = 0
+        self.first: Lease | None = None
+        self.last: Lease | None = None
+        #: handle -> lease, made once the key has had two holders at once (a
+        #: key with one holder finds it at ``first``, and saves the dict).
+        self.by_handle: dict[str, Lease] | None = None
+        #: slots 0..next_slot-1 are in use except those in free_slots.
+        self.next_slot = 0
+        self.free_slots: list[int] | None = None
+        #: waiters, linked in arrival order.
+        self.q_first: Waiter | None = None
+        self.q_last: Waiter | None = None
+        self.q_len = 0
+
+
+_MISSING: Any = object()
+# Undo log entry kinds.
+_ATTR, _ITEM, _SET_ADD, _SET_DISCARD, _LIST_APPEND, _LIST_POP = range(6)
+_UndoEntry = tuple[int, Any, Any, Any]
 
 
 class LockEngine:
@@ -159,14 +328,20 @@ class LockEngine:
         self._keys: dict[str, _KeyState] = {}
         self._fence = fence
         self._new_handle = handle_factory
-        self._lease_heap: list[tuple[int, int, str, str]] = []
+        self._lease_count = 0
+        self._lease_heap: list[tuple[int, int, Lease]] = []
         self._waiter_heap: list[tuple[int, int]] = []
         self._waiters: dict[int, Waiter] = {}
         self._conn_waiters: dict[int, set[int]] = {}
-        self._conn_leases: dict[int, set[str]] = {}
+        self._conn_leases: dict[int, set[Lease]] = {}
+        #: (key, principal, owner) -> the hold a re-take would take back.
+        self._owned: dict[tuple[str, str, str], Lease] = {}
         self._seq = itertools.count()
         self._waiter_ids = itertools.count(1)
         self._changes = Changes()
+        #: the running request's undo log (None outside a request).
+        self._undo: list[_UndoEntry] | None = None
+        self._undo_mark: tuple[int, int, int, int, int | None, int] = (0, 0, 0, 0, None, 0)
 
     # ------------------------------------------------------------------ state
 
@@ -177,8 +352,13 @@ class LockEngine:
 
     @property
     def held_count(self) -> int:
-        # Every tracked key has a holder: a freed key without waiters is dropped.
+        """Keys with at least one holder (a key without holders is not tracked)."""
         return len(self._keys)
+
+    @property
+    def lease_count(self) -> int:
+        """Holders over all keys."""
+        return self._lease_count
 
     @property
     def waiter_count(self) -> int:
@@ -186,21 +366,83 @@ class LockEngine:
 
     def restore(self, leases: Iterable[Lease], now: int) -> None:
         """Load leases kept by the store; those already run out are freed."""
+        by_key: dict[str, list[Lease]] = {}
         for lease in leases:
             self._fence = max(self._fence, lease.fence)
             lease.conn = None  # a restart ends every connection binding
-            self._keys[lease.key] = _KeyState(holder=lease)
-            self._push_lease(lease)
+            by_key.setdefault(lease.key, []).append(lease)
+        for key, group in by_key.items():
+            group.sort(key=lambda lease: lease.fence)  # oldest grant first
+            state = self._keys[key] = _KeyState(group[-1].mode, group[-1].limit)
+            used = {lease.slot for lease in group}
+            state.next_slot = max(used) + 1
+            free = [slot for slot in range(state.next_slot) if slot not in used]
+            state.free_slots = free or None
+            for lease in group:
+                self._link(state, lease)
+                self._index(lease)
+                self._push_lease(lease)
         self._advance(now)
 
     def drain(self) -> Changes:
-        """Hand over the effects gathered so far and start a new batch."""
+        """Hand over the effects gathered so far (they were committed)."""
         changes, self._changes = self._changes, Changes()
+        self._undo = None
         return changes
 
-    def undrain(self, changes: Changes) -> None:
-        """Put back a batch that could not be committed, ahead of newer effects."""
-        self._changes = changes.merged_with(self._changes)
+    def pending(self) -> Changes:
+        """The effects gathered so far, left in place until :meth:`drain`."""
+        return self._changes
+
+    def rollback(self) -> None:
+        """Undo the last request: its commit failed, so none of it happened.
+
+        Everything the request changed goes back, its pending rows and woken
+        waiters included; effects of time and of departed clients gathered
+        before it stay pending. Handed-out fences are not taken back (a
+        skipped fence is harmless, a reused one is not).
+        """
+        undo = self._undo
+        if undo is None:
+            return
+        self._undo = None
+        touched_leases: list[Lease] = []
+        touched_waiters: list[Waiter] = []
+        for kind, target, name, old in reversed(undo):
+            if kind == _ATTR:
+                setattr(target, name, old)
+                if isinstance(target, Lease):
+                    touched_leases.append(target)
+            elif kind == _ITEM:
+                if old is _MISSING:
+                    target.pop(name, None)
+                else:
+                    target[name] = old
+                    if isinstance(old, Lease):
+                        touched_leases.append(old)
+                    elif isinstance(old, Waiter):
+                        touched_waiters.append(old)
+            elif kind == _SET_ADD:
+                target.discard(name)
+            elif kind == _SET_DISCARD:
+                target.add(name)
+            elif kind == _LIST_APPEND:
+                target.pop()
+            else:
+                target.append(name)
+        resolved, expired, grants, retakes, fence, lease_count = self._undo_mark
+        changes = self._changes
+        del changes.resolved[resolved:]
+        del changes.expired[expired:]
+        changes.grants, changes.retakes, changes.fence = grants, retakes, fence
+        self._lease_count = lease_count
+        # Heap entries are deleted lazily and may be gone for what came back.
+        for lease in touched_leases:
+            if self._holds(lease):
+                self._push_lease(lease)
+        for waiter in touched_waiters:
+            if self._waiters.get(waiter.id) is waiter:
+                heapq.heappush(self._waiter_heap, (waiter.deadline, waiter.id))
 
     def next_deadline(self) -> int | None:
         """The earliest lease expiry or waiter deadline still pending."""
@@ -229,71 +471,108 @@ class LockEngine:
         conn: int = 0,
         release_on_close: bool = False,
         wait_ms: int | None = None,
+        mode: str = EXCLUSIVE,
+        limit: int = 1,
+        pid: int | None = None,
+        process: str | None = None,
     ) -> AcquireResult:
-        """Take ``key`` now, re-take it, or (with ``wait_ms``) park in its queue.
+        """Take ``key`` now, re-take one's own hold, or (with ``wait_ms``) queue.
 
-        ``wait_ms=None`` is a tryAcquire: a held key answers :class:`Busy`.
+        ``wait_ms=None`` is a tryAcquire: a key that cannot be taken now
+        answers :class:`Busy`. A request that contradicts the key answers
+        :class:`Refused` and changes nothing.
         """
+        if mode not in holds.MODES:
+            raise ValueError(f"unknown mode {mode!r}")
         self._advance(now)
-        state = self._keys.get(key)
-        holder = state.holder if state else None
+        self._begin()
         bound = conn if release_on_close else None
-        if holder is None:
-            return self._grant(now, key, ttl_ms, principal, owner, bound)
-        if owner is not None and holder.owner == owner and holder.principal == principal:
-            self._changes.retakes += 1
-            self._unbind(holder)
-            return self._grant(now, key, ttl_ms, principal, owner, bound)
-        if wait_ms is None:
-            return Busy(holder)
-        if wait_ms <= 0:
-            return TimedOut()
-        assert state is not None
-        waiter = Waiter(
-            id=next(self._waiter_ids),
-            key=key,
-            principal=principal,
-            owner=owner,
-            ttl_ms=ttl_ms,
-            conn=conn,
-            release_on_close=release_on_close,
-            deadline=now + wait_ms,
+        state = self._keys.get(key)
+        held = self._owned.get((key, principal, owner)) if owner is not None else None
+        refused = holds.refusal(
+            key,
+            mode,
+            limit,
+            key_limit=state.limit if state is not None else None,
+            own_hold=(held.mode, held.limit) if held is not None else None,
         )
-        state.queue[waiter.id] = waiter
-        self._waiters[waiter.id] = waiter
-        self._conn_waiters.setdefault(conn, set()).add(waiter.id)
-        heapq.heappush(self._waiter_heap, (waiter.deadline, waiter.id))
-        return Parked(waiter)
+        if refused is not None:
+            return refused
+        if state is None:
+            return self._grant_fresh(
+                now, key, ttl_ms, principal, owner, bound, mode, limit, pid, process
+            )
+        if held is not None:
+            self._changes.retakes += 1
+        elif not holds.may_take_now(
+            holds.fits(mode, state.mode, state.count, state.limit), state.q_len
+        ):
+            if wait_ms is None:
+                assert state.first is not None
+                return Busy(state.first)
+            if wait_ms <= 0:
+                return TimedOut()
+            return Parked(
+                self._enqueue(
+                    state,
+                    now + wait_ms,
+                    key,
+                    ttl_ms,
+                    principal,
+                    owner,
+                    conn,
+                    release_on_close,
+                    mode,
+                    limit,
+                    pid,
+                    process,
+                )
+            )
+        return self._grant(
+            now, state, key, ttl_ms, principal, owner, bound, mode, limit, pid, process
+        )
 
     def renew(self, now: int, key: str, handle: str, ttl_ms: int) -> Lease | None:
         """Extend the lease if ``handle`` still holds ``key``; None means lost."""
         self._advance(now)
-        holder = self._holder(key)
-        if holder is None or holder.handle != handle:
+        self._begin()
+        lease = self._find(key, handle)
+        if lease is None:
             return None
-        holder.ttl_ms = ttl_ms
-        holder.expires_at = now + ttl_ms
-        self._push_lease(holder)
-        self._changes.rows[key] = holder
-        return holder
+        self._set(lease, "ttl_ms", ttl_ms)
+        self._set(lease, "expires_at", now + ttl_ms)
+        self._push_lease(lease)
+        self._dset(self._changes.rows, (key, lease.slot), lease)
+        return lease
 
     def release(self, now: int, key: str, handle: str) -> bool:
-        """Free ``key`` if ``handle`` still holds it; the queue head gets it."""
+        """End the hold of ``handle`` on ``key``; the queue is served from its head."""
         self._advance(now)
-        holder = self._holder(key)
-        if holder is None or holder.handle != handle:
+        self._begin()
+        lease = self._find(key, handle)
+        if lease is None:
             return False
-        self._free(now, key)
+        self._end_hold(now, self._keys[key], lease)
         return True
 
-    def break_lock(self, now: int, key: str) -> Lease | None:
-        """Free ``key`` whoever holds it; returns the broken lease, if any."""
+    def break_lock(self, now: int, key: str) -> list[Lease]:
+        """End every hold of ``key``; returns them, oldest first (empty: was free)."""
         self._advance(now)
-        holder = self._holder(key)
-        if holder is None:
-            return None
-        self._free(now, key)
-        return holder
+        self._begin()
+        state = self._keys.get(key)
+        if state is None:
+            return []
+        broken = list(self._holders(state))
+        if state.q_len == 0:
+            self._drop_key(key, state)
+            return broken
+        for lease in broken:
+            self._detach(state, lease)
+            self._dset(self._changes.rows, (key, lease.slot), None)
+        self._set(state, "next_slot", 0)
+        self._set(state, "free_slots", None)
+        self._serve_queue(now, state)
+        return broken
 
     def cancel_waiter(self, now: int, waiter: Waiter) -> None:
         """The waiter gave up (connection closed, request cancelled).
@@ -303,9 +582,10 @@ class LockEngine:
         queue *before* time moves on, so a lease that ran out meanwhile goes
         to the next waiter, not to this one that is no longer listening.
         """
+        self._undo = None  # a fact, not a request: never rolled back
         if not waiter.resolved:
             waiter.cancelled = True
-            self._forget_waiter(waiter)
+            self._leave_queue(now, waiter)
         self._advance(now)
 
     def connection_closed(self, now: int, conn: int, *, release_bound: bool = True) -> list[Lease]:
@@ -316,29 +596,27 @@ class LockEngine:
         would across a crash. Waiters leave first, for the reason given in
         :meth:`cancel_waiter`.
         """
+        self._undo = None  # a fact, not a request: never rolled back
         for waiter_id in list(self._conn_waiters.get(conn, ())):
             waiter = self._waiters.get(waiter_id)
             if waiter is not None:
                 waiter.cancelled = True
-                self._forget_waiter(waiter)
+                self._leave_queue(now, waiter)
         self._advance(now)
         released = []
-        for key in list(self._conn_leases.pop(conn, ())):
-            holder = self._holder(key)
-            if holder is not None and holder.conn == conn:
-                if release_bound:
-                    released.append(holder)
-                    self._free(now, key)
-                else:
-                    holder.conn = None
+        for lease in sorted(self._conn_leases.pop(conn, ()), key=lambda held: held.fence):
+            if lease.conn != conn or not self._holds(lease):
+                continue
+            if release_bound:
+                released.append(lease)
+                self._end_hold(now, self._keys[lease.key], lease)
+            else:
+                lease.conn = None
         return released
 
     def status(self, now: int, key: str) -> KeyStatus:
         self._advance(now)
-        state = self._keys.get(key)
-        if state is None:
-            return KeyStatus(key, None, 0)
-        return KeyStatus(key, state.holder, len(state.queue))
+        return self._status(key, self._keys.get(key))
 
     def list_held(self, now: int, prefix: str = "", limit: int | None = None) -> list[KeyStatus]:
         """Held keys under ``prefix`` in key order, at most ``limit`` of them."""
@@ -346,93 +624,323 @@ class LockEngine:
         keys = sorted(k for k in self._keys if k.startswith(prefix))
         if limit is not None:
             keys = keys[:limit]
-        return [KeyStatus(k, self._keys[k].holder, len(self._keys[k].queue)) for k in keys]
+        return [self._status(k, self._keys[k]) for k in keys]
 
-    # --------------------------------------------------------------- internals
+    # ---------------------------------------------------- holders and waiters
 
-    def _holder(self, key: str) -> Lease | None:
+    def _status(self, key: str, state: _KeyState | None) -> KeyStatus:
+        if state is None:
+            return KeyStatus(key, None, None, 0, [], 0)
+        listed = list(itertools.islice(self._holders(state), MAX_LISTED_HOLDERS))
+        return KeyStatus(key, state.mode, state.limit, state.count, listed, state.q_len)
+
+    @staticmethod
+    def _holders(state: _KeyState) -> Iterable[Lease]:
+        lease = state.first
+        while lease is not None:
+            yield lease
+            lease = lease.next
+
+    def _find(self, key: str, handle: str) -> Lease | None:
         state = self._keys.get(key)
-        return state.holder if state else None
+        if state is None:
+            return None
+        if state.by_handle is not None:
+            return state.by_handle.get(handle)
+        first = state.first
+        return first if first is not None and first.handle == handle else None
 
-    def _grant(
+    def _holds(self, lease: Lease) -> bool:
+        """Is ``lease`` a current hold (not released, expired, broken or re-taken)?"""
+        return self._find(lease.key, lease.handle) is lease
+
+    def _grant_fresh(
         self,
         now: int,
         key: str,
         ttl_ms: int,
         principal: str,
         owner: str | None,
-        conn: int | None,
+        bound: int | None,
+        mode: str,
+        limit: int,
+        pid: int | None,
+        process: str | None,
     ) -> Lease:
+        """The common case, a key nobody holds: one new state, one undo entry."""
         self._fence += 1
         lease = Lease(
-            key=key,
-            handle=self._new_handle(),
-            fence=self._fence,
-            owner=owner,
-            principal=principal,
-            ttl_ms=ttl_ms,
-            expires_at=now + ttl_ms,
-            conn=conn,
+            key,
+            self._new_handle(),
+            self._fence,
+            owner,
+            principal,
+            ttl_ms,
+            now + ttl_ms,
+            bound,
+            mode,
+            limit,
+            0,
+            pid,
+            process,
         )
-        state = self._keys.get(key)
-        if state is None:
-            state = self._keys[key] = _KeyState()
-        state.holder = lease
-        if conn is not None:
-            self._conn_leases.setdefault(conn, set()).add(key)
-        self._push_lease(lease)
-        self._changes.rows[key] = lease
-        self._changes.fence = self._fence
-        self._changes.grants += 1
+        state = _KeyState(mode, limit)
+        state.count, state.first, state.last, state.next_slot = 1, lease, lease, 1
+        self._dset(self._keys, key, state)
+        self._lease_count += 1
+        self._index(lease)
+        self._granted(lease)
         return lease
 
-    def _free(self, now: int, key: str) -> None:
-        """The holder is gone: hand the key to the queue head, or drop it."""
-        state = self._keys[key]
-        assert state.holder is not None
-        self._unbind(state.holder)
-        state.holder = None
-        self._changes.rows[key] = None
-        if state.queue:
-            waiter_id = next(iter(state.queue))
-            waiter = state.queue[waiter_id]
-            self._forget_waiter(waiter)
-            bound = waiter.conn if waiter.release_on_close else None
-            waiter.lease = self._grant(
-                now, key, waiter.ttl_ms, waiter.principal, waiter.owner, bound
-            )
-            self._changes.resolved.append(waiter)
+    def _grant(
+        self,
+        now: int,
+        state: _KeyState,
+        key: str,
+        ttl_ms: int,
+        principal: str,
+        owner: str | None,
+        bound: int | None,
+        mode: str,
+        limit: int,
+        pid: int | None,
+        process: str | None,
+    ) -> Lease:
+        """A new hold on a tracked key; a hold of the same principal and owner is taken back."""
+        self._fence += 1
+        replaced = self._owned.get((key, principal, owner)) if owner is not None else None
+        if replaced is not None:
+            self._detach(state, replaced)
+            slot = replaced.slot
         else:
-            del self._keys[key]
+            slot = self._take_slot(state)
+        lease = Lease(
+            key,
+            self._new_handle(),
+            self._fence,
+            owner,
+            principal,
+            ttl_ms,
+            now + ttl_ms,
+            bound,
+            mode,
+            limit,
+            slot,
+            pid,
+            process,
+        )
+        self._link(state, lease)
+        self._index(lease)
+        self._granted(lease)
+        return lease
 
-    def _unbind(self, lease: Lease) -> None:
+    def _granted(self, lease: Lease) -> None:
+        self._push_lease(lease)
+        self._dset(self._changes.rows, (lease.key, lease.slot), lease)
+        self._changes.fence = self._fence
+        self._changes.grants += 1
+
+    def _link(self, state: _KeyState, lease: Lease) -> None:
+        """Append ``lease`` to the key's holders (it is the newest grant)."""
+        last = state.last
+        if last is None:
+            self._set(state, "first", lease)
+            self._set(state, "mode", lease.mode)
+            self._set(state, "limit", lease.limit)
+        else:
+            self._set(last, "next", lease)
+            if state.by_handle is None:
+                self._set(state, "by_handle", {last.handle: last})
+        self._set(lease, "prev", last)
+        self._set(lease, "next", None)
+        self._set(state, "last", lease)
+        self._set(state, "count", state.count + 1)
+        if state.by_handle is not None:
+            self._dset(state.by_handle, lease.handle, lease)
+        self._lease_count += 1
+
+    def _index(self, lease: Lease) -> None:
+        """Make the lease findable by its owner and its connection."""
+        if lease.owner is not None:
+            self._dset(self._owned, (lease.key, lease.principal, lease.owner), lease)
         if lease.conn is not None:
-            keys = self._conn_leases.get(lease.conn)
-            if keys is not None:
-                keys.discard(lease.key)
-                if not keys:
-                    del self._conn_leases[lease.conn]
+            leases = self._conn_leases.get(lease.conn)
+            if leases is None:
+                leases = set()
+                self._dset(self._conn_leases, lease.conn, leases)
+            self._set_add(leases, lease)
 
-    def _forget_waiter(self, waiter: Waiter) -> None:
-        self._waiters.pop(waiter.id, None)
-        state = self._keys.get(waiter.key)
-        if state is not None:
-            state.queue.pop(waiter.id, None)
+    def _detach(self, state: _KeyState, lease: Lease) -> None:
+        """Take ``lease`` out of the key's holders and indexes (its slot stays taken)."""
+        prev, nxt = lease.prev, lease.next
+        if prev is None:
+            self._set(state, "first", nxt)
+        else:
+            self._set(prev, "next", nxt)
+        if nxt is None:
+            self._set(state, "last", prev)
+        else:
+            self._set(nxt, "prev", prev)
+        self._set(state, "count", state.count - 1)
+        if state.by_handle is not None:
+            self._ddel(state.by_handle, lease.handle)
+        self._lease_count -= 1
+        self._unindex(lease)
+
+    def _unindex(self, lease: Lease) -> None:
+        if lease.owner is not None:
+            owned = (lease.key, lease.principal, lease.owner)
+            if self._owned.get(owned) is lease:
+                self._ddel(self._owned, owned)
+        if lease.conn is not None:
+            leases = self._conn_leases.get(lease.conn)
+            if leases is not None and lease in leases:
+                self._set_discard(leases, lease)
+
+    def _take_slot(self, state: _KeyState) -> int:
+        free = state.free_slots
+        if free:
+            return self._list_pop(free)
+        slot = state.next_slot
+        self._set(state, "next_slot", slot + 1)
+        return slot
+
+    def _give_slot(self, state: _KeyState, slot: int) -> None:
+        if slot == state.next_slot - 1:
+            self._set(state, "next_slot", slot)
+            return
+        if state.free_slots is None:
+            self._set(state, "free_slots", [])
+        assert state.free_slots is not None
+        self._list_append(state.free_slots, slot)
+
+    def _end_hold(self, now: int, state: _KeyState, lease: Lease) -> None:
+        """A holder is gone (release, expiry, close): serve the queue, or drop the key."""
+        if state.count == 1 and state.q_len == 0:
+            self._drop_key(lease.key, state)
+            return
+        self._detach(state, lease)
+        self._give_slot(state, lease.slot)
+        self._dset(self._changes.rows, (lease.key, lease.slot), None)
+        self._serve_queue(now, state)
+
+    def _drop_key(self, key: str, state: _KeyState) -> None:
+        """The key's last holders leave and nobody waits: forget the key.
+
+        The state object itself is left as it was, so undoing is putting it back.
+        """
+        self._ddel(self._keys, key)
+        for lease in self._holders(state):
+            self._lease_count -= 1
+            self._unindex(lease)
+            self._dset(self._changes.rows, (key, lease.slot), None)
+
+    def _serve_queue(self, now: int, state: _KeyState) -> None:
+        """Grant the head of the queue while it fits (SPEC 10: no overtaking)."""
+        while (waiter := state.q_first) is not None and holds.fits(
+            waiter.mode, state.mode, state.count, state.limit
+        ):
+            self._dequeue(state, waiter)
+            bound = waiter.conn if waiter.release_on_close else None
+            lease = self._grant(
+                now,
+                state,
+                waiter.key,
+                waiter.ttl_ms,
+                waiter.principal,
+                waiter.owner,
+                bound,
+                waiter.mode,
+                waiter.limit,
+                waiter.pid,
+                waiter.process,
+            )
+            self._set(waiter, "lease", lease)
+            self._changes.resolved.append(waiter)
+
+    def _enqueue(
+        self,
+        state: _KeyState,
+        deadline: int,
+        key: str,
+        ttl_ms: int,
+        principal: str,
+        owner: str | None,
+        conn: int,
+        release_on_close: bool,
+        mode: str,
+        limit: int,
+        pid: int | None,
+        process: str | None,
+    ) -> Waiter:
+        waiter = Waiter(
+            next(self._waiter_ids),
+            key,
+            principal,
+            owner,
+            ttl_ms,
+            conn,
+            release_on_close,
+            deadline,
+            mode,
+            limit,
+            pid,
+            process,
+        )
+        last = state.q_last
+        waiter.prev = last
+        if last is None:
+            self._set(state, "q_first", waiter)
+        else:
+            self._set(last, "next", waiter)
+        self._set(state, "q_last", waiter)
+        self._set(state, "q_len", state.q_len + 1)
+        self._dset(self._waiters, waiter.id, waiter)
+        ids = self._conn_waiters.get(conn)
+        if ids is None:
+            ids = set()
+            self._dset(self._conn_waiters, conn, ids)
+        self._set_add(ids, waiter.id)
+        heapq.heappush(self._waiter_heap, (deadline, waiter.id))
+        return waiter
+
+    def _dequeue(self, state: _KeyState, waiter: Waiter) -> None:
+        """Unlink ``waiter`` from its key's queue and forget it: O(1) anywhere in the queue."""
+        prev, nxt = waiter.prev, waiter.next
+        if prev is None:
+            self._set(state, "q_first", nxt)
+        else:
+            self._set(prev, "next", nxt)
+        if nxt is None:
+            self._set(state, "q_last", prev)
+        else:
+            self._set(nxt, "prev", prev)
+        self._set(state, "q_len", state.q_len - 1)
+        self._ddel(self._waiters, waiter.id)
         ids = self._conn_waiters.get(waiter.conn)
         if ids is not None:
-            ids.discard(waiter.id)
+            self._set_discard(ids, waiter.id)
             if not ids:
-                del self._conn_waiters[waiter.conn]
+                self._ddel(self._conn_waiters, waiter.conn)
+
+    def _leave_queue(self, now: int, waiter: Waiter) -> None:
+        """A waiter left (timeout, cancel); if it was the head, the next may fit now."""
+        if self._waiters.get(waiter.id) is not waiter:
+            return
+        state = self._keys[waiter.key]
+        was_head = state.q_first is waiter
+        self._dequeue(state, waiter)
+        if was_head:
+            self._serve_queue(now, state)
+
+    # ------------------------------------------------------------------ time
 
     def _push_lease(self, lease: Lease) -> None:
-        heapq.heappush(
-            self._lease_heap, (lease.expires_at, next(self._seq), lease.key, lease.handle)
-        )
+        heapq.heappush(self._lease_heap, (lease.expires_at, next(self._seq), lease))
 
-    def _lease_entry_live(self, entry: tuple[int, int, str, str]) -> bool:
-        expires_at, _, key, handle = entry
-        holder = self._holder(key)
-        return holder is not None and holder.handle == handle and holder.expires_at == expires_at
+    def _lease_entry_live(self, entry: tuple[int, int, Lease]) -> bool:
+        expires_at, _, lease = entry
+        return lease.expires_at == expires_at and self._holds(lease)
 
     def _prune_heaps(self) -> None:
         heap = self._lease_heap
@@ -449,7 +957,9 @@ class LockEngine:
         suspend): a waiter whose deadline came before a lease's expiry has
         timed out and must not be handed that key. At equal times the lease
         goes first, so a waiter whose deadline is the expiry still wins.
+        Time passing is a fact: nothing here is recorded for a rollback.
         """
+        self._undo = None
         heap, wheap = self._lease_heap, self._waiter_heap
         while True:
             self._prune_heaps()
@@ -460,35 +970,125 @@ class LockEngine:
                 and lease_at <= now
                 and (waiter_at is None or lease_at <= waiter_at)
             ):
-                key = heapq.heappop(heap)[2]
-                holder = self._holder(key)
-                assert holder is not None  # the entry was live after pruning
-                self._changes.expired.append(holder)
-                self._free(now, key)
+                lease = heapq.heappop(heap)[2]
+                self._changes.expired.append(lease)
+                self._end_hold(now, self._keys[lease.key], lease)
             elif waiter_at is not None and waiter_at <= now:
                 waiter = self._waiters[heapq.heappop(wheap)[1]]
                 waiter.timed_out = True
-                self._forget_waiter(waiter)
                 self._changes.resolved.append(waiter)
+                self._leave_queue(now, waiter)
             else:
                 break
         self._compact_if_bloated()
 
     def _compact_if_bloated(self) -> None:
         """Renewals leave dead heap entries; rebuild when they dominate."""
-        if len(self._lease_heap) > 64 and len(self._lease_heap) > 4 * len(self._keys):
+        if len(self._lease_heap) > 64 and len(self._lease_heap) > 4 * self._lease_count:
             self._lease_heap = [e for e in self._lease_heap if self._lease_entry_live(e)]
             heapq.heapify(self._lease_heap)
         if len(self._waiter_heap) > 64 and len(self._waiter_heap) > 4 * len(self._waiters):
             self._waiter_heap = [e for e in self._waiter_heap if e[1] in self._waiters]
             heapq.heapify(self._waiter_heap)
 
+    # ------------------------------------------------------- the undo log
+
+    def _begin(self) -> None:
+        """A request starts: record what it changes until drain() or rollback()."""
+        c = self._changes
+        self._undo = []
+        self._undo_mark = (
+            len(c.resolved),
+            len(c.expired),
+            c.grants,
+            c.retakes,
+            c.fence,
+            self._lease_count,
+        )
+
+    def _set(self, obj: object, name: str, value: object) -> None:
+        if self._undo is not None:
+            self._undo.append((_ATTR, obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def _dset(self, d: dict[Any, Any], k: object, value: object) -> None:
+        if self._undo is not None:
+            self._undo.append((_ITEM, d, k, d.get(k, _MISSING)))
+        d[k] = value
+
+    def _ddel(self, d: dict[Any, Any], k: object) -> None:
+        if self._undo is not None:
+            self._undo.append((_ITEM, d, k, d.get(k, _MISSING)))
+        d.pop(k, None)
+
+    def _set_add(self, s: set[Any], item: object) -> None:
+        if item in s:
+            return
+        if self._undo is not None:
+            self._undo.append((_SET_ADD, s, item, None))
+        s.add(item)
+
+    def _set_discard(self, s: set[Any], item: object) -> None:
+        if item not in s:
+            return
+        if self._undo is not None:
+            self._undo.append((_SET_DISCARD, s, item, None))
+        s.discard(item)
+
+    def _list_append(self, items: list[Any], item: object) -> None:
+        if self._undo is not None:
+            self._undo.append((_LIST_APPEND, items, None, None))
+        items.append(item)
+
+    def _list_pop(self, items: list[Any]) -> Any:
+        item = items.pop()
+        if self._undo is not None:
+            self._undo.append((_LIST_POP, items, item, None))
+        return item
+
+    # ------------------------------------------------------------- checking
+
     def check_invariants(self) -> None:
         """Assert the invariants of the module docstring (for tests)."""
+        leases = 0
         for key, state in self._keys.items():
-            assert state.holder is not None or not state.queue, f"{key}: waiters but no holder"
-            assert state.holder is None or state.holder.key == key
-            assert state.holder is None or state.holder.fence <= self._fence
-            for waiter in state.queue.values():
-                assert self._waiters.get(waiter.id) is waiter
-        assert sum(len(s.queue) for s in self._keys.values()) == len(self._waiters)
+            held = list(self._holders(state))
+            assert held, f"{key}: tracked without a holder"
+            assert len(held) == state.count and state.last is held[-1]
+            leases += len(held)
+            assert all(lease.key == key for lease in held)
+            for lease in held:
+                if lease.owner is not None:
+                    assert self._owned[(key, lease.principal, lease.owner)] is lease
+            assert all(lease.mode == state.mode and lease.limit == state.limit for lease in held)
+            if state.mode == EXCLUSIVE:
+                assert len(held) <= state.limit, f"{key}: {len(held)} > limit {state.limit}"
+            else:
+                assert state.limit == 1
+            fences = [lease.fence for lease in held]
+            assert fences == sorted(fences) and fences[-1] <= self._fence
+            slots = [lease.slot for lease in held]
+            assert len(set(slots)) == len(slots)
+            free = set(state.free_slots or ())
+            assert set(slots) | free == set(range(state.next_slot)) and not set(slots) & free
+            if state.by_handle is not None:
+                assert state.by_handle == {lease.handle: lease for lease in held}
+            else:
+                assert len(held) == 1
+            queued = []
+            waiter = state.q_first
+            while waiter is not None:
+                assert self._waiters.get(waiter.id) is waiter and waiter.key == key
+                assert not waiter.resolved
+                queued.append(waiter)
+                waiter = waiter.next
+            assert len(queued) == state.q_len
+            if queued:
+                head = queued[0]
+                assert not holds.fits(head.mode, state.mode, state.count, state.limit), (
+                    f"{key}: the queue head fits but was not granted"
+                )
+        assert leases == self._lease_count
+        assert sum(s.q_len for s in self._keys.values()) == len(self._waiters)
+        for owned, lease in self._owned.items():
+            assert self._holds(lease) and owned == (lease.key, lease.principal, lease.owner)

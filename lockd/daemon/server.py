@@ -247,10 +247,11 @@ class LockServer:
                 await trio.sleep_forever()
             self._timer_scope = None
             try:
-                self.service.tick()
+                if not self.service.tick():
+                    # The disk is full or failing: the batch stays pending in
+                    # the engine; retry it shortly (any request retries too).
+                    await trio.sleep(TIMER_MAX_SLEEP)
             except Exception:
-                # e.g. the disk is full: the batch stays pending in the engine
-                # and the next tick or request commits it.
                 self.service.stats.count("internalErrors")
                 log.exception(kv(event="internal_error", op="tick"))
                 await trio.sleep(TIMER_MAX_SLEEP)

@@ -41,7 +41,16 @@ from typing import Any, Protocol
 
 from lockd import __version__
 from lockd.daemon.clock import Clock
-from lockd.daemon.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
+from lockd.daemon.engine import (
+    Busy,
+    KeyStatus,
+    Lease,
+    LockEngine,
+    Parked,
+    Refused,
+    TimedOut,
+    Waiter,
+)
 from lockd.daemon.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -57,7 +66,7 @@ from lockd.daemon.protocol import (
     Status,
 )
 from lockd.daemon.stats import Stats as StatsCounters
-from lockd.daemon.store import Store
+from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller
 from lockd.logfmt import kv
 from lockd.timefmt import format_epoch_ms
@@ -110,6 +119,9 @@ class WaitForRoom:
 AcquireStep = Reply | WaitForRoom | Parked
 
 
+_HOLDER_FIELDS = ("heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process")
+
+
 def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
     where = f" on key {key!r}" if key is not None else ""
     return ProtocolError(
@@ -158,18 +170,23 @@ class LockService:
     # ----------------------------------------------------------- plumbing
 
     def commit(self) -> None:
-        """Persist the engine's pending effects, then wake resolved waiters."""
-        changes = self.engine.drain()
+        """Persist the engine's pending effects, then wake resolved waiters.
+
+        When the write fails, the request that was running is undone in the
+        engine (:meth:`LockEngine.rollback`: no ghost holds) and the error
+        propagates; what time and departed clients did before it stays
+        pending, its woken waiters still parked, until a commit succeeds.
+        """
+        changes = self.engine.pending()
         if not changes:
+            self.engine.drain()
             return
         try:
             self.store.apply(changes)
         except BaseException:
-            # Nothing of the batch is acknowledged: keep it for the next
-            # commit (any later request or timer tick retries), and keep its
-            # woken waiters parked until then.
-            self.engine.undrain(changes)
+            self.engine.rollback()
             raise
+        self.engine.drain()
         self.stats.count("grants", changes.grants)
         self.stats.count("retakes", changes.retakes)
         for lease in changes.expired:
@@ -195,10 +212,42 @@ class LockService:
         """Milliseconds from now until ``deadline`` (0 when it has passed)."""
         return max(0, deadline - self.clock.boot_ms())
 
-    def tick(self) -> None:
-        """Let time pass in the engine (the expiry timer calls this)."""
+    def tick(self) -> bool:
+        """Let time pass in the engine (the expiry timer calls this).
+
+        False when the commit failed: the expiries and hand-offs stay pending
+        and the timer retries shortly.
+        """
         self.engine.advance(self.clock.boot_ms())
-        self.commit()
+        return self.commit_fact("tick")
+
+    def commit_request(self) -> None:
+        """Commit a request's effects; a storage failure becomes its error reply."""
+        try:
+            self.commit()
+        except StorageUnavailable as exc:
+            self.stats.count("storageErrors")
+            log.warning(kv(event="storage_unavailable", error=exc))
+            raise ProtocolError(
+                "STORAGE_UNAVAILABLE",
+                "the lock database cannot be written (disk full or I/O error); "
+                "nothing of the request took effect, retry later",
+            ) from None
+
+    def commit_fact(self, what: str) -> bool:
+        """Commit what time or a departed client did; on failure it stays pending.
+
+        Used where no request can be refused: reads answer from memory and
+        the batch goes out with the next commit that succeeds. False when
+        the write failed.
+        """
+        try:
+            self.commit()
+        except StorageUnavailable as exc:
+            self.stats.count("storageErrors")
+            log.warning(kv(event="storage_unavailable", during=what, error=exc))
+            return False
+        return True
 
     def gauges(self) -> dict[str, int]:
         engine = self.engine
@@ -232,27 +281,31 @@ class LockService:
     def _wall(self, boot_deadline: int) -> str:
         return format_epoch_ms(self.clock.wall_ms() + boot_deadline - self.clock.boot_ms())
 
-    def status_view(self, key: str, holder: Lease | None, waiters: int) -> dict[str, Any]:
-        if holder is None:
-            return {
-                "key": key,
-                "held": False,
-                "heldBy": None,
-                "owner": None,
-                "fence": None,
-                "leaseExpiresAt": None,
-                "expiresInMs": None,
-                "waiters": waiters,
-            }
+    def holder_view(self, lease: Lease) -> dict[str, Any]:
+        """One holder as status shows it: never its handle id."""
         return {
-            "key": key,
-            "held": True,
-            "heldBy": holder.principal,
-            "owner": holder.owner,
-            "fence": holder.fence,
-            "leaseExpiresAt": self._wall(holder.expires_at),
-            "expiresInMs": max(0, holder.expires_at - self.clock.boot_ms()),
-            "waiters": waiters,
+            "heldBy": lease.principal,
+            "owner": lease.owner,
+            "fence": lease.fence,
+            "leaseExpiresAt": self._wall(lease.expires_at),
+            "expiresInMs": max(0, lease.expires_at - self.clock.boot_ms()),
+            "pid": lease.pid,
+            "process": lease.process,
+        }
+
+    def status_view(self, st: KeyStatus) -> dict[str, Any]:
+        """SPEC 3 and 10: the singular fields describe the oldest grant."""
+        holders = [self.holder_view(lease) for lease in st.holders]
+        oldest = holders[0] if holders else dict.fromkeys(_HOLDER_FIELDS)
+        return {
+            "key": st.key,
+            "held": bool(holders),
+            **oldest,
+            "waiters": st.waiters,
+            "mode": st.mode,
+            "limit": st.limit,
+            "holderCount": st.holder_count,
+            "holders": holders,
         }
 
     # ------------------------------------------------------------ acquire
@@ -297,14 +350,14 @@ class LockService:
         if waiter.resolved:
             return
         self.engine.cancel_waiter(self.clock.boot_ms(), waiter)
-        self.commit()
+        self.commit_fact("cancel_waiter")
 
     def release_undelivered(self, lease: Lease) -> None:
         """A grant whose reply could not be written is released at once."""
         if self.engine.release(self.clock.boot_ms(), lease.key, lease.handle):
             self.stats.count("releases")
             log.info(kv(event="released_undelivered", key=lease.key, principal=lease.principal))
-        self.commit()
+        self.commit_fact("released_undelivered")
 
     def _acquire_within(
         self, caller: Caller, conn: int, req: Acquire, now: int, deadline: int
@@ -349,8 +402,13 @@ class LockService:
             conn=conn,
             release_on_close=req.release_on_close,
             wait_ms=wait_ms,
+            pid=caller.pid,
         )
-        self.commit()
+        self.commit_request()
+        if isinstance(result, Refused):
+            raise ProtocolError(
+                "INVALID_REQUEST", result.message, details={"field": result.field, **result.details}
+            )
         if isinstance(result, Lease):
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
@@ -399,7 +457,7 @@ class LockService:
     def renew(self, caller: Caller, key: str, handle: str, ttl_ms: int) -> dict[str, Any]:
         self.authorize(caller, "renew", key)
         lease = self.engine.renew(self.clock.boot_ms(), key, handle, ttl_ms)
-        self.commit()
+        self.commit_request()
         if lease is None:
             return {"renewed": False, "reason": "lease_lost"}
         self.stats.count("renewals")
@@ -407,7 +465,7 @@ class LockService:
 
     def release(self, caller: Caller, key: str, handle: str) -> dict[str, Any]:
         released = self.engine.release(self.clock.boot_ms(), key, handle)
-        self.commit()
+        self.commit_request()
         if not released:
             return {"released": False, "reason": "not_holder"}
         self.stats.count("releases")
@@ -420,42 +478,45 @@ class LockService:
         for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):
             self.stats.count("releases")
             log.debug(kv(event="released_on_close", key=lease.key, principal=lease.principal))
-        self.commit()
+        self.commit_fact("connection_closed")
 
     def status(self, key: str) -> dict[str, Any]:
         st = self.engine.status(self.clock.boot_ms(), key)
-        self.commit()
-        return self.status_view(st.key, st.holder, st.waiters)
+        self.commit_fact("status")
+        return self.status_view(st)
 
     def list(self, caller: Caller, prefix: str, limit: int | None) -> dict[str, Any]:
         self.authorize(caller, "list")
         held = self.engine.list_held(self.clock.boot_ms(), prefix, limit)
-        self.commit()
-        return {"locks": [self.status_view(s.key, s.holder, s.waiters) for s in held]}
+        self.commit_fact("list")
+        return {"locks": [self.status_view(st) for st in held]}
 
     def break_lock(self, caller: Caller, key: str, reason: str) -> dict[str, Any]:
         self.authorize(caller, "break", key)
         broken = self.engine.break_lock(self.clock.boot_ms(), key)
-        self.commit()
-        if broken is None:
+        self.commit_request()
+        if not broken:
             log.info(kv(event="break_free_key", key=key, by=caller.principal, reason=reason))
             return {"broken": False}
         self.stats.count("breaks")
+        oldest = broken[0]
         log.warning(
             kv(
                 event="broken",
                 key=key,
                 by=caller.principal,
-                holder=broken.principal,
-                fence=broken.fence,
+                holder=oldest.principal,
+                fence=oldest.fence,
+                holders=len(broken),
                 reason=reason,
             )
         )
         return {
             "broken": True,
-            "heldBy": broken.principal,
-            "owner": broken.owner,
-            "fence": broken.fence,
+            "holders": len(broken),
+            "heldBy": oldest.principal,
+            "owner": oldest.owner,
+            "fence": oldest.fence,
         }
 
     def stats_result(self, caller: Caller) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """SQLite persistence for the engine's effects.
 
-One table of current leases (at most one row per key) and a ``meta`` table
-holding the fence high-water mark, kept by a trigger on every lease insert.
+One table of current leases, one row per holder addressed by (key, slot):
+an exclusive hold is slot 0, shared holders and semaphore holders take the
+lowest free slots, so a hand-off or a re-take rewrites one row. A ``meta``
+table holds the fence high-water mark, kept by a trigger on every lease
+insert.
 :meth:`Store.apply` writes one :class:`~lockd.daemon.engine.Changes` batch in one
 transaction; the server calls it
 before sending the replies that depend on it, so an acknowledged grant,
@@ -25,12 +28,12 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
-from lockd.daemon.engine import Changes, Lease
+from lockd.daemon.engine import Changes, Lease, RowId
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def _migrate_0_to_1(db: sqlite3.Connection) -> None:
@@ -66,12 +69,63 @@ def _migrate_0_to_1(db: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_1_to_2(db: sqlite3.Connection) -> None:
+    """Several holders per key (SPEC 10): rows keyed by (key, slot).
+
+    Every version-1 lease becomes the exclusive holder (slot 0, limit 1) of
+    its key, with its handle, fence, owner and deadline unchanged; pid and
+    process were not recorded then and stay unknown.
+    """
+    db.execute(
+        """
+        CREATE TABLE leases_v2 (
+            key        TEXT NOT NULL,
+            slot       INTEGER NOT NULL,
+            handle     TEXT NOT NULL,
+            fence      INTEGER NOT NULL,
+            owner      TEXT,
+            principal  TEXT NOT NULL,
+            ttl_ms     INTEGER NOT NULL,
+            expires_at INTEGER NOT NULL,  -- CLOCK_BOOTTIME milliseconds
+            boot_id    TEXT NOT NULL,
+            mode       TEXT NOT NULL CHECK (mode IN ('exclusive', 'shared')),
+            hold_limit INTEGER NOT NULL,
+            pid        INTEGER,
+            process    TEXT,
+            PRIMARY KEY (key, slot)
+        ) STRICT, WITHOUT ROWID
+        """
+    )
+    db.execute(
+        "INSERT INTO leases_v2 (key, slot, handle, fence, owner, principal, ttl_ms, expires_at, "
+        "boot_id, mode, hold_limit) SELECT key, 0, handle, fence, owner, principal, ttl_ms, "
+        "expires_at, boot_id, 'exclusive', 1 FROM leases"
+    )
+    db.execute("DROP TABLE leases")  # drops its trigger too
+    db.execute("ALTER TABLE leases_v2 RENAME TO leases")
+    db.execute(
+        """
+        CREATE TRIGGER leases_fence AFTER INSERT ON leases BEGIN
+            UPDATE meta SET value = max(value, NEW.fence) WHERE name = 'fence';
+        END
+        """
+    )
+
+
 #: MIGRATIONS[n] takes a database at user_version n to n + 1.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_0_to_1]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_0_to_1, _migrate_1_to_2]
 
 
 class StoreError(Exception):
     """The database cannot be used (newer schema, unreadable file, ...)."""
+
+
+class StorageUnavailable(StoreError):
+    """A write failed (disk full, I/O error, files gone); nothing of it was kept."""
+
+
+#: sqlite3 errors that mean "the storage failed", not "lockd has a bug".
+_BUG_ERRORS = (sqlite3.ProgrammingError, sqlite3.InterfaceError, sqlite3.IntegrityError)
 
 
 def read_boot_id() -> str:
@@ -150,7 +204,8 @@ class Store:
         try:
             dropped = db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,)).rowcount
             rows = db.execute(
-                "SELECT key, handle, fence, owner, principal, ttl_ms, expires_at FROM leases"
+                "SELECT key, handle, fence, owner, principal, ttl_ms, expires_at, mode, "
+                "hold_limit, slot, pid, process FROM leases"
             ).fetchall()
             fence = db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
             db.execute("COMMIT")
@@ -159,18 +214,52 @@ class Store:
             raise
         if dropped:
             log.info(kv(event="dropped_earlier_boot", leases=dropped))
-        leases = [Lease(*row) for row in rows]
+        leases = [
+            Lease(
+                key,
+                handle,
+                fence,
+                owner,
+                principal,
+                ttl,
+                expires,
+                None,
+                mode,
+                limit,
+                slot,
+                pid,
+                proc,
+            )
+            for (
+                key,
+                handle,
+                fence,
+                owner,
+                principal,
+                ttl,
+                expires,
+                mode,
+                limit,
+                slot,
+                pid,
+                proc,
+            ) in rows
+        ]
         fence = max([fence, *(lease.fence for lease in leases)])
         return leases, fence
 
     def apply(self, changes: Changes) -> None:
         """Persist one batch of engine effects atomically.
 
-        The common batch is one row (a grant, a renew, a release): that is a
-        single statement in autocommit mode, its own transaction, which
-        costs a third of BEGIN + statement + COMMIT. The fence follows by
-        trigger, so ``changes.fence`` needs a statement of its own only when
-        no written row carries it.
+        The common batch is one row (a grant, a renew, a release, a
+        hand-off): that is a single statement in autocommit mode, its own
+        transaction, which costs a third of BEGIN + statement + COMMIT. The
+        fence follows by trigger, so ``changes.fence`` needs a statement of
+        its own only when no written row carries it.
+
+        Raises :class:`StorageUnavailable` when the database cannot be
+        written; the transaction is rolled back, so nothing of the batch is
+        kept.
         """
         rows = changes.rows
         # The trigger raises the stored fence with every lease written; a
@@ -183,32 +272,45 @@ class Store:
             fence = None
         if not rows and fence is None:
             return
+        try:
+            self._apply(rows, fence)
+        except _BUG_ERRORS:
+            raise
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"{self.path}: {exc}") from exc
+
+    def _apply(self, rows: dict[RowId, Lease | None], fence: int | None) -> None:
         db = self._db
         if len(rows) == 1 and fence is None:
             self._write_row(*next(iter(rows.items())))
             return
         db.execute("BEGIN")
         try:
-            for key, lease in rows.items():
-                self._write_row(key, lease)
+            for row_id, lease in rows.items():
+                self._write_row(row_id, lease)
             if fence is not None:
                 db.execute("UPDATE meta SET value = max(value, ?) WHERE name = 'fence'", (fence,))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
-                db.execute("ROLLBACK")
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    # SQLite rolls back by itself after some I/O errors.
+                    log.debug(kv(event="rollback_failed", db=self.path))
             raise
 
-    def _write_row(self, key: str, lease: Lease | None) -> None:
+    def _write_row(self, row_id: RowId, lease: Lease | None) -> None:
         if lease is None:
-            self._db.execute("DELETE FROM leases WHERE key = ?", (key,))
+            self._db.execute("DELETE FROM leases WHERE key = ? AND slot = ?", row_id)
             return
         self._db.execute(
             "INSERT OR REPLACE INTO leases "
-            "(key, handle, fence, owner, principal, ttl_ms, expires_at, boot_id) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "(key, slot, handle, fence, owner, principal, ttl_ms, expires_at, boot_id, "
+            "mode, hold_limit, pid, process) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                key,
+                lease.key,
+                lease.slot,
                 lease.handle,
                 lease.fence,
                 lease.owner,
@@ -216,6 +318,10 @@ class Store:
                 lease.ttl_ms,
                 lease.expires_at,
                 self.boot_id,
+                lease.mode,
+                lease.limit,
+                lease.pid,
+                lease.process,
             ),
         )
 
