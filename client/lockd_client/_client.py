@@ -66,24 +66,25 @@ from ._errors import (
     LockdError,
     ShuttingDownError,
     SocketPermissionError,
-    error_from_reply,
 )
 from ._paths import resolve_socket_path
-from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
-from ._wire import (
-    check_bool,
-    check_key,
-    check_optional_str,
-    check_owner,
-    check_reason,
-    check_text,
-    seconds_to_ms,
+from ._requests import (
+    Attempts,
+    HandleRef,
+    acquire_timeout_ms,
+    break_args,
+    dict_result,
+    grant_args,
+    list_args,
+    list_result,
+    release_args,
+    renew_args,
+    unwrap,
 )
+from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
+from ._wire import check_key, seconds_to_ms
 
 __all__ = ["HandleRef", "LockClient"]
-
-#: What ``renew`` and ``release`` accept: a Handle, or a ``(key, handle_id)`` pair.
-HandleRef = Handle | tuple[str, str]
 
 _Build = Callable[[], tuple[dict[str, Any], float | None]]
 
@@ -162,6 +163,9 @@ class LockClient:
         timeout: float,
         owner: str | None = None,
         release_on_close: bool = False,
+        *,
+        shared: bool = False,
+        limit: int = 1,
     ) -> Handle:
         """Wait up to ``timeout`` seconds for ``key``; hold it for ``ttl`` seconds.
 
@@ -172,9 +176,11 @@ class LockClient:
         what is left of ``timeout`` (the place in the queue is lost).
         ``release_on_close=True`` binds the lease to this client's connection:
         closing the client (or the process dying) frees the key at once.
+        ``shared=True`` takes a shared (reader) hold; ``limit=N`` (1-1000)
+        makes the key a semaphore of N exclusive slots (SPEC §10).
         """
-        base = self._grant_args(key, ttl, owner, release_on_close)
-        timeout_ms = seconds_to_ms(timeout, "timeout", allow_zero=True)
+        base = grant_args(key, ttl, owner, release_on_close, shared, limit)
+        timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
         attempts = 0
 
@@ -201,12 +207,15 @@ class LockClient:
         ttl: float,
         owner: str | None = None,
         release_on_close: bool = False,
+        *,
+        shared: bool = False,
+        limit: int = 1,
     ) -> Handle | None:
-        """One attempt at ``key``: the Handle, or ``None`` when someone else holds it.
+        """One attempt at ``key``: the Handle, or ``None`` when it is not free for us.
 
-        ``release_on_close`` as for :meth:`acquire`.
+        ``release_on_close``, ``shared`` and ``limit`` as for :meth:`acquire`.
         """
-        args = self._grant_args(key, ttl, owner, release_on_close)
+        args = grant_args(key, ttl, owner, release_on_close, shared, limit)
         result = self._call("tryAcquire", args, self.request_timeout, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
 
@@ -221,9 +230,7 @@ class LockClient:
 
     def release(self, handle: HandleRef) -> ReleaseResult:
         """Free the key if ``handle`` still holds it (else ``released`` False, ``not_holder``)."""
-        key, handle_id = _handle_parts(handle)
-        args = {"key": key, "handle": handle_id}
-        result = self._call("release", args, self.request_timeout, retry=True)
+        result = self._call("release", release_args(handle), self.request_timeout, retry=True)
         return ReleaseResult.from_result(result)
 
     def status(self, key: str) -> LockStatus:
@@ -234,26 +241,34 @@ class LockClient:
     def list(
         self, prefix: str | None = None, limit: int | None = None
     ) -> builtins.list[LockStatus]:
-        """Every held lock, optionally only keys under ``prefix`` (owner, admin, services)."""
-        args: dict[str, Any] = {}
-        if check_optional_str(prefix, "prefix") is not None:
-            args["prefix"] = prefix
-        if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, int):
-                raise TypeError(f"limit must be an int or None, got {type(limit).__name__}")
-            if limit < 1:
-                raise ValueError(f"limit must be at least 1, got {limit}")
-            args["limit"] = limit
-        result = self._call("list", args, self.request_timeout, retry=True)
-        locks = result.get("locks") if isinstance(result, dict) else None
-        if not isinstance(locks, builtins.list):
-            raise LockdError(f"malformed list reply: {result!r}", code="PROTOCOL_ERROR")
-        return [LockStatus.from_result(item) for item in locks]
+        """Held locks in key order, optionally only under ``prefix`` (owner, admin, services).
+
+        Without ``limit``, every one: the daemon's pages are followed to the
+        end. With ``limit``, at most that many.
+        """
+        found: builtins.list[LockStatus] = []
+        after: str | None = None
+        while True:
+            want = None if limit is None else limit - len(found)
+            page, after = self.list_page(prefix, want, after)
+            found.extend(page)
+            if after is None or (limit is not None and len(found) >= limit):
+                return found
+
+    def list_page(
+        self, prefix: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> tuple[builtins.list[LockStatus], str | None]:
+        """One page of ``list``: the locks after key ``after``, and the key to pass next.
+
+        The second item is ``None`` when nothing remains.
+        """
+        args = list_args(prefix, limit, after)
+        locks, more = list_result(self._call("list", args, self.request_timeout, retry=True))
+        return [LockStatus.from_result(item) for item in locks], more
 
     def break_lock(self, key: str, reason: str) -> BreakResult:
         """Free ``key`` whoever holds it, fencing the holder (owner, admin). Never retried."""
-        args = {"key": check_key(key), "reason": check_reason(reason)}
-        result = self._call("break", args, self.request_timeout, retry=False)
+        result = self._call("break", break_args(key, reason), self.request_timeout, retry=False)
         return BreakResult.from_result(result)
 
     def stats(self) -> dict[str, Any]:
@@ -273,6 +288,9 @@ class LockClient:
         auto_renew: bool = True,
         on_lost: Callable[[Handle], object] | None = None,
         release_on_close: bool = True,
+        *,
+        shared: bool = False,
+        limit: int = 1,
     ) -> AbstractContextManager[Handle]:
         """Context manager: acquire ``key`` (blocking), yield the Handle, release on exit.
 
@@ -288,7 +306,8 @@ class LockClient:
         or the release answers ``not_holder``), :class:`LockLostError` is
         raised. ``on_lost(handle)`` is called once, from the renewer's thread,
         the moment the loss is seen (or at the release, if that is where it is
-        seen first); ``handle.lost`` is set then too.
+        seen first); ``handle.lost`` is set then too. ``shared`` and ``limit``
+        as for :meth:`acquire`.
         """
         from ._lock import hold
 
@@ -301,6 +320,8 @@ class LockClient:
             auto_renew=auto_renew,
             on_lost=on_lost,
             release_on_close=release_on_close,
+            shared=shared,
+            limit=limit,
         )
 
     # -- internals ------------------------------------------------------------
@@ -309,8 +330,7 @@ class LockClient:
         self, handle: HandleRef, ttl_ms: int, give_up_at: float | None = None
     ) -> RenewResult:
         """renew with ttl in ms; ``give_up_at`` (monotonic) bounds waiting and retrying."""
-        key, handle_id = _handle_parts(handle)
-        args = {"key": key, "handle": handle_id, "ttlMs": ttl_ms}
+        args = renew_args(handle, ttl_ms)
 
         def build() -> tuple[dict[str, Any], float | None]:
             read_timeout = self.request_timeout
@@ -325,30 +345,11 @@ class LockClient:
                 "renew", first_args, read_timeout, retry=True, again=build, give_up_at=give_up_at
             )
         )
-        if result.renewed and isinstance(handle, Handle):
-            handle.ttl_ms = ttl_ms
-            if result.lease_expires_at is not None:
-                handle.lease_expires_at = result.lease_expires_at
+        result.apply_to(handle, ttl_ms)
         return result
-
-    def _grant_args(
-        self, key: str, ttl: float, owner: str | None, release_on_close: bool
-    ) -> dict[str, Any]:
-        args: dict[str, Any] = {
-            "key": check_key(key),
-            "ttlMs": seconds_to_ms(ttl, "ttl", allow_zero=False),
-        }
-        if check_owner(owner) is not None:
-            args["owner"] = owner
-        if check_bool(release_on_close, "release_on_close"):
-            args["releaseOnClose"] = True
-        return args
 
     def _dict_result(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        result = self._call(op, args, self.request_timeout, retry=True)
-        if not isinstance(result, dict):
-            raise LockdError(f"malformed {op} reply: {result!r}", code="PROTOCOL_ERROR")
-        return result
+        return dict_result(op, self._call(op, args, self.request_timeout, retry=True))
 
     def _next_id(self) -> int:
         with self._id_lock:
@@ -404,9 +405,12 @@ class LockClient:
         arguments and read time-out for each re-send; ``give_up_at``
         (monotonic) ends re-sending early.
         """
-        retry_until: float | None = None
-        delay = 0.05
-        resent_at_once = False
+        attempts = Attempts(
+            self.socket_path,
+            retry_window=self.retry_window,
+            give_up_at=give_up_at,
+            repark=repark,
+        )
         while True:
             at_once = False
             shutting_down: ShuttingDownError | None = None
@@ -427,14 +431,12 @@ class LockClient:
                         raise _closed_error() from None
                     if not exc.sent:  # rule 1: safe for every op
                         failure = f"connection lost before {op!r} was sent ({exc.reason})"
-                        can_retry = True
-                        at_once = not resent_at_once
-                        resent_at_once = True
+                        can_retry = at_once = True
                     elif exc.protocol:  # the daemon answered garbage: do not insist
                         raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
-                    else:  # rule 2: only what is harmless twice
+                    else:  # rule 2 (harmless twice) and rule 3 (a parked acquire)
                         failure = f"connection lost during {op!r} ({exc.reason})"
-                        can_retry = retry or repark is not None
+                        can_retry = retry or attempts.reparks
                         if not can_retry:
                             failure += "; not retried, as the daemon may have carried it out"
                 except ReplyTimeout:
@@ -444,50 +446,22 @@ class LockClient:
                     ) from None
                 else:
                     try:
-                        return _unwrap(reply)
+                        return unwrap(reply)
                     except ShuttingDownError as exc:
-                        if repark is None:
+                        if not attempts.reparks:
                             raise
-                        shutting_down = exc
                         # The daemon is stopping; it closes this connection itself.
+                        shutting_down = exc
                         failure = f"the daemon shut down during {op!r}"
                         can_retry = True
-            now = time.monotonic()
-            if retry_until is None:
-                retry_until = now + self.retry_window
-                if give_up_at is not None:
-                    retry_until = min(retry_until, give_up_at)
-                if repark is not None:
-                    retry_until = max(retry_until, repark)
-            pause = 0.0 if at_once else delay
-            if not can_retry or now + pause > retry_until:
-                if shutting_down is not None:  # the daemon kept saying so: it stays down
-                    raise shutting_down
-                raise DaemonUnavailableError(self.socket_path, failure)
+            pause = attempts.after_failure(
+                failure, can_retry=can_retry, at_once=at_once, shutting_down=shutting_down
+            )
             if pause:
                 time.sleep(pause)
-                delay = min(delay * 2, 0.5)
             if again is not None:
                 args, read_timeout = again()
 
 
-def _unwrap(reply: dict[str, Any]) -> Any:
-    ok = reply.get("ok")
-    if ok is True:
-        return reply.get("result")
-    if ok is False:
-        raise error_from_reply(reply.get("error"))
-    raise LockdError(f"malformed reply from lockd: {reply!r}", code="PROTOCOL_ERROR")
-
-
 def _closed_error() -> LockdError:
     return LockdError("the LockClient was closed", code="CLIENT_CLOSED")
-
-
-def _handle_parts(handle: object) -> tuple[str, str]:
-    if isinstance(handle, Handle):
-        return handle.key, handle.handle
-    if isinstance(handle, tuple) and len(handle) == 2:
-        key, handle_id = handle
-        return check_key(key), check_text(handle_id, "handle id", 4096)
-    raise TypeError(f"expected a Handle or a (key, handle_id) pair, got {type(handle).__name__}")

@@ -40,12 +40,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._wire import decode, encode
+from ._requests import late_grant
+from ._wire import BadLine, ReplyLines, encode
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 
 _READ_CHUNK = 65536
-_GRANT_OPS = frozenset({"acquire", "tryAcquire"})
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _POLLIN = select.POLLIN
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int; a longer wait just loops
@@ -81,7 +81,7 @@ class Connection:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._parked = 0  # threads in self._cond.wait(): notify only when > 0
-        self._buf = bytearray()  # an incomplete line, while one is coming in
+        self._lines = ReplyLines()
         self._replies: dict[int, dict[str, Any]] = {}
         self._abandoned: dict[int, str] = {}
         self._late_grants: list[tuple[str, str]] = []
@@ -233,30 +233,12 @@ class Connection:
         if not data:
             self._kill_locked("the daemon closed the connection")
             return
-        buf = self._buf
-        if buf:
-            buf += data
-            if b"\n" not in data:
-                return
-            data = bytes(buf)
-            buf.clear()
-        lines = data.split(b"\n")
-        tail = lines.pop()  # b"" when data ends with a newline (the usual case)
-        if tail:
-            buf += tail
-        for line in lines:
-            try:
-                reply = decode(line.decode("utf-8"))
-            except ValueError:  # UnicodeDecodeError is one too
-                if not line.strip():
-                    continue
-                reply = None
-            if not isinstance(reply, dict):
-                self._kill_locked(
-                    f"the daemon sent a line that is not a JSON object: {line[:200]!r}",
-                    protocol=True,
-                )
-                return
+        try:
+            replies = self._lines.feed(data)
+        except BadLine as exc:
+            self._kill_locked(str(exc), protocol=True)
+            return
+        for reply in replies:
             self._file_locked(reply)
 
     def _file_locked(self, reply: dict[str, Any]) -> None:
@@ -274,13 +256,9 @@ class Connection:
 
     def _note_late_locked(self, op: str, reply: dict[str, Any]) -> None:
         """A reply nobody waits for any more: if it granted a lease, give it back."""
-        if op not in _GRANT_OPS or reply.get("ok") is not True:
-            return
-        result = reply.get("result")
-        if isinstance(result, dict):
-            key, handle = result.get("key"), result.get("handle")
-            if isinstance(key, str) and isinstance(handle, str):
-                self._late_grants.append((key, handle))
+        grant = late_grant(op, reply)
+        if grant is not None:
+            self._late_grants.append(grant)
 
     def _flush_late_grants(self) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ from ._wire import seconds_to_ms
 if TYPE_CHECKING:
     from ._client import LockClient
 
-__all__ = ["AutoRenewer", "hold"]
+__all__ = ["AutoRenewer", "call_on_lost", "hold", "lease_end"]
 
 log = logging.getLogger("lockd_client")
 
@@ -114,7 +114,7 @@ class AutoRenewer:
         self._handle.lost = True
         log.warning("lockd: lease on %r lost", self._handle.key)
         if self._on_lost is not None:
-            _call_on_lost(self._on_lost, self._handle)
+            call_on_lost(self._on_lost, self._handle)
 
 
 @contextmanager
@@ -128,6 +128,8 @@ def hold(
     auto_renew: bool,
     on_lost: Callable[[Handle], object] | None,
     release_on_close: bool,
+    shared: bool = False,
+    limit: int = 1,
 ) -> Iterator[Handle]:
     """Implementation of :meth:`LockClient.lock`."""
     ttl_ms = seconds_to_ms(ttl, "ttl", allow_zero=False)
@@ -137,11 +139,19 @@ def hold(
         # Without a renewer nothing watches the lease, so it would never be called.
         raise ValueError("on_lost needs auto_renew=True")
     sent_at = time.monotonic()
-    handle = client.acquire(key, ttl, timeout, owner=owner, release_on_close=release_on_close)
+    handle = client.acquire(
+        key,
+        ttl,
+        timeout,
+        owner=owner,
+        release_on_close=release_on_close,
+        shared=shared,
+        limit=limit,
+    )
     renewer: AutoRenewer | None = None
     if auto_renew:
         renewer = AutoRenewer(
-            client, handle, ttl_ms, on_lost, expires_at=_lease_end(handle, sent_at, ttl_ms)
+            client, handle, ttl_ms, on_lost, expires_at=lease_end(handle, sent_at, ttl_ms)
         )
         renewer.start()
     try:
@@ -167,19 +177,19 @@ def hold(
     if not result.released:
         handle.lost = True
         if on_lost is not None:
-            _call_on_lost(on_lost, handle)
+            call_on_lost(on_lost, handle)
         reason = result.reason or "released: false"
         raise LockLostError(handle.key, handle.fence, f"the release answered {reason}")
 
 
-def _call_on_lost(on_lost: Callable[[Handle], object], handle: Handle) -> None:
+def call_on_lost(on_lost: Callable[[Handle], object], handle: Handle) -> None:
     try:
         on_lost(handle)
     except Exception:
         log.exception("lockd: on_lost callback for %r raised", handle.key)
 
 
-def _lease_end(handle: Handle, sent_at: float, ttl_ms: int) -> float:
+def lease_end(handle: Handle, sent_at: float, ttl_ms: int) -> float:
     """When the lease runs out, on the monotonic clock.
 
     The daemon shares this host's clock, so its ``leaseExpiresAt`` is exact;

@@ -12,7 +12,7 @@ from typing import Any
 
 from ._errors import LockdError
 
-__all__ = ["BreakResult", "Handle", "LockStatus", "ReleaseResult", "RenewResult"]
+__all__ = ["BreakResult", "Handle", "Holder", "LockStatus", "ReleaseResult", "RenewResult"]
 
 
 @dataclass(eq=False)
@@ -69,6 +69,13 @@ class RenewResult:
             raw=obj,
         )
 
+    def apply_to(self, handle: object, ttl_ms: int) -> None:
+        """After a successful renew, bring a Handle's ``ttl_ms`` and expiry up to date."""
+        if self.renewed and isinstance(handle, Handle):
+            handle.ttl_ms = ttl_ms
+            if self.lease_expires_at is not None:
+                handle.lease_expires_at = self.lease_expires_at
+
 
 @dataclass(frozen=True)
 class ReleaseResult:
@@ -90,8 +97,53 @@ class ReleaseResult:
 
 
 @dataclass(frozen=True)
+class Holder:
+    """One current hold of a key (an entry of ``status().holders``); never its handle id.
+
+    ``pid`` and ``process`` are the holder's process id and name
+    (``/proc/PID/comm``) as the daemon saw them at the grant; ``node`` the
+    host that granted it (etcd backend; ``None`` otherwise).
+    """
+
+    held_by: str | None
+    owner: str | None
+    fence: int | None
+    lease_expires_at: datetime | None
+    expires_in_ms: int | None
+    pid: int | None
+    process: str | None
+    node: str | None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: object) -> Holder:
+        """Build a Holder from one entry of ``holders``."""
+        obj = _object(result, "holder")
+        return cls(
+            held_by=_opt(obj, "heldBy", str),
+            owner=_opt(obj, "owner", str),
+            fence=_opt(obj, "fence", int),
+            lease_expires_at=parse_time(obj.get("leaseExpiresAt")),
+            expires_in_ms=_opt(obj, "expiresInMs", int),
+            pid=_opt(obj, "pid", int),
+            process=_opt(obj, "process", str),
+            node=_opt(obj, "node", str),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
 class LockStatus:
-    """Who holds a key (``status``, and each entry of ``list``); ``None`` fields when free."""
+    """Who holds a key (``status``, and each entry of ``list``); ``None`` fields when free.
+
+    The single-holder fields (``held_by``, ``owner``, ``fence``,
+    ``lease_expires_at``, ``expires_in_ms``, ``pid``, ``process``, ``node``)
+    describe the oldest current grant; ``holders`` lists every hold (up to
+    100, oldest first) and ``holder_count`` counts them all. ``mode`` is
+    ``"exclusive"`` or ``"shared"`` (``None`` when free), ``limit`` the
+    semaphore size in force. A daemon that predates shared holds sends none
+    of these; they are then derived from the single-holder fields.
+    """
 
     key: str
     held: bool
@@ -101,6 +153,13 @@ class LockStatus:
     lease_expires_at: datetime | None
     expires_in_ms: int | None
     waiters: int
+    pid: int | None = None
+    process: str | None = None
+    node: str | None = None
+    mode: str | None = None
+    limit: int | None = None
+    holder_count: int = 0
+    holders: tuple[Holder, ...] = ()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -108,15 +167,32 @@ class LockStatus:
         """Build a LockStatus from a ``status`` result object."""
         obj = _object(result, "status")
         waiters = _opt(obj, "waiters", int)
+        held = _req(obj, "held", bool)
+        raw_holders = obj.get("holders")
+        if raw_holders is None:  # an older daemon: one holder at most
+            holders: tuple[Holder, ...] = (Holder.from_result(obj),) if held else ()
+        elif isinstance(raw_holders, list):
+            holders = tuple(Holder.from_result(h) for h in raw_holders)
+        else:
+            raise _bad(f"field 'holders' should be a list, got {raw_holders!r}")
+        count = _opt(obj, "holderCount", int)
+        mode = _opt(obj, "mode", str)
         return cls(
             key=_req(obj, "key", str),
-            held=_req(obj, "held", bool),
+            held=held,
             held_by=_opt(obj, "heldBy", str),
             owner=_opt(obj, "owner", str),
             fence=_opt(obj, "fence", int),
             lease_expires_at=parse_time(obj.get("leaseExpiresAt")),
             expires_in_ms=_opt(obj, "expiresInMs", int),
             waiters=waiters if waiters is not None else 0,
+            pid=_opt(obj, "pid", int),
+            process=_opt(obj, "process", str),
+            node=_opt(obj, "node", str),
+            mode=mode if mode is not None or not held else "exclusive",
+            limit=_opt(obj, "limit", int) if "limit" in obj else (1 if held else None),
+            holder_count=count if count is not None else len(holders),
+            holders=holders,
             raw=obj,
         )
 
@@ -129,6 +205,7 @@ class BreakResult:
     held_by: str | None = None
     owner: str | None = None
     fence: int | None = None
+    holders: int | None = None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -140,6 +217,7 @@ class BreakResult:
             held_by=_opt(obj, "heldBy", str),
             owner=_opt(obj, "owner", str),
             fence=_opt(obj, "fence", int),
+            holders=_opt(obj, "holders", int),
             raw=obj,
         )
 

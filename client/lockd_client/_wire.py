@@ -18,6 +18,8 @@ from typing import Any
 
 __all__ = [
     "MAX_MS",
+    "BadLine",
+    "ReplyLines",
     "check_bool",
     "check_key",
     "check_optional_str",
@@ -57,6 +59,52 @@ def decode(text: str) -> Any:
     if end != len(text):
         return _DECODER.decode(text)
     return obj
+
+
+class BadLine(ValueError):
+    """The daemon sent a line that is not a JSON object (``line``: its first bytes)."""
+
+    def __init__(self, line: bytes) -> None:
+        super().__init__(f"the daemon sent a line that is not a JSON object: {line[:200]!r}")
+        self.line = line
+
+
+class ReplyLines:
+    """Bytes from the daemon in, reply objects out (one per complete line).
+
+    Keeps an incomplete last line until the rest arrives; blank lines are
+    skipped; a line that is not a JSON object raises :class:`BadLine` (the
+    stream cannot be trusted after it). Shared by every client.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """The replies completed by ``data``."""
+        buf = self._buf
+        if buf:
+            buf += data
+            if b"\n" not in data:
+                return []
+            data = bytes(buf)
+            buf.clear()
+        lines = data.split(b"\n")
+        tail = lines.pop()  # b"" when data ends with a newline (the usual case)
+        if tail:
+            buf += tail
+        replies = []
+        for line in lines:
+            try:
+                reply = decode(line.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError is one too
+                if not line.strip():
+                    continue
+                reply = None
+            if not isinstance(reply, dict):
+                raise BadLine(line)
+            replies.append(reply)
+        return replies
 
 
 def _refuse(obj: object) -> object:

@@ -1,0 +1,143 @@
+"""lockd for asyncio: :class:`AsyncLockClient` (standard library only).
+
+The same operations as :class:`lockd_client.LockClient`, as coroutines that
+never block the event loop, over ONE pipelined connection shared by every
+task of the client::
+
+    import asyncio
+    from lockd_client.aio import AsyncLockClient
+
+    async def main() -> None:
+        async with AsyncLockClient() as client:
+            async with client.lock("nightly-report", ttl=60, timeout=10) as handle:
+                await build_report(fence=handle.fence)
+
+Cancelling a task that waits in ``acquire`` (``task.cancel()``,
+``asyncio.wait_for``, ``asyncio.timeout``) withdraws it from the daemon's
+queue with ``cancel``; a grant that crossed the cancel is released at once:
+cancellation never leaves a key held (see :mod:`lockd_client._async`).
+A client belongs to the event loop it was first used in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ._async import AsyncClientBase, ConnectionLost, Pipeline, ReplyTimeout, Slot
+
+__all__ = ["AsyncLockClient"]
+
+_READ_CHUNK = 65536
+
+
+class _FutureSlot(Slot):
+    def __init__(self) -> None:
+        self.future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        if not self.future.done():
+            self.future.set_result(reply)
+
+    def fail(self, lost: ConnectionLost) -> None:
+        if not self.future.done():
+            self.future.set_exception(lost)
+
+
+class AsyncLockClient(AsyncClientBase[_FutureSlot]):
+    """An asyncio client for the lockd daemon; use ``async with`` or :meth:`aclose`.
+
+    ``socket_path``, ``request_timeout`` and ``retry_window`` as for
+    :class:`lockd_client.LockClient`.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        request_timeout: float | None = 30.0,
+        retry_window: float = 5.0,
+    ) -> None:
+        path = None if socket_path is None else os.fspath(socket_path)
+        super().__init__(path, request_timeout=request_timeout, retry_window=retry_window)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def __aenter__(self) -> AsyncLockClient:
+        return self
+
+    async def _open(self) -> Pipeline[_FutureSlot]:
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # many tasks, one connection
+            if self._pipe is not None and not self._pipe.dead:
+                return self._pipe
+            await self._shutdown()
+            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+
+            def send(data: bytes) -> None:
+                if writer.is_closing():
+                    raise ConnectionLost("the connection is closing", sent=False)
+                writer.write(data)  # buffered by the transport: never blocks
+
+            pipe = Pipeline(send, _FutureSlot, lambda: next(self._ids))
+            self._writer = writer
+            self._reader_task = asyncio.create_task(_read(reader, pipe))
+            return pipe
+
+    async def _wait(self, slot: _FutureSlot, timeout: float | None) -> dict[str, Any]:
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()  # back-pressure only; a broken pipe shows as EOF
+        try:
+            async with asyncio.timeout(timeout):
+                return await slot.future
+        except TimeoutError:
+            raise ReplyTimeout() from None
+
+    async def _sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def _background(self, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def main() -> None:
+            await run()
+
+        task = asyncio.create_task(main())
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        return stop
+
+    async def _shutdown(self) -> None:
+        writer, self._writer = self._writer, None
+        task, self._reader_task = self._reader_task, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _read(reader: asyncio.StreamReader, pipe: Pipeline[_FutureSlot]) -> None:
+    try:
+        while not pipe.dead:
+            try:
+                data = await reader.read(_READ_CHUNK)
+            except OSError as exc:
+                pipe.die(f"reading failed ({exc.strerror or exc})")
+                return
+            pipe.feed(data)
+    finally:
+        pipe.die("the connection was closed")

@@ -1,0 +1,211 @@
+"""lockd for trio: :class:`TrioLockClient` (imports trio; nothing else in
+:mod:`lockd_client` does).
+
+The same operations as :class:`lockd_client.LockClient`, as coroutines, over
+ONE pipelined connection shared by every task of the client. The client runs
+its reader and writer in a nursery of its own, so it is used as an async
+context manager::
+
+    import trio
+    from lockd_client.trio import TrioLockClient
+
+    async def main() -> None:
+        async with TrioLockClient() as client:
+            async with client.lock("nightly-report", ttl=60, timeout=10) as handle:
+                await build_report(fence=handle.fence)
+
+    trio.run(main)
+
+A cancel scope around a waiting ``acquire`` (``trio.move_on_after``,
+``trio.fail_after``, a cancelled nursery) withdraws it from the daemon's
+queue with ``cancel``; a grant that crossed the cancel is released at once
+(see :mod:`lockd_client._async`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from ._async import AsyncClientBase, ConnectionLost, Pipeline, ReplyTimeout, Slot
+from ._errors import LockdError
+
+__all__ = ["TrioLockClient"]
+
+_READ_CHUNK = 65536
+#: Cleanup (stopping the renewer, the release) runs shielded from an outer
+#: cancellation, but never longer than this.
+_CLEANUP_LIMIT = 10.0
+
+
+class _EventSlot(Slot):
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.lost: ConnectionLost | None = None
+
+    def deliver(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        self.event.set()
+
+    def fail(self, lost: ConnectionLost) -> None:
+        self.lost = lost
+        self.event.set()
+
+
+class TrioLockClient(AsyncClientBase[_EventSlot]):
+    """A trio client for the lockd daemon; use it as ``async with TrioLockClient() as c``.
+
+    ``socket_path``, ``request_timeout`` and ``retry_window`` as for
+    :class:`lockd_client.LockClient`.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        request_timeout: float | None = 30.0,
+        retry_window: float = 5.0,
+    ) -> None:
+        path = None if socket_path is None else os.fspath(socket_path)
+        super().__init__(path, request_timeout=request_timeout, retry_window=retry_window)
+        self._nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None
+        self._nursery: trio.Nursery | None = None
+        self._io_scope: trio.CancelScope | None = None
+        self._stream: trio.SocketStream | None = None
+        self._connecting = trio.Lock()
+
+    async def __aenter__(self) -> TrioLockClient:
+        self._nursery_manager = trio.open_nursery()
+        self._nursery = await self._nursery_manager.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with trio.CancelScope(shield=True):
+            await self.aclose()
+        manager, self._nursery_manager = self._nursery_manager, None
+        if manager is not None:
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+            self._nursery = None
+            await manager.__aexit__(exc_type, exc, tb)
+
+    def _require_nursery(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise LockdError(
+                "use TrioLockClient as `async with TrioLockClient() as client:`",
+                code="CLIENT_CLOSED",
+            )
+        return self._nursery
+
+    async def _open(self) -> Pipeline[_EventSlot]:
+        nursery = self._require_nursery()
+        async with self._connecting:  # many tasks, one connection
+            if self._pipe is not None and not self._pipe.dead:
+                return self._pipe
+            await self._shutdown()
+            stream = await trio.open_unix_socket(self.socket_path)
+            outgoing, queued = trio.open_memory_channel[bytes](math.inf)
+
+            def send(data: bytes) -> None:
+                try:
+                    outgoing.send_nowait(data)  # unbounded: never blocks, never awaits
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    raise ConnectionLost("the connection is closing", sent=False) from None
+
+            pipe = Pipeline(send, _EventSlot, lambda: next(self._ids))
+            scope = trio.CancelScope()
+            self._stream, self._io_scope = stream, scope
+
+            async def run_io() -> None:
+                with scope:
+                    try:
+                        async with trio.open_nursery() as io:
+                            io.start_soon(_write, stream, queued, pipe)
+                            await _read(stream, pipe)
+                            io.cancel_scope.cancel()
+                    finally:
+                        pipe.die("the connection was closed")
+                        outgoing.close()
+                        with trio.CancelScope(shield=True):
+                            await stream.aclose()
+
+            nursery.start_soon(run_io)
+            return pipe
+
+    async def _wait(self, slot: _EventSlot, timeout: float | None) -> dict[str, Any]:
+        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            await slot.event.wait()
+        if scope.cancelled_caught:
+            raise ReplyTimeout()
+        if slot.lost is not None:
+            raise ConnectionLost(slot.lost.reason, protocol=slot.lost.protocol)
+        assert slot.reply is not None
+        return slot.reply
+
+    async def _sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+    def _background(self, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        nursery = self._require_nursery()
+        scope = trio.CancelScope()
+        done = trio.Event()
+
+        async def main() -> None:
+            try:
+                with scope:
+                    await run()
+            finally:
+                done.set()
+
+        nursery.start_soon(main)
+
+        async def stop() -> None:
+            scope.cancel()
+            await done.wait()
+
+        return stop
+
+    def _cleanup_scope(self) -> AbstractContextManager[Any]:
+        scope = trio.move_on_after(_CLEANUP_LIMIT)
+        scope.shield = True
+        return scope
+
+    async def _shutdown(self) -> None:
+        scope, self._io_scope = self._io_scope, None
+        if scope is not None:
+            scope.cancel()
+        self._stream = None
+
+
+async def _read(stream: trio.SocketStream, pipe: Pipeline[_EventSlot]) -> None:
+    while not pipe.dead:
+        try:
+            data = await stream.receive_some(_READ_CHUNK)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            pipe.die(f"reading failed ({exc})")
+            return
+        pipe.feed(data)
+
+
+async def _write(
+    stream: trio.SocketStream,
+    queued: trio.MemoryReceiveChannel[bytes],
+    pipe: Pipeline[_EventSlot],
+) -> None:
+    async for data in queued:
+        try:
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            pipe.die(f"sending failed ({exc})")
+            return

@@ -1,0 +1,284 @@
+"""The asyncio and trio clients against a real daemon (SPEC §8 "Async programs").
+
+Same operations as the sync client, one pipelined connection for many tasks,
+and cancellation that never leaves a key held: the race between a grant and
+a cancel is run hundreds of times for each library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+from lockd_client import (
+    Handle,
+    LockClient,
+    LockLostError,
+    LockTimeoutError,
+)
+from lockd_client.aio import AsyncLockClient
+from lockd_client.trio import TrioLockClient
+
+from .conftest import DaemonProcess
+
+RACES = 300
+
+
+def held(socket: object, key: str) -> bool:
+    with LockClient(str(socket)) as client:
+        return client.status(key).held
+
+
+def settles_free(socket: object, key: str, timeout: float = 10.0) -> bool:
+    """The key is free (a crossing grant's release may take a moment to land)."""
+    deadline = time.monotonic() + timeout
+    with LockClient(str(socket)) as client:
+        while client.status(key).held:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+    return True
+
+
+# -- asyncio ------------------------------------------------------------------------------
+
+
+def test_asyncio_operations(daemon: DaemonProcess) -> None:
+    async def main() -> None:
+        async with AsyncLockClient(daemon.socket) as client:
+            assert (await client.hello())["protocol"] == 1
+            handle = await client.acquire("aio:k", ttl=30, timeout=1, owner="o")
+            assert isinstance(handle, Handle) and handle.owner == "o"
+            assert await client.try_acquire("aio:k", ttl=30) is None
+            status = await client.status("aio:k")
+            assert status.held and status.fence == handle.fence
+            assert [s.key for s in await client.list(prefix="aio:")] == ["aio:k"]
+            assert (await client.renew(handle, ttl=60)).renewed
+            with pytest.raises(LockTimeoutError):
+                await client.acquire("aio:k", ttl=30, timeout=0.05)
+            assert (await client.release(handle)).released
+            assert not (await client.release(handle)).released
+            assert "counters" in await client.stats()
+
+    asyncio.run(main())
+
+
+def test_asyncio_many_tasks_share_one_connection(daemon: DaemonProcess) -> None:
+    """50 tasks take turns on one key through one client; the loop never blocks."""
+    order: list[int] = []
+
+    async def main() -> None:
+        async with AsyncLockClient(daemon.socket) as client:
+
+            async def worker(n: int) -> None:
+                async with client.lock("aio:shared-conn", ttl=30, timeout=30):
+                    order.append(n)
+                    await asyncio.sleep(0)
+
+            ticks = 0
+
+            async def ticker() -> None:  # runs while everyone waits on the daemon
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.001)
+
+            tick_task = asyncio.create_task(ticker())
+            await asyncio.gather(*(worker(n) for n in range(50)))
+            tick_task.cancel()
+            assert ticks > 0
+            with LockClient(daemon.socket) as sync:
+                assert sync.stats()["connections"] >= 1
+
+    asyncio.run(main())
+    assert sorted(order) == list(range(50))
+    assert not held(daemon.socket, "aio:shared-conn")
+
+
+def test_asyncio_lock_renews_and_reports_loss(daemon: DaemonProcess) -> None:
+    async def main() -> None:
+        async with AsyncLockClient(daemon.socket) as client:
+            async with client.lock("aio:renew", ttl=0.3, timeout=1) as handle:
+                await asyncio.sleep(0.8)  # past the TTL: renewed in the background
+                assert (await client.status("aio:renew")).fence == handle.fence
+            lost: list[Handle] = []
+            with pytest.raises(LockLostError):
+                async with client.lock("aio:lost", ttl=0.6, timeout=1, on_lost=lost.append):
+                    with LockClient(daemon.socket) as admin:
+                        assert admin.break_lock("aio:lost", "test").broken
+                    for _ in range(200):
+                        if lost:
+                            break
+                        await asyncio.sleep(0.01)
+            assert lost
+
+    asyncio.run(main())
+
+
+def test_asyncio_wait_for_timeout_withdraws_the_waiter(daemon: DaemonProcess) -> None:
+    """``asyncio.wait_for`` around a parked acquire: the waiter leaves the queue at once."""
+
+    async def main() -> None:
+        async with (
+            AsyncLockClient(daemon.socket) as holder,
+            AsyncLockClient(daemon.socket) as client,
+        ):
+            h = await holder.acquire("aio:withdraw", ttl=30, timeout=1)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.acquire("aio:withdraw", ttl=30, timeout=20), 0.2)
+            for _ in range(300):
+                if (await holder.status("aio:withdraw")).waiters == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await holder.status("aio:withdraw")).waiters == 0  # not after 20 s
+            assert (await holder.release(h)).released
+            assert not (await holder.status("aio:withdraw")).held  # nobody was handed it
+
+    asyncio.run(main())
+
+
+def test_asyncio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess) -> None:
+    """A release and a cancel at nearly the same instant, {RACES} times."""
+    rng = random.Random(11)
+    outcomes = {"granted": 0, "cancelled": 0}
+
+    async def main() -> None:
+        async with (
+            AsyncLockClient(daemon.socket) as holder,
+            AsyncLockClient(daemon.socket) as client,
+        ):
+            for i in range(RACES):
+                key = f"aio:race:{i % 7}"
+                h = await holder.acquire(key, ttl=30, timeout=5)
+                task = asyncio.create_task(client.acquire(key, ttl=30, timeout=10))
+                await asyncio.sleep(rng.choice([0, 0, 0.0005, 0.002]))
+                delay = rng.choice([0, 0, 0.0001, 0.0005, 0.001])
+                if rng.random() < 0.5:
+                    await holder.release(h)
+                    await asyncio.sleep(delay)
+                    task.cancel()
+                else:
+                    task.cancel()
+                    await asyncio.sleep(delay)
+                    await holder.release(h)
+                try:
+                    got = await task
+                except asyncio.CancelledError:
+                    outcomes["cancelled"] += 1
+                else:
+                    outcomes["granted"] += 1
+                    assert (await client.release(got)).released
+                for _ in range(1000):
+                    status = await holder.status(key)
+                    if not status.held and status.waiters == 0:
+                        break
+                    await asyncio.sleep(0.002)
+                else:
+                    raise AssertionError(f"race {i}: {key} left held: {status}")
+
+    asyncio.run(main())
+    assert outcomes["cancelled"] > 0, outcomes
+
+
+def test_asyncio_client_imports_no_trio() -> None:
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "import lockd_client.aio\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "bad = sorted(m for m in new if m != 'lockd_client' and m not in sys.stdlib_module_names)\n"
+        "assert 'trio' not in sys.modules and not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+# -- trio --------------------------------------------------------------------------------
+
+
+async def test_trio_operations(daemon: DaemonProcess) -> None:
+    async with TrioLockClient(daemon.socket) as client:
+        handle = await client.acquire("trio:k", ttl=30, timeout=1)
+        assert await client.try_acquire("trio:k", ttl=30) is None
+        assert (await client.status("trio:k")).fence == handle.fence
+        assert (await client.renew(handle, ttl=60)).renewed
+        with pytest.raises(LockTimeoutError):
+            await client.acquire("trio:k", ttl=30, timeout=0.05)
+        assert (await client.release(handle)).released
+
+
+async def test_trio_many_tasks_share_one_connection(daemon: DaemonProcess) -> None:
+    order: list[int] = []
+    async with TrioLockClient(daemon.socket) as client:
+
+        async def worker(n: int) -> None:
+            async with client.lock("trio:shared-conn", ttl=30, timeout=30):
+                order.append(n)
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            for n in range(50):
+                nursery.start_soon(worker, n)
+    assert sorted(order) == list(range(50))
+
+
+async def test_trio_cancel_scope_withdraws_and_lock_cleans_up(daemon: DaemonProcess) -> None:
+    async with TrioLockClient(daemon.socket) as holder, TrioLockClient(daemon.socket) as client:
+        h = await holder.acquire("trio:withdraw", ttl=30, timeout=1)
+        with trio.move_on_after(0.2) as scope:
+            await client.acquire("trio:withdraw", ttl=30, timeout=20)
+        assert scope.cancelled_caught
+        with trio.fail_after(5):
+            while (await holder.status("trio:withdraw")).waiters:
+                await trio.sleep(0.01)
+        assert (await holder.release(h)).released
+        # A block cancelled from outside still releases (shielded cleanup).
+        with trio.move_on_after(0.2):
+            async with client.lock("trio:cancelled-block", ttl=30, timeout=1):
+                await trio.sleep(10)
+        assert not (await holder.status("trio:cancelled-block")).held
+
+
+async def test_trio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess) -> None:
+    rng = random.Random(12)
+    cancelled = 0
+    async with TrioLockClient(daemon.socket) as holder, TrioLockClient(daemon.socket) as client:
+        for i in range(RACES):
+            key = f"trio:race:{i % 7}"
+            h = await holder.acquire(key, ttl=30, timeout=5)
+            got: list[Handle] = []
+
+            async def take(
+                scope: trio.CancelScope, key: str = key, got: list[Handle] = got
+            ) -> None:
+                with scope:
+                    got.append(await client.acquire(key, ttl=30, timeout=10))
+
+            scope = trio.CancelScope()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(take, scope, key, got)
+                await trio.sleep(rng.choice([0, 0, 0.0005, 0.002]))
+                delay = rng.choice([0, 0, 0.0001, 0.0005, 0.001])
+                if rng.random() < 0.5:
+                    await holder.release(h)
+                    await trio.sleep(delay)
+                    scope.cancel()
+                else:
+                    scope.cancel()
+                    await trio.sleep(delay)
+                    await holder.release(h)
+            if got:
+                assert (await client.release(got[0])).released
+            else:
+                cancelled += 1
+            with trio.fail_after(5):
+                while True:
+                    status = await holder.status(key)
+                    if not status.held and status.waiters == 0:
+                        break
+                    await trio.sleep(0.002)
+    assert cancelled > 0
