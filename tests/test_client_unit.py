@@ -1169,6 +1169,35 @@ def test_blocking_acquire_reparks_after_the_connection_drops(
         assert server.connections == 2
 
 
+def test_abandoned_acquire_is_cancelled_and_a_crossing_grant_released(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    """No reply in time: the client gives up, sends cancel; the grant that crossed it
+    is released as soon as it is read."""
+    seen = threading.Event()
+
+    def script(peer: Peer, index: int) -> None:
+        acquire = peer.recv()
+        assert acquire is not None and acquire["op"] == "acquire"
+        cancel = peer.recv()
+        assert cancel == {"id": cancel["id"], "op": "cancel", "target": acquire["id"]}
+        peer.reply(acquire, answer(acquire))  # the grant crossed the cancel
+        peer.reply(cancel, ok({"cancelled": False}))
+        while (request := peer.recv()) is not None:
+            peer.reply(request, answer(request))
+            if request["op"] == "release":
+                seen.set()
+
+    server = serve(script)
+    with make_client(server.path, request_timeout=0.1) as client:
+        with pytest.raises(DaemonUnavailableError, match="no reply"):
+            client.acquire("k", ttl=5, timeout=0.01)
+        client.hello()  # reading the late replies gives the grant back
+        assert seen.wait(5)
+    release = next(r for r in server.requests if r["op"] == "release")
+    assert release == {"id": release["id"], "op": "release", "key": "k", "handle": HANDLE_ID}
+
+
 def test_try_acquire_is_not_reparked(serve: Callable[[Script], FakeServer]) -> None:
     server = serve(responder(lambda request: err("SHUTTING_DOWN", 503)))
     with make_client(server.path) as client, pytest.raises(ShuttingDownError):

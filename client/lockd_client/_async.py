@@ -29,6 +29,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -220,11 +221,12 @@ class AsyncClientBase(ABC, Generic[SlotT]):
 
     def __init__(
         self,
-        socket_path: str | None = None,
+        socket_path: str | os.PathLike[str] | None = None,
         *,
         request_timeout: float | None = 30.0,
         retry_window: float = 5.0,
     ) -> None:
+        """``socket_path``, ``request_timeout``, ``retry_window`` as for ``LockClient``."""
         self.socket_path: str = resolve_socket_path(socket_path)
         self.request_timeout = request_timeout
         self.retry_window = retry_window

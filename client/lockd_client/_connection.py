@@ -6,9 +6,10 @@ waiting thread that finds no reader becomes the reader, reads from the socket
 (buffered, line by line) and files every reply it sees under its id, waking
 the threads parked on a :class:`threading.Condition` when there are any. A
 thread whose reply has been filed takes it and returns; a thread that gives
-up (time-out, interrupt) leaves its id behind as abandoned, and if a grant
-later arrives for it, the grant is released at once so the key is not held
-for nothing.
+up (time-out, interrupt) leaves its id behind as abandoned: an abandoned
+blocking acquire is withdrawn from the daemon's queue with ``cancel``, and if
+a grant later arrives for it (it crossed the cancel), the grant is released
+at once so the key is not held for nothing.
 
 The single-thread case is the hot path and is kept to three system calls per
 request (``send``, ``poll``, ``recv``) and three uncontended lock round trips:
@@ -84,7 +85,9 @@ class Connection:
         self._lines = ReplyLines()
         self._replies: dict[int, dict[str, Any]] = {}
         self._abandoned: dict[int, str] = {}
-        self._late_grants: list[tuple[str, str]] = []
+        #: requests nobody waits for, to send once the lock is free: releases of
+        #: late grants, cancels of abandoned acquires (op, arguments).
+        self._late_sends: list[tuple[str, dict[str, Any]]] = []
         self._reading = False
         self._dead: ConnectionLost | None = None
         self._fd_closed = False
@@ -182,10 +185,10 @@ class Connection:
                         self._parked -= 1
                 else:
                     self._read_once_locked(remaining)
-                    if self._late_grants:  # give them back now, not when our reply comes
+                    if self._late_sends:  # give them back now, not when our reply comes
                         self._lock.release()
                         try:
-                            self._flush_late_grants()
+                            self._flush_late_sends()
                         finally:
                             self._lock.acquire()
         except BaseException:
@@ -196,12 +199,14 @@ class Connection:
                 self._note_late_locked(op, leftover)
             elif self._dead is None:
                 self._abandoned[rid] = op
+                if op == "acquire":  # leave the daemon's queue now, not at the timeout
+                    self._late_sends.append(("cancel", {"target": rid}))
             raise
         finally:
-            late = bool(self._late_grants)
+            late = bool(self._late_sends)
             self._lock.release()
             if late:
-                self._flush_late_grants()
+                self._flush_late_sends()
 
     def _read_once_locked(self, timeout: float | None) -> None:
         """Become the reader, wait up to ``timeout`` for data, file what arrives.
@@ -258,18 +263,19 @@ class Connection:
         """A reply nobody waits for any more: if it granted a lease, give it back."""
         grant = late_grant(op, reply)
         if grant is not None:
-            self._late_grants.append(grant)
+            key, handle = grant
+            self._late_sends.append(("release", {"key": key, "handle": handle}))
 
-    def _flush_late_grants(self) -> None:
+    def _flush_late_sends(self) -> None:
         with self._lock:
-            grants, self._late_grants = self._late_grants, []
-            if self._dead is not None or not grants:
+            sends, self._late_sends = self._late_sends, []
+            if self._dead is not None or not sends:
                 return
-        for key, handle in grants:
+        for op, args in sends:
             rid = self._next_id()
             with self._lock:
-                self._abandoned[rid] = "release"
-            line = encode({"id": rid, "op": "release", "key": key, "handle": handle})
+                self._abandoned[rid] = op
+            line = encode({"id": rid, "op": op, **args})
             try:
                 with self._send_lock:
                     self._sock.sendall(line, _NOSIGNAL)

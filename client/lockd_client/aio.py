@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -55,18 +54,9 @@ class AsyncLockClient(AsyncClientBase[_FutureSlot]):
     :class:`lockd_client.LockClient`.
     """
 
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        *,
-        request_timeout: float | None = 30.0,
-        retry_window: float = 5.0,
-    ) -> None:
-        path = None if socket_path is None else os.fspath(socket_path)
-        super().__init__(path, request_timeout=request_timeout, retry_window=retry_window)
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self._connecting: asyncio.Lock | None = None
+    _writer: asyncio.StreamWriter | None = None
+    _reader_task: asyncio.Task[None] | None = None
+    _connecting: asyncio.Lock | None = None  # made in the loop that first connects
 
     async def __aenter__(self) -> AsyncLockClient:
         return self

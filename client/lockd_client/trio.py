@@ -25,7 +25,6 @@ queue with ``cancel``; a grant that crossed the cancel is released at once
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
@@ -65,20 +64,10 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
     :class:`lockd_client.LockClient`.
     """
 
-    def __init__(
-        self,
-        socket_path: str | os.PathLike[str] | None = None,
-        *,
-        request_timeout: float | None = 30.0,
-        retry_window: float = 5.0,
-    ) -> None:
-        path = None if socket_path is None else os.fspath(socket_path)
-        super().__init__(path, request_timeout=request_timeout, retry_window=retry_window)
-        self._nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None
-        self._nursery: trio.Nursery | None = None
-        self._io_scope: trio.CancelScope | None = None
-        self._stream: trio.SocketStream | None = None
-        self._connecting = trio.Lock()
+    _nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None
+    _nursery: trio.Nursery | None = None
+    _io_scope: trio.CancelScope | None = None
+    _connecting: trio.Lock | None = None
 
     async def __aenter__(self) -> TrioLockClient:
         self._nursery_manager = trio.open_nursery()
@@ -110,6 +99,8 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
 
     async def _open(self) -> Pipeline[_EventSlot]:
         nursery = self._require_nursery()
+        if self._connecting is None:
+            self._connecting = trio.Lock()
         async with self._connecting:  # many tasks, one connection
             if self._pipe is not None and not self._pipe.dead:
                 return self._pipe
@@ -124,8 +115,7 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
                     raise ConnectionLost("the connection is closing", sent=False) from None
 
             pipe = Pipeline(send, _EventSlot, lambda: next(self._ids))
-            scope = trio.CancelScope()
-            self._stream, self._io_scope = stream, scope
+            scope = self._io_scope = trio.CancelScope()
 
             async def run_io() -> None:
                 with scope:
@@ -185,7 +175,6 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
         scope, self._io_scope = self._io_scope, None
         if scope is not None:
             scope.cancel()
-        self._stream = None
 
 
 async def _read(stream: trio.SocketStream, pipe: Pipeline[_EventSlot]) -> None:

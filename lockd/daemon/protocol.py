@@ -31,6 +31,7 @@ ERROR_STATUS = {
     "LOCK_ACCESS_DENIED": 403,
     "LOCK_TIMEOUT": 408,
     "RATE_LIMITED": 429,
+    "CANCELLED": 499,
     "INTERNAL": 500,
     "SHUTTING_DOWN": 503,
     "STORAGE_UNAVAILABLE": 503,
@@ -116,6 +117,13 @@ class Break(Request):
 
 
 @dataclass(frozen=True)
+class Cancel(Request):
+    """Withdraw this connection's parked acquire whose request id is ``target``."""
+
+    target: RequestId
+
+
+@dataclass(frozen=True)
 class Stats(Request):
     pass
 
@@ -135,6 +143,7 @@ _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "status": (frozenset({"key"}), frozenset()),
     "list": (frozenset(), frozenset({"prefix", "limit"})),
     "break": (frozenset({"key", "reason"}), frozenset()),
+    "cancel": (frozenset({"target"}), frozenset()),
     "stats": (frozenset(), frozenset()),
     "rules": (frozenset(), frozenset()),
 }
@@ -215,11 +224,7 @@ def parse_request(line: bytes | str) -> Request:
     raw_id = data.get("id")
     if raw_id is None:
         raise invalid("id", "id is required")
-    if isinstance(raw_id, bool) or not isinstance(raw_id, int | str):
-        raise invalid("id", "id must be a string or an integer")
-    if isinstance(raw_id, str) and _utf8_len(raw_id) is None:
-        raise invalid("id", "id is not valid UTF-8")
-    rid: RequestId = raw_id
+    rid = _request_id(raw_id, "id")
 
     op = data.get("op")
     if op is None:
@@ -245,6 +250,15 @@ def parse_request(line: bytes | str) -> Request:
     except ProtocolError as exc:
         exc.request_id = rid
         raise
+
+
+def _request_id(value: object, field: str) -> RequestId:
+    """A request id (``id``, or the ``target`` of a cancel): a string or an integer."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise invalid(field, f"{field} must be a string or an integer")
+    if isinstance(value, str) and _utf8_len(value) is None:
+        raise invalid(field, f"{field} is not valid UTF-8")
+    return value
 
 
 def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
@@ -277,6 +291,8 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
         return ListLocks(rid, op, prefix, limit)
     if op == "break":
         return Break(rid, op, check_key(f["key"]), _text(f["reason"], "reason", MAX_REASON_CHARS))
+    if op == "cancel":
+        return Cancel(rid, op, _request_id(f["target"], "target"))
     if op == "hello":
         return Hello(rid, op)
     if op == "stats":

@@ -31,6 +31,7 @@ from lockd.daemon import fdlimit, sockio, systemd
 from lockd.daemon.engine import Parked, Waiter
 from lockd.daemon.protocol import (
     Acquire,
+    Cancel,
     LineSplitter,
     ProtocolError,
     Request,
@@ -62,6 +63,18 @@ class Connection:
     closed: bool = False
     #: requests of this connection waiting in tasks of their own.
     waiting: int = 0
+    #: those waits by request id, for ``cancel`` (a client reusing an id gets a list).
+    waits: dict[RequestId, list[_Wait]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Wait:
+    """One acquire waiting in a task of its own, as ``cancel`` sees it."""
+
+    step: AcquireStep
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: set by ``cancel``: answer CANCELLED, not the step's outcome.
+    cancelled: bool = False
 
 
 @dataclass
@@ -384,7 +397,10 @@ class LockServer:
             request = parse_request(line)
             if self.shutting_down:
                 raise shutting_down()
-            if isinstance(request, Acquire):
+            if isinstance(request, Cancel):
+                result = {"cancelled": self._cancel(conn, request.target)}
+                await self._send(conn, encode_result(request.id, result))
+            elif isinstance(request, Acquire):
                 step = self.service.acquire(conn.caller, conn.id, request, pending=conn.waiting)
                 if isinstance(step, Reply):
                     await self._reply(conn, request.id, step)
@@ -444,22 +460,61 @@ class LockServer:
     ) -> None:
         """Follow an acquire that has to wait in a task of its own, counted per connection."""
         self._track(step)  # before any await: the waiter may be resolved at once
+        wait = _Wait(step)
+        conn.waits.setdefault(req.id, []).append(wait)
 
         async def run() -> None:
             try:
-                reply = await self._wait_for_reply(conn, req, step)
+                reply: Reply | None = None
+                with wait.scope:
+                    reply = await self._wait_for_reply(conn, req, wait)
+                if wait.cancelled or reply is None:
+                    raise ProtocolError(
+                        "CANCELLED",
+                        f"the acquire of {req.key!r} was withdrawn by cancel",
+                        request_id=req.id,
+                        details={"key": req.key},
+                    )
                 await self._reply(conn, req.id, reply)
             except ProtocolError as exc:
                 await self._reply_error(conn, req, exc)
             except Exception:
                 await self._reply_internal(conn, req)
             finally:
+                waits = conn.waits.get(req.id, [])
+                if wait in waits:
+                    waits.remove(wait)
+                if not waits:
+                    conn.waits.pop(req.id, None)
                 conn.waiting -= 1
                 self._observe(req.op, started)
                 self._reschedule()
 
         conn.waiting += 1
         nursery.start_soon(run)
+
+    def _cancel(self, conn: Connection, target: RequestId) -> bool:
+        """``cancel``: withdraw this connection's waiting acquire ``target``, if still waiting.
+
+        Synchronous, so nothing can grant the waiter between the check and
+        the withdrawal. A waiter the engine already resolved (granted, timed
+        out) keeps its answer, which is on its way: ``cancelled: false``.
+        """
+        withdrawn = False
+        for wait in conn.waits.get(target, ()):
+            step = wait.step
+            if wait.cancelled or isinstance(step, Reply):
+                continue
+            if isinstance(step, Parked):
+                if step.waiter.resolved:
+                    continue
+                self.service.cancel_waiter(step.waiter)  # out of the queue, now
+            wait.cancelled = True
+            wait.scope.cancel()
+            withdrawn = True
+        if withdrawn:
+            self._reschedule()
+        return withdrawn
 
     def _track(self, step: AcquireStep) -> AcquireStep:
         """Give a parked waiter the event its resolution sets."""
@@ -468,9 +523,10 @@ class LockServer:
             self._reschedule()  # its deadline may be the earliest now
         return step
 
-    async def _wait_for_reply(self, conn: Connection, req: Acquire, step: AcquireStep) -> Reply:
+    async def _wait_for_reply(self, conn: Connection, req: Acquire, wait: _Wait) -> Reply:
         """Do the waiting each step asks for until the service has the reply."""
         while True:
+            step = wait.step
             if isinstance(step, Reply):
                 return step
             if isinstance(step, WaitForRoom):
@@ -478,7 +534,9 @@ class LockServer:
                     await self._shutdown_event.wait()
                 if self.shutting_down:
                     raise shutting_down()
-                step = self._track(self.service.acquire_after_wait(conn.caller, conn.id, req, step))
+                wait.step = self._track(
+                    self.service.acquire_after_wait(conn.caller, conn.id, req, step)
+                )
             else:
                 waiter = step.waiter
                 try:
@@ -488,4 +546,4 @@ class LockServer:
                     # Cancelled (connection gone) or woken by shutdown: leave
                     # the queue before anything else can hand us the key.
                     self.service.cancel_waiter(waiter)
-                step = self.service.parked_reply(req, waiter)
+                wait.step = self.service.parked_reply(req, waiter)
