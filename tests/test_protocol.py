@@ -76,6 +76,7 @@ def test_every_op_parses_to_its_typed_request() -> None:
         "status": {"key": "k"},
         "list": {"prefix": "a:", "limit": 3},
         "break": {"key": "k", "reason": "stuck"},
+        "cancel": {"target": 7},
         "stats": {},
         "rules": {},
     }
