@@ -323,6 +323,7 @@ def test_error_statuses_mirror_http() -> None:
         "LOCK_ACCESS_DENIED": 403,
         "LOCK_TIMEOUT": 408,
         "RATE_LIMITED": 429,
+        "CANCELLED": 499,
         "INTERNAL": 500,
         "SHUTTING_DOWN": 503,
         "STORAGE_UNAVAILABLE": 503,
