@@ -1,0 +1,1 @@
+"""The etcd backend's parts: ``wire`` (gateway messages, no I/O), ``gateway`` (the client)."""

@@ -1,0 +1,535 @@
+"""An etcd v3 client for the daemon: httpx on etcd's JSON gateway, under trio.
+
+Why this shape:
+
+- **httpx** runs natively under trio (through anyio), streams a response line
+  by line (watches), and does TLS with client certificates. etcd serves the
+  gateway on its client port (3.4+), so no gRPC stack is needed.
+- **One bound per request.** Every call, failover included, ends within
+  ``timeout`` (the config's ``etcd_timeout``); when it cannot, it raises
+  ``EtcdUnavailable``, which the daemon answers as ``BACKEND_UNAVAILABLE``.
+- **Failover without double effects.** A request goes to the endpoint that
+  answered last; on a failure it moves to the next. Reads move on after any
+  failure. A write moves on only when it certainly did not reach etcd (the
+  connection was refused, or etcd said it has no leader, so nothing was
+  proposed); when a write may have been committed (the connection broke after
+  sending, etcd timed out the proposal, the deadline struck mid-request) it
+  raises ``EtcdUnavailable(maybe_committed=True)`` at once, so the caller can
+  find out what happened from the keys it wrote, instead of the client
+  guessing by retrying.
+- **No reads from a member that lost its leader.** Every request carries
+  etcd's ``hasleader`` metadata (gateway header ``Grpc-Metadata-hasleader``):
+  a member cut off from the quorum refuses at once ("no leader") instead of
+  serving stale state or waiting out its 7 s proposal timeout, and it ends
+  the watches it serves, which then resume on another member.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import ssl
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from lockd.daemon.backends.etcd.wire import (
+    Compare,
+    DeleteOp,
+    DeleteResult,
+    Json,
+    KeyLike,
+    LeaseGrant,
+    LeaseTimeToLive,
+    Op,
+    PutOp,
+    PutResult,
+    RangeOp,
+    RangeResult,
+    TxnResult,
+    WatchRequest,
+    WatchResponse,
+    txn_body,
+)
+
+# gRPC status codes etcd answers with (the gateway puts them in "code").
+GRPC_DEADLINE_EXCEEDED = 4
+GRPC_NOT_FOUND = 5
+GRPC_RESOURCE_EXHAUSTED = 8
+GRPC_UNAVAILABLE = 14
+GRPC_UNAUTHENTICATED = 16
+
+# etcd errors that mean the request was never proposed to raft: safe to send
+# again, to this member later or to another one now.
+NOT_PROPOSED = (
+    "etcdserver: no leader",
+    "etcdserver: too many requests",
+    "etcdserver: not capable",
+)
+INVALID_TOKEN = "etcdserver: invalid auth token"
+
+REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
+
+# After every endpoint failed in a row, wait before the next round; doubles
+# up to the cap, so a cluster that is electing a leader (~1.5 s) is not
+# flooded, and one that is back is found within a quarter second.
+BACKOFF_FIRST = 0.02
+BACKOFF_CAP = 0.25
+
+
+class EtcdUnavailable(Exception):
+    """etcd could not be reached, or had no quorum, within the request's bound.
+
+    ``maybe_committed`` is true when a write was possibly applied although no
+    answer came back: the caller must look at what it wrote before acting on
+    it as failed (for a grant: release it once etcd answers again).
+    """
+
+    def __init__(self, message: str, *, maybe_committed: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_committed = maybe_committed
+
+
+class EtcdError(Exception):
+    """etcd answered and refused the request (a bug, bad credentials, a missing lease)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"etcd error {code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class LeaseNotFound(EtcdError):
+    """The lease does not exist (it expired or was revoked)."""
+
+
+class WatchCompacted(Exception):
+    """The watch asked for history etcd has compacted away; read again, then watch anew."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"revisions before {compact_revision} are compacted")
+        self.compact_revision = compact_revision
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """How to reach the cluster; the ``[backend]`` table of ``lockd.toml`` maps onto this."""
+
+    endpoints: Sequence[str]
+    timeout: float = 5.0  # etcd_timeout: the bound on one call, failover included
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    username: str | None = None
+    password_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("endpoints: at least one etcd URL is needed")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError("etcd_timeout must be a positive number of seconds")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        if (self.username is None) != (self.password_file is None):
+            raise ValueError("username and password_file go together")
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """The TLS setup for https endpoints: our CA and client certificate when given."""
+        if self.ca_file is None and self.cert_file is None:
+            return True  # the system's trust store
+        context = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file is not None:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+    def password(self) -> str:
+        assert self.password_file is not None
+        return self.password_file.read_text().rstrip("\r\n")
+
+
+class EtcdGateway:
+    """The daemon's etcd client. Use as ``async with EtcdGateway(settings) as etcd:``."""
+
+    def __init__(
+        self, settings: GatewaySettings, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.settings = settings
+        self._endpoints = [e.rstrip("/") for e in settings.endpoints]
+        self._current = 0  # the endpoint that answered last
+        self._token: str | None = None
+        self._auth_lock = trio.Lock()
+        self._http = httpx.AsyncClient(
+            verify=settings.ssl_context(),
+            transport=transport,
+            headers=REQUIRE_LEADER,
+            # Each watch holds a connection for as long as it runs.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+        )
+
+    async def __aenter__(self) -> EtcdGateway:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint requests go to first."""
+        return self._endpoints[self._current]
+
+    # --- key-value ---------------------------------------------------------------
+
+    async def range(self, op: RangeOp) -> RangeResult:
+        return RangeResult.parse(await self.call("/v3/kv/range", op.body(), idempotent=True))
+
+    async def get(self, key: KeyLike) -> RangeResult:
+        return await self.range(RangeOp(key))
+
+    async def put(self, key: KeyLike, value: KeyLike, *, lease: int = 0) -> PutResult:
+        body = PutOp(key, value, lease=lease, prev_kv=True).body()
+        return PutResult.parse(await self.call("/v3/kv/put", body, idempotent=False))
+
+    async def delete(self, op: DeleteOp) -> DeleteResult:
+        doc = await self.call("/v3/kv/deleterange", op.body(), idempotent=False)
+        return DeleteResult.parse(doc)
+
+    async def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op] = (),
+        failure: Sequence[Op] = (),
+    ) -> TxnResult:
+        """One atomic transaction: if every compare holds run ``success``, else ``failure``."""
+        body = txn_body(compares, success, failure)
+        read_only = all(isinstance(op, RangeOp) for op in (*success, *failure))
+        return TxnResult.parse(await self.call("/v3/kv/txn", body, idempotent=read_only))
+
+    # --- leases --------------------------------------------------------------------
+
+    async def lease_grant(self, ttl: int) -> LeaseGrant:
+        """A new lease of ``ttl`` seconds (etcd raises it to its minimum, 2 s on 3.4)."""
+        # Not idempotent: a lost reply leaves a lease behind, which expires by itself.
+        doc = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, idempotent=False)
+        return LeaseGrant.parse(doc)
+
+    async def lease_keepalive(self, lease_id: int) -> int:
+        """Refresh the lease to its granted TTL; return that TTL. LeaseNotFound if it is gone."""
+        doc = await self.call("/v3/lease/keepalive", {"ID": str(lease_id)}, idempotent=True)
+        result = doc.get("result", {})
+        ttl = int(result.get("TTL", 0))
+        if ttl <= 0:  # the gateway answers an unknown lease with no TTL, not an error
+            raise LeaseNotFound(GRPC_NOT_FOUND, f"lease {lease_id:x} not found")
+        return ttl
+
+    async def lease_revoke(self, lease_id: int) -> None:
+        """End the lease now and delete every key attached to it. LeaseNotFound if gone."""
+        # Revoking twice has the same effect as once: a retry is harmless.
+        await self.call("/v3/lease/revoke", {"ID": str(lease_id)}, idempotent=True)
+
+    async def lease_time_to_live(self, lease_id: int, *, keys: bool = False) -> LeaseTimeToLive:
+        body: Json = {"ID": str(lease_id), "keys": keys}
+        return LeaseTimeToLive.parse(await self.call("/v3/lease/timetolive", body, idempotent=True))
+
+    # --- cluster -------------------------------------------------------------------
+
+    async def status(self) -> Json:
+        """``/v3/maintenance/status`` of whichever member answers (version, leader, revision)."""
+        return await self.call("/v3/maintenance/status", {}, idempotent=True)
+
+    # --- watches -------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def watch(self, request: WatchRequest) -> AsyncIterator[Watch]:
+        """A watch from ``request.start_revision``; iterate it for ``WatchResponse``s.
+
+        The watch survives the loss of the member serving it: it resumes on
+        another endpoint from the revision after the last one it delivered,
+        so no event is lost or repeated. Leaving the block cancels it.
+        """
+        watch = Watch(self, request)
+        try:
+            yield watch
+        finally:
+            await watch.aclose()
+
+    # --- the transport ------------------------------------------------------------
+
+    async def call(self, path: str, body: Mapping[str, Any], *, idempotent: bool) -> Json:
+        """POST ``body`` to ``path`` on a live endpoint; the reply's JSON document.
+
+        Raises ``EtcdUnavailable`` when no endpoint answered within
+        ``settings.timeout`` (or a write's outcome is unknown), ``EtcdError``
+        when etcd refused the request.
+        """
+        rounds = _Rounds(len(self._endpoints))
+        maybe_committed = False
+        with trio.move_on_after(self.settings.timeout):
+            while True:
+                endpoint = self.endpoint
+                maybe_committed = not idempotent
+                try:
+                    return await self._post(endpoint + path, body, idempotent=idempotent)
+                except _NotSent as failure:
+                    maybe_committed = False
+                    why = str(failure)
+                except _MaybeSent as failure:
+                    if not idempotent:
+                        raise EtcdUnavailable(
+                            f"{endpoint}: {failure}; the write may have been applied",
+                            maybe_committed=True,
+                        ) from None
+                    why = str(failure)
+                await self._next_endpoint(rounds, f"{endpoint}: {why}")
+        raise EtcdUnavailable(
+            f"etcd did not answer within {self.settings.timeout:g} s (last: {rounds.last})",
+            maybe_committed=maybe_committed,
+        )
+
+    async def _next_endpoint(self, rounds: _Rounds, failure: str) -> None:
+        """Move on to the next endpoint; after a whole round of failures, back off first."""
+        rounds.last = failure
+        self._current = (self._current + 1) % len(self._endpoints)
+        await rounds.after_failure()
+
+    def _attempt_timeout(self, *, idempotent: bool) -> httpx.Timeout:
+        # A connect should take well under a millisecond: a slow one means a
+        # host that is gone, and the budget is better spent on the next
+        # endpoint. A read may be retried elsewhere after half the budget; a
+        # write waits for the whole of it (its outcome is at stake).
+        budget = self.settings.timeout
+        read = budget / 2 if idempotent else None
+        return httpx.Timeout(read, connect=budget / (len(self._endpoints) + 1))
+
+    async def _post(self, url: str, body: Mapping[str, Any], *, idempotent: bool) -> Json:
+        """One attempt; ``_NotSent``/``_MaybeSent`` for failures another endpoint may not have."""
+        headers = await self._auth_headers(url)
+        try:
+            timeout = self._attempt_timeout(idempotent=idempotent)
+            reply = await self._http.post(url, json=body, headers=headers, timeout=timeout)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise _NotSent(f"cannot connect ({exc})") from None
+        except httpx.TransportError as exc:
+            raise _MaybeSent(f"connection failed mid-request ({exc!r})") from None
+        doc = _json(reply)
+        if reply.status_code == 200:
+            return doc
+        code, message = _error_of(doc, reply)
+        if message == INVALID_TOKEN and self.settings.username is not None:
+            self._token = None  # expired (simple tokens live 5 min idle): log in again
+            raise _NotSent(message)
+        if message in NOT_PROPOSED:
+            raise _NotSent(message)
+        if code in (GRPC_UNAVAILABLE, GRPC_DEADLINE_EXCEEDED) or reply.status_code >= 500:
+            raise _MaybeSent(message)
+        if code == GRPC_NOT_FOUND and "lease not found" in message:
+            raise LeaseNotFound(code, message)
+        raise EtcdError(code, message)
+
+    async def _auth_headers(self, url: str) -> dict[str, str]:
+        if self.settings.username is None:
+            return {}
+        async with self._auth_lock:
+            if self._token is None:
+                base = url.split("/v3/", 1)[0]
+                credentials = {"name": self.settings.username, "password": self.settings.password()}
+                try:
+                    reply = await self._http.post(
+                        base + "/v3/auth/authenticate", json=credentials, timeout=None
+                    )
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    raise _NotSent(f"cannot connect ({exc})") from None
+                except httpx.TransportError as exc:
+                    raise _MaybeSent(f"connection failed while logging in ({exc!r})") from None
+                doc = _json(reply)
+                if reply.status_code != 200:
+                    code, message = _error_of(doc, reply)
+                    if code == GRPC_UNAVAILABLE or message in NOT_PROPOSED:
+                        raise _NotSent(message)
+                    raise EtcdError(code, f"login as {self.settings.username!r}: {message}")
+                self._token = str(doc["token"])
+            return {"Authorization": self._token}
+
+
+class Watch:
+    """A running watch: ``async for response in watch``; resumes on another endpoint.
+
+    Iteration raises ``WatchCompacted`` when the history it needs is gone,
+    ``EtcdUnavailable`` when no endpoint takes the watch back within the
+    gateway's timeout, and ``EtcdError`` when etcd refuses it.
+    """
+
+    def __init__(self, gateway: EtcdGateway, request: WatchRequest) -> None:
+        self._gateway = gateway
+        self._request = request
+        # The first revision not yet delivered (0: "from now", until the first
+        # reply tells us what now is).
+        self.next_revision = request.start_revision
+        self._response: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+        self._resumed = False
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> WatchResponse:
+        while True:
+            if self._lines is None:
+                await self._open()
+            assert self._lines is not None
+            try:
+                line = await self._lines.__anext__()
+            except (StopAsyncIteration, httpx.TransportError):
+                await self._resume_elsewhere()  # the member went away
+                continue
+            if not line.strip():
+                continue
+            doc = json.loads(line)
+            if "error" in doc:  # the member lost its leader (or refuses): resume elsewhere
+                code, message = _error_of(doc, None)
+                if not _transient(code, message):
+                    raise EtcdError(code, message)
+                await self._resume_elsewhere()
+                continue
+            response = WatchResponse.parse(doc.get("result", {}))
+            if response.compact_revision:
+                raise WatchCompacted(response.compact_revision)
+            if response.canceled:
+                await self._resume_elsewhere()
+                continue
+            self._advance(response)
+            if response.created and self._resumed:
+                continue  # the caller saw the watch start once; a resumption is invisible
+            return response
+
+    def _advance(self, response: WatchResponse) -> None:
+        if response.events:
+            self.next_revision = response.events[-1].kv.mod_revision + 1
+        elif response.created and self.next_revision == 0:
+            # A watch "from now": everything after the revision it started at.
+            self.next_revision = response.header.revision + 1
+
+    async def _resume_elsewhere(self) -> None:
+        await self._drop()
+        self._resumed = True
+        self._gateway._current = (self._gateway._current + 1) % len(self._gateway._endpoints)
+
+    async def _open(self) -> None:
+        """Start the watch on a live endpoint from ``next_revision``, within the timeout."""
+        body = self._request.body(start_revision=self.next_revision)
+        gateway = self._gateway
+        rounds = _Rounds(len(gateway._endpoints))
+        with trio.move_on_after(gateway.settings.timeout):
+            while True:
+                endpoint = gateway.endpoint
+                try:
+                    response = await self._start(endpoint, body)
+                except (_NotSent, _MaybeSent) as failure:
+                    await gateway._next_endpoint(rounds, f"{endpoint}: {failure}")
+                    continue
+                self._response = response
+                self._lines = response.aiter_lines()
+                return
+        raise EtcdUnavailable(
+            f"no etcd endpoint took the watch within {gateway.settings.timeout:g} s "
+            f"(last: {rounds.last})"
+        )
+
+    async def _start(self, endpoint: str, body: Json) -> httpx.Response:
+        gateway = self._gateway
+        headers = await gateway._auth_headers(endpoint)
+        request = gateway._http.build_request(
+            "POST",
+            endpoint + "/v3/watch",
+            json=body,
+            headers=headers,
+            # A watch is silent while nothing changes: no read timeout.
+            timeout=httpx.Timeout(None, connect=gateway._attempt_timeout(idempotent=True).connect),
+        )
+        try:
+            response = await gateway._http.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise _NotSent(f"cannot connect ({exc})") from None
+        except httpx.TransportError as exc:
+            raise _MaybeSent(f"connection failed ({exc!r})") from None
+        if response.status_code == 200:
+            return response
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        code, message = _error_of(_json(response), response)
+        if message == INVALID_TOKEN:
+            gateway._token = None
+        if _transient(code, message):
+            raise _NotSent(message)
+        raise EtcdError(code, message)
+
+    async def _drop(self) -> None:
+        response, lines = self._response, self._lines
+        self._response = self._lines = None
+        with trio.CancelScope(shield=True):
+            aclose = getattr(lines, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if response is not None:
+                await response.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel the watch (etcd ends it when its connection closes)."""
+        await self._drop()
+
+
+class _Rounds:
+    """Failover bookkeeping: back off after each full round of failed endpoints."""
+
+    def __init__(self, endpoints: int) -> None:
+        self.endpoints = endpoints
+        self.failures = 0
+        self.backoff = BACKOFF_FIRST
+        self.last = "no answer"
+
+    async def after_failure(self) -> None:
+        self.failures += 1
+        if self.failures % self.endpoints == 0:
+            await trio.sleep(self.backoff)
+            self.backoff = min(2 * self.backoff, BACKOFF_CAP)
+
+
+class _NotSent(Exception):
+    """This attempt certainly had no effect in etcd."""
+
+
+class _MaybeSent(Exception):
+    """This attempt may have reached etcd; its effect is unknown."""
+
+
+def _json(reply: httpx.Response) -> Json:
+    try:
+        doc = reply.json()
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _error_of(doc: Mapping[str, Any], reply: httpx.Response | None) -> tuple[int, str]:
+    """(gRPC code, message) of an error reply, in either of the gateway's two shapes."""
+    error = doc.get("error")
+    if isinstance(error, dict):  # the shape streams use
+        return int(error.get("grpc_code", 0)), str(error.get("message", ""))
+    message = doc.get("message") or error
+    if not message and reply is not None:
+        message = reply.reason_phrase or f"HTTP {reply.status_code}"
+    return int(doc.get("code", 0)), str(message)
+
+
+def _transient(code: int, message: str) -> bool:
+    """An error another member (or this one, a moment later) may not give."""
+    return code == GRPC_UNAVAILABLE or message in (*NOT_PROPOSED, INVALID_TOKEN)

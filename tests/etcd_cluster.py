@@ -1,0 +1,417 @@
+"""A real 3-member etcd cluster on loopback ports, for the etcd backend's tests.
+
+``EtcdCluster`` starts Debian's ``etcd`` (3.4) three times on 127.0.0.1, each
+member with free client and peer ports and its own data directory, waits until
+every member answers ``/health``, and kills every process it started when it
+stops (also when starting failed half-way). Tests can kill, stop and restart
+single members and ask which member leads.
+
+It talks to etcd with the standard library only (``urllib``), so a defect in
+the daemon's own gateway client cannot make the fixture lie about the
+cluster's state.
+
+Registered as a pytest plugin from ``tests/conftest.py``; the fixtures skip
+with a reason when ``etcd`` is not installed (CI installs it in ``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ETCD = shutil.which("etcd")
+OPENSSL = shutil.which("openssl")
+
+# etcd's defaults (heartbeat 100 ms, election 1000 ms): shorter timeouts make a
+# loaded 2-core machine call spurious elections, which would flake the tests.
+START_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def make(cls, folder: Path) -> TlsFiles:
+        """Generate them with ``openssl`` (EC P-256 keys: fast to make)."""
+        assert OPENSSL is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        files = cls(
+            *(
+                folder / n
+                for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
+            )
+        )
+        ca_key = folder / "ca.key"
+        ec = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes"
+        _openssl(f"req -x509 {ec} -keyout {ca_key} -out {files.ca} -days 2 -subj /CN=lockd-ca")
+        # The client certificate has no CommonName: etcd 3.4's gateway refuses
+        # requests whose certificate has one ("CommonName of client sending a
+        # request against gateway will be ignored"), since gRPC would take the
+        # CN as the etcd user.
+        for cert, key, name, subject, extension in (
+            (
+                files.server_cert,
+                files.server_key,
+                "server",
+                "/CN=127.0.0.1",
+                "subjectAltName=IP:127.0.0.1",
+            ),
+            (
+                files.client_cert,
+                files.client_key,
+                "client",
+                "/O=lockd",
+                "extendedKeyUsage=clientAuth",
+            ),
+        ):
+            csr, ext = folder / f"{name}.csr", folder / f"{name}.ext"
+            ext.write_text(extension + "\n")
+            _openssl(f"req {ec} -keyout {key} -out {csr} -subj {subject}")
+            _openssl(
+                f"x509 -req -in {csr} -CA {files.ca} -CAkey {ca_key} -CAcreateserial"
+                f" -out {cert} -days 2 -extfile {ext}"
+            )
+        return files
+
+    def server_flags(self) -> list[str]:
+        return [
+            f"--cert-file={self.server_cert}",
+            f"--key-file={self.server_key}",
+            f"--trusted-ca-file={self.ca}",
+            "--client-cert-auth",
+        ]
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca)
+        context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+
+def _openssl(command: str) -> None:
+    # The paths are our own temporary folder's: no spaces, split on blanks.
+    assert OPENSSL is not None
+    subprocess.run([OPENSSL, *command.split()], check=True, capture_output=True)
+
+
+@dataclass
+class EtcdMember:
+    """One ``etcd`` process: its name, ports, data directory and log."""
+
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log: Path
+    tls: TlsFiles | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self, timeout: float = 1.0) -> dict[str, object] | None:
+        """``/v3/maintenance/status`` of this member, or None when it does not answer."""
+        return self.post("/v3/maintenance/status", {}, timeout)
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """True when the member answers ``/health`` with ``"health": "true"`` (it has a leader)."""
+        context = self.tls.client_context() if self.tls else None
+        try:
+            with urllib.request.urlopen(
+                self.client_url + "/health", timeout=timeout, context=context
+            ) as reply:
+                return bool(json.loads(reply.read()).get("health") == "true")
+        except (OSError, ValueError):
+            return False
+
+    def post(
+        self, path: str, body: dict[str, object], timeout: float = 1.0, token: str | None = None
+    ) -> dict[str, object] | None:
+        """POST to the member's JSON gateway; the reply, or None when it did not answer 200."""
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = token
+        request = urllib.request.Request(
+            self.client_url + path, data=json.dumps(body).encode(), headers=headers
+        )
+        context = self.tls.client_context() if self.tls else None
+        try:
+            with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
+                result = json.loads(reply.read())
+        except (OSError, ValueError):
+            return None
+        return result if isinstance(result, dict) else None
+
+
+@dataclass
+class EtcdCluster:
+    """Three etcd members on 127.0.0.1; ``start()``, ``stop()`` and member control."""
+
+    root: Path
+    size: int = 3
+    tls: TlsFiles | None = None  # serve clients over TLS and require client certificates
+    members: list[EtcdMember] = field(default_factory=list)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's client URL, in member order."""
+        return [m.client_url for m in self.members]
+
+    def start(self, attempts: int = 3) -> EtcdCluster:
+        """Start every member and wait until all are healthy.
+
+        A free port found by binding port 0 can be taken by another process
+        before etcd binds it; a member that exits at start-up makes the whole
+        cluster start again on new ports (``attempts`` times).
+        """
+        for attempt in range(attempts):
+            self._configure(token=f"lockd-test-{os.getpid()}-{attempt}")
+            try:
+                for member in self.members:
+                    self._spawn(member, state="new")
+                self.wait_healthy()
+                return self
+            except RuntimeError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def stop(self) -> None:
+        """SIGKILL every member still running and reap it (etcd needs no clean stop here)."""
+        for member in self.members:
+            _kill(member)
+
+    def kill(self, member: EtcdMember) -> None:
+        """SIGKILL one member (a crash: no leadership transfer)."""
+        _kill(member)
+
+    def restart(self, member: EtcdMember, *, wait: bool = True) -> None:
+        """Start a killed member again on its own ports and data directory."""
+        assert not member.running, f"{member.name} is still running"
+        self._spawn(member, state="existing")
+        if wait:
+            self.wait_healthy([member])
+
+    def wait_healthy(
+        self, members: list[EtcdMember] | None = None, timeout: float = START_TIMEOUT
+    ) -> None:
+        """Wait until each of ``members`` (default: all) answers healthy; RuntimeError if not."""
+        waiting = list(self.members if members is None else members)
+        deadline = time.monotonic() + timeout
+        while waiting:
+            for member in list(waiting):
+                if not member.running:
+                    raise RuntimeError(
+                        f"etcd member {member.name} exited:\n{self.log_tail(member)}"
+                    )
+                if member.healthy():
+                    waiting.remove(member)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(m.name for m in waiting)
+                raise RuntimeError(f"etcd members not healthy after {timeout} s: {names}")
+            if waiting:
+                time.sleep(0.05)
+
+    def leader(self, timeout: float = 10.0) -> EtcdMember:
+        """The member that leads, as the running members agree; waits through an election."""
+        deadline = time.monotonic() + timeout
+        while True:
+            by_id: dict[str, EtcdMember] = {}
+            leaders: set[str] = set()
+            for member in self.members:
+                if not member.running:
+                    continue
+                status = member.status()
+                if status is None:
+                    continue
+                header = status.get("header")
+                assert isinstance(header, dict)
+                by_id[str(header["member_id"])] = member
+                leader_id = str(status.get("leader", "0"))
+                if leader_id != "0":
+                    leaders.add(leader_id)
+            if len(leaders) == 1 and (found := by_id.get(leaders.pop())) is not None:
+                return found
+            if time.monotonic() > deadline:
+                raise RuntimeError("no etcd leader that the running members agree on")
+            time.sleep(0.05)
+
+    def followers(self) -> list[EtcdMember]:
+        """The running members that do not lead."""
+        leader = self.leader()
+        return [m for m in self.members if m.running and m is not leader]
+
+    def enable_auth(self, root_password: str) -> None:
+        """Create etcd's ``root`` user with ``root_password`` and turn authentication on."""
+        member = self.members[0]
+        steps: list[tuple[str, dict[str, object]]] = [
+            ("/v3/auth/user/add", {"name": "root", "password": root_password}),
+            ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+            ("/v3/auth/enable", {}),
+        ]
+        for path, body in steps:
+            if member.post(path, body, timeout=5.0) is None:
+                raise RuntimeError(f"etcd refused {path}")
+
+    def log_tail(self, member: EtcdMember, lines: int = 20) -> str:
+        try:
+            return "\n".join(member.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _configure(self, token: str) -> None:
+        ports = free_ports(2 * self.size)
+        self.token = token
+        self.members = []
+        for i in range(self.size):
+            name = f"m{i}"
+            data_dir = self.root / token / name
+            self.members.append(
+                EtcdMember(
+                    name=name,
+                    client_port=ports[2 * i],
+                    peer_port=ports[2 * i + 1],
+                    data_dir=data_dir,
+                    log=self.root / token / f"{name}.log",
+                    tls=self.tls,
+                )
+            )
+
+    def _spawn(self, member: EtcdMember, *, state: str) -> None:
+        assert ETCD is not None
+        member.data_dir.mkdir(parents=True, exist_ok=True)
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        with member.log.open("ab") as log:
+            member.proc = subprocess.Popen(
+                [
+                    ETCD,
+                    f"--name={member.name}",
+                    f"--data-dir={member.data_dir}",
+                    f"--listen-client-urls={member.client_url}",
+                    f"--advertise-client-urls={member.client_url}",
+                    f"--listen-peer-urls={member.peer_url}",
+                    f"--initial-advertise-peer-urls={member.peer_url}",
+                    f"--initial-cluster={initial}",
+                    f"--initial-cluster-token={self.token}",
+                    f"--initial-cluster-state={state}",
+                    "--logger=zap",
+                    "--log-level=warn",
+                    *(member.tls.server_flags() if member.tls else []),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Its own process group: a Ctrl-C on the test run reaches pytest,
+                # whose teardown kills the members, not the members directly.
+                start_new_session=True,
+            )
+
+
+def _kill(member: EtcdMember) -> None:
+    if member.proc is None:
+        return
+    if member.proc.poll() is None:
+        member.proc.send_signal(signal.SIGKILL)
+    member.proc.wait()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that were free a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _data_root() -> Path:
+    # Data directories on tmpfs when there is one: etcd fsyncs its WAL on every
+    # commit, and on a shared disk that makes the tests slow, not more real.
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="lockd-etcd-", dir=base))
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """One 3-member cluster for the whole run: tests that use it leave every member running.
+
+    Tests that kill members, or need TLS or authentication, take
+    ``new_etcd_cluster`` instead.
+    """
+    _require_etcd()
+    root = _data_root()
+    cluster = EtcdCluster(root)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def new_etcd_cluster() -> Iterator[Callable[..., EtcdCluster]]:
+    """Start clusters for this test alone: ``new_etcd_cluster(size=3, tls=False)``.
+
+    Every cluster it started is killed and its data removed after the test.
+    """
+    _require_etcd()
+    root = _data_root()
+    clusters: list[EtcdCluster] = []
+
+    def start(size: int = 3, *, tls: bool = False) -> EtcdCluster:
+        if tls and OPENSSL is None:
+            pytest.skip("openssl is not installed (needed to make test certificates)")
+        folder = root / f"c{len(clusters)}"
+        files = TlsFiles.make(folder / "tls") if tls else None
+        cluster = EtcdCluster(folder, size=size, tls=files)
+        clusters.append(cluster)
+        return cluster.start()
+
+    try:
+        yield start
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _require_etcd() -> None:
+    if ETCD is None:
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
