@@ -39,7 +39,6 @@ from lockd.cli.common import (
 )
 from lockd.cli.locks import locks
 from lockd.cli.rules import rules
-from lockd.config import resolve_paths
 from lockd.exitcodes import USAGE, error_document
 
 __all__ = ["EXIT_CODES_HELP", "main"]
@@ -84,6 +83,9 @@ def serve(
     rule set, a live daemon on the socket, a database in use) is one line
     and exit status 1.
     """
+    # Imported here, not at start-up: every other command (and every <TAB>
+    # of shell completion) would pay for trio, SQLite and platformdirs.
+    from lockd.config import resolve_paths
     from lockd.daemon.serve import StartupError, run
 
     paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)

@@ -16,7 +16,6 @@ import click
 from lockd.cli.common import Duration
 from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
 from lockd.run.options import OnLost, Reporter, RunOptions
-from lockd.run.supervisor import run_locked
 
 __all__ = ["run"]
 
@@ -183,6 +182,10 @@ def run(
         quiet=quiet,
     )
     report = Reporter(json_lines=json_output)
+    # Imported when run, not at start-up (threads, subprocess): other commands
+    # and shell completion do not pay for it.
+    from lockd.run.supervisor import run_locked
+
     try:
         code = run_locked(opts, report)
     except KeyboardInterrupt:
