@@ -311,12 +311,20 @@ class LockdDaemon:
     """
 
     cprofile: Path | None = None
+    #: a database to serve (e.g. one filled beforehand); it outlives :meth:`stop`.
+    db: Path | None = None
+    #: seconds to wait for the socket (a big database takes a while to load).
+    start_timeout: float = 20.0
     root: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
 
     @property
     def socket(self) -> Path:
         return self.root / "lockd.sock"
+
+    @property
+    def db_path(self) -> Path:
+        return self.db if self.db is not None else self.root / "state" / "lockd.db"
 
     @property
     def log(self) -> Path:
@@ -333,10 +341,10 @@ class LockdDaemon:
         if self.cprofile is not None:
             cmd += ["-m", "cProfile", "-o", str(self.cprofile)]
         cmd += ["-m", "lockd", "serve", "--socket", str(self.socket)]
-        cmd += ["--db", str(self.root / "state" / "lockd.db"), "--config", str(self.root / "cfg")]
+        cmd += ["--db", str(self.db_path), "--config", str(self.root / "cfg")]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"lockd exited with {self.proc.returncode}:\n{self.read_log()}")
@@ -347,7 +355,9 @@ class LockdDaemon:
                 except OSError:
                     time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"lockd did not come up within 20 s:\n{self.read_log()}")
+        raise RuntimeError(
+            f"lockd did not come up within {self.start_timeout} s:\n{self.read_log()}"
+        )
 
     def read_log(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

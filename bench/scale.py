@@ -1,0 +1,667 @@
+"""lockd at scale: ``.venv/bin/python bench/scale.py [--quick] [--only ...]``.
+
+Four walls of issue 10, each measured against a real ``lockd serve``:
+
+expiry. A client's worst ``tryAcquire`` + ``release`` pair while N leases
+   (200,000) run out at the same moment; the same client's worst pair in a
+   quiet stretch before it is the same-run baseline. Goal <= 100 ms.
+restart. Time from starting ``lockd serve`` until ``hello`` answers, and its
+   RSS then (and peak), with 0 leases (the same-run baseline: interpreter and
+   imports) and with 300k and 1 M leases in the database. Goals: <= 0.9 s and
+   <= 80 MB at 300k, <= 3 s and <= 250 MB at 1 M.
+list. At the largest restart size, one ``list`` page of 1,000 (the first,
+   and one from the middle through ``after`` when the daemon knows it), and
+   the worst ``status`` round trip of a second client meanwhile: how long the
+   loop was blocked. Goal: a page <= 50 ms.
+queue. N waiters (100,000) park on one key; each grant is released by the
+   bench as soon as it arrives: the hand-off rate of the last 2,000 against
+   the first 2,000 of the same drain. Goal >= 0.8x.
+
+Leases are written straight into the database before the daemon starts (a
+lease holds no live state besides its row): the schema is lockd's own, made
+by :class:`lockd.daemon.store.Store`. Every request goes over a raw JSON-lines
+socket (no client library), so the numbers are the daemon's. Sizes are
+options; ``--quick`` runs smaller sizes in ~2 minutes. Prints a table and
+writes ``bench/results/<UTC time>-scale-<plan>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import itertools
+import json
+import math
+import os
+import platform
+import secrets
+import selectors
+import shutil
+import socket
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import LockdDaemon, fmt_num, median, percentile, table
+from run import _git_rev, _no_nan, log
+
+HERE = Path(__file__).resolve().parent
+SECTIONS = ("expiry", "restart", "list", "queue")
+
+PLANS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "expiry_leases": 50_000,
+        "restart_sizes": [100_000, 300_000],
+        "queue_waiters": 20_000,
+        "list_pages": 5,
+    },
+    "full": {
+        "expiry_leases": 200_000,
+        "restart_sizes": [300_000, 1_000_000],
+        "queue_waiters": 100_000,
+        "list_pages": 10,
+    },
+}
+#: grants at each end of the queue drain whose rates are compared.
+QUEUE_EDGE = 2_000
+#: blocking acquires per connection (below max_pending_per_connection, 1024).
+WAITERS_PER_CONN = 1_000
+LIST_PAGE = 1_000
+GOALS = {
+    "expiry_worst_ms": 100.0,
+    "restart_300k_s": 0.9,
+    "restart_300k_mb": 80.0,
+    "restart_1m_s": 3.0,
+    "restart_1m_mb": 250.0,
+    "list_page_ms": 50.0,
+    "queue_ratio": 0.8,
+}
+#: principals and owners of filled leases: a few callers, many runs.
+PRINCIPALS = ("user:bench", "user:alice", "user:bob", "service:billing.service")
+
+
+def boot_ms() -> int:
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1_000_000
+
+
+def key_of(i: int) -> str:
+    return f"scale:{i:07d}"
+
+
+# --------------------------------------------------------------------- wire
+
+
+class Wire:
+    """One raw JSON-lines connection to the daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self._buf = b""
+        self._ids = itertools.count(1)
+
+    def send(self, op: str, **args: Any) -> int:
+        rid = next(self._ids)
+        self.sock.sendall(self.line(rid, op, **args))
+        return rid
+
+    def line(self, rid: int, op: str, **args: Any) -> bytes:
+        return json.dumps({"id": rid, "op": op, **args}, separators=(",", ":")).encode() + b"\n"
+
+    def recv(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("daemon closed the connection")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ready_replies(self) -> list[dict[str, Any]]:
+        """Read what is there (the socket is readable) and return whole replies."""
+        data = self.sock.recv(1 << 20)
+        if not data:
+            raise ConnectionError("daemon closed the connection")
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        return [json.loads(line) for line in lines]
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        rid = self.send(op, **args)
+        reply = self.recv()
+        if reply.get("id") != rid:
+            raise RuntimeError(f"reply to {reply.get('id')} while waiting for {rid}")
+        return reply
+
+    def result(self, op: str, **args: Any) -> Any:
+        reply = self.call(op, **args)
+        if not reply["ok"]:
+            raise RuntimeError(f"{op} failed: {reply['error']}")
+        return reply["result"]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --------------------------------------------------------------------- fill
+
+
+def fill(db: Path, count: int, expires_at: int) -> float:
+    """Write ``count`` leases of this boot into a fresh database; seconds taken.
+
+    The schema comes from lockd's own Store (its migrations); the rows go in
+    with one ``executemany`` in key order, as a long-running daemon would
+    have left them. A third of the leases carry an owner (one of 1,000 runs).
+    """
+    from lockd.daemon.store import Store, read_boot_id
+
+    t0 = time.monotonic()
+    boot_id = read_boot_id()
+    Store(db, boot_id).close()
+    conn = sqlite3.connect(str(db), isolation_level=None)
+    try:
+        conn.execute("PRAGMA synchronous=OFF")
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT INTO leases (key, handle, fence, owner, principal, ttl_ms, expires_at,"
+            " boot_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                (
+                    key_of(i),
+                    secrets.token_urlsafe(16),
+                    i + 1,
+                    f"job-{i % 1000}" if i % 3 == 0 else None,
+                    PRINCIPALS[i % len(PRINCIPALS)],
+                    3_600_000,
+                    expires_at,
+                    boot_id,
+                )
+                for i in range(count)
+            ),
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return time.monotonic() - t0
+
+
+def set_expiry(db: Path, expires_at: int) -> None:
+    conn = sqlite3.connect(str(db), isolation_level=None)
+    try:
+        conn.execute("UPDATE leases SET expires_at = ?", (expires_at,))
+    finally:
+        conn.close()
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of ``pid`` in MB (MiB / 1.048576: decimal MB as the goals)."""
+    values: dict[str, float] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                values[name] = int(rest.split()[0]) * 1024 / 1e6
+    return values["VmRSS"], values["VmHWM"]
+
+
+@contextlib.contextmanager
+def workdir() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="lockd-scale-", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def start_timed(daemon: LockdDaemon) -> float:
+    """Start ``daemon``; seconds from the exec until ``hello`` answers."""
+    t0 = time.monotonic()
+    daemon.start()
+    wire = Wire(daemon.socket)
+    try:
+        wire.result("hello")
+    finally:
+        wire.close()
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------------------------- expiry
+
+
+def bench_expiry(count: int) -> dict[str, Any]:
+    """Worst try+release pair of one client while ``count`` leases expire at once."""
+    with workdir() as root:
+        db = root / "lockd.db"
+        fill_s = fill(db, count, 0)
+        log(f"expiry: {count:,} leases written in {fill_s:.1f} s")
+        # Time to start and load, generously: ~6 us per lease before issue 10.
+        delay_ms = int(4000 + count * 0.02)
+        expires_at = boot_ms() + delay_ms
+        set_expiry(db, expires_at)
+        daemon = LockdDaemon(db=db, start_timeout=60)
+        with contextlib.ExitStack() as stack:
+            stack.callback(daemon.stop)
+            start_s = start_timed(daemon)
+            if boot_ms() >= expires_at - 500:
+                raise RuntimeError(
+                    f"the daemon took {start_s:.1f} s to start, past the expiry moment"
+                )
+            log(
+                f"expiry: daemon up in {start_s:.2f} s; leases run out in "
+                f"{(expires_at - boot_ms()) / 1000:.1f} s"
+            )
+            probe = Wire(daemon.socket)
+            stack.callback(probe.close)
+            pairs = _probe_pairs(probe, expires_at)
+        quiet = [d for t, d in pairs if t < expires_at - 200]
+        during = [d for t, d in pairs if t >= expires_at - 200]
+        return {
+            "leases": count,
+            "fill_s": fill_s,
+            "start_s": start_s,
+            "quiet_pairs": len(quiet),
+            "quiet_p50_ms": percentile(quiet, 0.5),
+            "quiet_worst_ms": max(quiet) if quiet else math.nan,
+            "pairs": len(during),
+            "p50_ms": percentile(during, 0.5),
+            "p99_ms": percentile(during, 0.99),
+            "worst_ms": max(during) if during else math.nan,
+            "drained_after_ms": pairs.drained_after_ms,
+        }
+
+
+class _Pairs(list[tuple[int, float]]):
+    drained_after_ms: float = math.nan
+
+
+def _probe_pairs(probe: Wire, expires_at: int) -> _Pairs:
+    """try+release pairs from before the expiry until the daemon holds nothing.
+
+    Returns ``(boot ms at the pair's start, pair ms)``; ``stats`` is asked
+    every 250 ms once the moment has passed (not timed as a pair).
+    """
+    pairs = _Pairs()
+    next_stats = expires_at
+    give_up = expires_at + 180_000
+    while True:
+        start_ms = boot_ms()
+        t0 = time.perf_counter()
+        handle = probe.result("tryAcquire", key="probe", ttlMs=60_000)
+        probe.result("release", key="probe", handle=handle["handle"])
+        pairs.append((start_ms, (time.perf_counter() - t0) * 1000))
+        now = boot_ms()
+        if now >= next_stats:
+            next_stats = now + 250
+            if probe.result("stats")["held"] == 0:
+                pairs.drained_after_ms = now - expires_at
+                tail_end = now + 500
+                while boot_ms() < tail_end:
+                    start_ms = boot_ms()
+                    t0 = time.perf_counter()
+                    handle = probe.result("tryAcquire", key="probe", ttlMs=60_000)
+                    probe.result("release", key="probe", handle=handle["handle"])
+                    pairs.append((start_ms, (time.perf_counter() - t0) * 1000))
+                return pairs
+        if now > give_up:
+            raise RuntimeError("leases still held 180 s after they ran out")
+
+
+# ------------------------------------------------------------ restart + list
+
+
+def bench_restart(sizes: list[int], list_pages: int, with_list: bool) -> dict[str, Any]:
+    """Start-up time and memory at each size; ``list`` pages at the largest."""
+    out: dict[str, Any] = {"sizes": []}
+    with workdir() as root:
+        for count in [0, *sizes]:
+            db = root / f"lockd-{count}.db"
+            fill_s = fill(db, count, boot_ms() + 3_600_000)
+            daemon = LockdDaemon(db=db, start_timeout=120)
+            try:
+                start_s = start_timed(daemon)
+                rss, peak = rss_mb(daemon.pid)
+                entry = {
+                    "leases": count,
+                    "fill_s": fill_s,
+                    "start_s": start_s,
+                    "rss_mb": rss,
+                    "peak_rss_mb": peak,
+                }
+                out["sizes"].append(entry)
+                log(
+                    f"restart: {count:,} leases: hello after {start_s:.2f} s, "
+                    f"RSS {rss:.0f} MB (peak {peak:.0f} MB)"
+                )
+                if with_list and count == max(sizes):
+                    out["list"] = bench_list(daemon, count, list_pages)
+            finally:
+                daemon.stop()
+                db.unlink(missing_ok=True)
+    base = out["sizes"][0]
+    for entry in out["sizes"][1:]:
+        count = entry["leases"]
+        entry["bytes_per_lease"] = (entry["rss_mb"] - base["rss_mb"]) * 1e6 / count
+    return out
+
+
+def bench_list(daemon: LockdDaemon, count: int, pages: int) -> dict[str, Any]:
+    """Time ``list`` pages while a second client measures how long the loop stalls."""
+    lister = Wire(daemon.socket)
+    probe = Wire(daemon.socket)
+    stop = threading.Event()
+    probe_ms: list[float] = []
+
+    def ping() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            probe.result("status", key="probe")
+            probe_ms.append((time.perf_counter() - t0) * 1000)
+
+    thread = threading.Thread(target=ping, daemon=True)
+    try:
+        quiet_start = len(probe_ms)
+        thread.start()
+        time.sleep(0.5)
+        quiet = probe_ms[quiet_start:]
+        result: dict[str, Any] = {"leases": count, "page": LIST_PAGE}
+        for name, args in (
+            ("first", {}),
+            ("middle", {"after": key_of(count // 2)}),
+        ):
+            times: list[float] = []
+            sizes: list[int] = []
+            stalls: list[float] = []
+            error = None
+            for _ in range(pages):
+                before = len(probe_ms)
+                t0 = time.perf_counter()
+                rid = lister.send("list", limit=LIST_PAGE, **args)
+                reply = lister.recv()
+                elapsed = (time.perf_counter() - t0) * 1000
+                assert reply["id"] == rid
+                time.sleep(0.05)  # let the probe's round trip that waited finish
+                stalls.append(max(probe_ms[before:], default=math.nan))
+                if not reply["ok"]:
+                    error = reply["error"]["message"]
+                    break
+                raw_len = len(json.dumps(reply))
+                got = len(reply["result"]["locks"])
+                if got != LIST_PAGE:
+                    raise RuntimeError(f"list page of {got}, expected {LIST_PAGE}")
+                times.append(elapsed)
+                sizes.append(raw_len)
+            result[name] = {
+                "error": error,
+                "p50_ms": median(times),
+                "worst_ms": max(times) if times else math.nan,
+                "reply_bytes": median(sizes),
+                "probe_worst_ms": max(stalls) if times else math.nan,
+            }
+            log(f"list: {name} page: " + (error or f"{median(times):.1f} ms"))
+        result["probe_quiet_p50_ms"] = percentile(quiet, 0.5)
+        result["probe_quiet_worst_ms"] = max(quiet) if quiet else math.nan
+        return result
+    finally:
+        stop.set()
+        thread.join(10)
+        lister.close()
+        probe.close()
+
+
+# -------------------------------------------------------------------- queue
+
+
+def bench_queue(waiters: int) -> dict[str, Any]:
+    """Park ``waiters`` blocking acquires on one key, then drain the queue."""
+    edge = min(QUEUE_EDGE, waiters // 4)
+    daemon = LockdDaemon(start_timeout=60)
+    with contextlib.ExitStack() as stack:
+        daemon.start()
+        stack.callback(daemon.stop)
+        head = Wire(daemon.socket)
+        stack.callback(head.close)
+        first = head.result("tryAcquire", key="queue", ttlMs=600_000)
+        conns = [Wire(daemon.socket) for _ in range(math.ceil(waiters / WAITERS_PER_CONN))]
+        for wire in conns:
+            stack.callback(wire.close)
+        t0 = time.monotonic()
+        left = waiters
+        for wire in conns:
+            batch = min(left, WAITERS_PER_CONN)
+            left -= batch
+            lines = b"".join(
+                wire.line(i, "acquire", key="queue", ttlMs=600_000, timeoutMs=3_600_000)
+                for i in range(1, batch + 1)
+            )
+            wire.sock.sendall(lines)
+        while head.result("status", key="queue")["waiters"] < waiters:
+            if time.monotonic() - t0 > 300:
+                raise RuntimeError("waiters did not all park within 300 s")
+            time.sleep(0.1)
+        park_s = time.monotonic() - t0
+        log(f"queue: {waiters:,} waiters parked in {park_s:.1f} s; draining")
+        grants = _drain(head, conns, first["handle"], waiters)
+    firsts = grants[:edge]
+    lasts = grants[-edge:]
+    first_rate = (edge - 1) / (firsts[-1] - firsts[0])
+    last_rate = (edge - 1) / (lasts[-1] - lasts[0])
+    return {
+        "waiters": waiters,
+        "edge": edge,
+        "park_s": park_s,
+        "drain_s": grants[-1] - grants[0],
+        "first_per_s": first_rate,
+        "last_per_s": last_rate,
+        "ratio": last_rate / first_rate,
+    }
+
+
+def _drain(head: Wire, conns: list[Wire], handle: str, waiters: int) -> list[float]:
+    """Release the head's hold; release every grant on arrival. Grant times."""
+    sel = selectors.DefaultSelector()
+    for wire in conns:
+        wire.sock.setblocking(True)
+        sel.register(wire.sock, selectors.EVENT_READ, wire)
+    grants: list[float] = []
+    release_ids = itertools.count(10_000_000)
+    head.result("release", key="queue", handle=handle)
+    deadline = time.monotonic() + 600
+    while len(grants) < waiters:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(grants)} of {waiters} grants within 600 s")
+        for key, _ in sel.select(timeout=1.0):
+            wire: Wire = key.data
+            for reply in wire.ready_replies():
+                if not reply["ok"]:
+                    raise RuntimeError(f"queue: {reply['error']}")
+                result = reply["result"]
+                if isinstance(result, dict) and "handle" in result:
+                    grants.append(time.perf_counter())
+                    wire.sock.sendall(
+                        wire.line(
+                            next(release_ids), "release", key="queue", handle=result["handle"]
+                        )
+                    )
+    sel.close()
+    return grants
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def _verdict(value: float, goal: float, higher_is_better: bool = False) -> str:
+    if math.isnan(value):
+        return "-"
+    ok = value >= goal if higher_is_better else value <= goal
+    return "ok" if ok else "MISSED"
+
+
+def report(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    out = [
+        f"lockd scale benchmarks ({meta['plan']}), git {meta['git']}, "
+        f"load {meta['loadavg_start']} -> {meta['loadavg_end']}, {meta['seconds']} s",
+        "",
+    ]
+    rows: list[tuple[str, str, str, str, str]] = []
+    if "expiry" in results:
+        e = results["expiry"]
+        rows.append(
+            (
+                f"expiry of {e['leases']:,}: worst try+release pair",
+                f"{fmt_num(e['worst_ms'], 1)} ms",
+                f"quiet worst {fmt_num(e['quiet_worst_ms'], 1)} ms",
+                "<= 100 ms",
+                _verdict(e["worst_ms"], GOALS["expiry_worst_ms"]),
+            )
+        )
+        rows.append(
+            (
+                "  pairs p50 / p99 during; all expired after",
+                f"{fmt_num(e['p50_ms'], 2)} / {fmt_num(e['p99_ms'], 1)} ms",
+                f"{fmt_num(e['drained_after_ms'])} ms",
+                "",
+                "",
+            )
+        )
+    if "restart" in results:
+        base = results["restart"]["sizes"][0]
+        for entry in results["restart"]["sizes"][1:]:
+            n = entry["leases"]
+            goal = {300_000: ("300k", 0.9, 80.0), 1_000_000: ("1m", 3.0, 250.0)}.get(n)
+            rows.append(
+                (
+                    f"restart at {n:,}: hello after",
+                    f"{entry['start_s']:.2f} s",
+                    f"0 leases {base['start_s']:.2f} s",
+                    f"<= {goal[1]} s" if goal else "",
+                    _verdict(entry["start_s"], goal[1]) if goal else "",
+                )
+            )
+            rows.append(
+                (
+                    "  RSS (peak); bytes per lease over 0 leases",
+                    f"{entry['rss_mb']:.0f} ({entry['peak_rss_mb']:.0f}) MB",
+                    f"{base['rss_mb']:.0f} MB; {entry['bytes_per_lease']:.0f} B",
+                    f"<= {goal[2]:.0f} MB" if goal else "",
+                    _verdict(entry["rss_mb"], goal[2]) if goal else "",
+                )
+            )
+        lst = results["restart"].get("list")
+        if lst:
+            for name in ("first", "middle"):
+                page = lst[name]
+                if page["error"]:
+                    rows.append(
+                        (
+                            f"list at {lst['leases']:,}: {name} page",
+                            "n/a",
+                            page["error"][:40],
+                            "",
+                            "",
+                        )
+                    )
+                    continue
+                rows.append(
+                    (
+                        f"list at {lst['leases']:,}: {name} page of {lst['page']:,} (p50/worst)",
+                        f"{page['p50_ms']:.1f} / {page['worst_ms']:.1f} ms",
+                        f"{page['reply_bytes'] / 1e3:.0f} kB",
+                        "<= 50 ms",
+                        _verdict(page["worst_ms"], GOALS["list_page_ms"]),
+                    )
+                )
+                rows.append(
+                    (
+                        "  loop blocked: other client's worst status",
+                        f"{page['probe_worst_ms']:.1f} ms",
+                        f"quiet worst {lst['probe_quiet_worst_ms']:.1f} ms",
+                        "",
+                        "",
+                    )
+                )
+    if "queue" in results:
+        q = results["queue"]
+        rows.append(
+            (
+                f"queue of {q['waiters']:,}: last/first {q['edge']:,} hand-offs",
+                f"{q['ratio']:.2f}x",
+                f"{q['last_per_s']:,.0f} vs {q['first_per_s']:,.0f}/s",
+                ">= 0.8x",
+                _verdict(q["ratio"], GOALS["queue_ratio"], higher_is_better=True),
+            )
+        )
+    out.append(table(("measure", "lockd", "same-run reference", "goal", ""), rows))
+    out.append("")
+    out.append(f"full data: {meta['json']}")
+    return "\n".join(out)
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, ~2 minutes")
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma list of sections ({','.join(SECTIONS)})"
+    )
+    parser.add_argument("--expiry-leases", type=int, help="leases that expire together")
+    parser.add_argument("--restart-sizes", type=_sizes, help="comma list, e.g. 300000,1e6")
+    parser.add_argument("--queue-waiters", type=int, help="waiters parked on one key")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON")
+    args = parser.parse_args(argv)
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if unknown := only - set(SECTIONS):
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    plan_name = "quick" if args.quick else "full"
+    plan = dict(PLANS[plan_name])
+    for name in ("expiry_leases", "restart_sizes", "queue_waiters"):
+        if getattr(args, name) is not None:
+            plan[name] = getattr(args, name)
+    started = dt.datetime.now(dt.UTC)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{started.strftime('%Y%m%dT%H%M%SZ')}-scale-{plan_name}.json"
+    results: dict[str, Any] = {
+        "meta": {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "plan": plan_name,
+            "started": started.isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "git": _git_rev(),
+            "json": str(json_path),
+        },
+        "plan": plan,
+    }
+    t0 = time.monotonic()
+    if "expiry" in only:
+        results["expiry"] = bench_expiry(plan["expiry_leases"])
+    if only & {"restart", "list"}:
+        results["restart"] = bench_restart(
+            plan["restart_sizes"], plan["list_pages"], with_list="list" in only
+        )
+    if "queue" in only:
+        results["queue"] = bench_queue(plan["queue_waiters"])
+    results["meta"]["seconds"] = round(time.monotonic() - t0, 1)
+    results["meta"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    json_path.write_text(json.dumps(_no_nan(results), indent=2, default=str) + "\n")
+    print(report(results))
+    log(f"done in {results['meta']['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
