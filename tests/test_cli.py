@@ -389,6 +389,33 @@ def test_list_is_an_aligned_table(shared: DaemonProcess) -> None:
     assert empty.exit_code == 0 and "no locks held under 'nothing-here:'" in empty.stdout
 
 
+def test_list_follows_next_across_pages(
+    shared: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (``lockd.cli.locks`` the attribute is the click group, not the module)
+    monkeypatch.setattr(sys.modules["lockd.cli.locks"], "LIST_PAGE", 2)  # 5 locks: 3 requests
+    keys = [f"paged:{i}" for i in range(5)]
+    for key in keys:
+        acquire(shared, key, "--ttl", "5m")
+    table = run_cli(shared, "locks", "list", "--prefix", "paged:")
+    assert table.exit_code == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("KEY") and [line.split()[0] for line in lines[1:]] == keys
+    assert len({line.index("HELD BY") for line in lines[:1]}) == 1
+
+    limited = run_cli(shared, "locks", "list", "--prefix", "paged:", "--limit", "3", "--json")
+    assert limited.exit_code == 0, limited.stderr
+    doc = json.loads(limited.stdout)
+    assert [lock["key"] for lock in doc["locks"]] == keys[:3] and doc["next"] == "paged:2"
+    rest = run_cli(shared, "locks", "list", "--prefix", "paged:", "--after", doc["next"], "--json")
+    doc = json.loads(rest.stdout)
+    assert [lock["key"] for lock in doc["locks"]] == keys[3:] and doc["next"] is None
+    after = run_cli(shared, "locks", "list", "--prefix", "paged:", "--after", "paged:3")
+    assert [line.split()[0] for line in after.stdout.splitlines()[1:]] == ["paged:4"]
+    bad = run_cli(shared, "locks", "list", "--after", "a\x01b")
+    assert bad.exit_code == 2 and "after" in bad.stderr
+
+
 def test_busy_key_exits_1_with_who_holds_it(shared: DaemonProcess) -> None:
     acquire(shared, "busy", "--ttl", "60s", "--owner", "first")
     result = run_cli(shared, "locks", "acquire", "busy", "--ttl", "60s")

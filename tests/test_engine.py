@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lockd.daemon.engine import Busy, Lease, LockEngine, Parked, TimedOut, Waiter
+from lockd.daemon.engine import Busy, Lease, ListPage, LockEngine, Parked, TimedOut, Waiter
 
 
 def make_engine(fence: int = 0) -> LockEngine:
@@ -246,10 +246,41 @@ def test_list_is_sorted_filtered_and_limited() -> None:
     e = make_engine()
     for key in ["b:2", "a:1", "b:1", "c"]:
         grant(e.acquire(0, key, ttl_ms=100, principal="user:a"))
-    assert [s.key for s in e.list_held(1)] == ["a:1", "b:1", "b:2", "c"]
-    assert [s.key for s in e.list_held(1, "b:")] == ["b:1", "b:2"]
-    assert [s.key for s in e.list_held(1, "", 2)] == ["a:1", "b:1"]
-    assert e.list_held(100) == []
+    assert [s.key for s in e.list_held(1).locks] == ["a:1", "b:1", "b:2", "c"]
+    assert [s.key for s in e.list_held(1, "b:").locks] == ["b:1", "b:2"]
+    assert [s.key for s in e.list_held(1, "", 2).locks] == ["a:1", "b:1"]
+    assert e.list_held(100) == ListPage([], None)
+
+
+def test_list_pages_follow_next_to_the_end() -> None:
+    e = make_engine()
+    for key in ["b:2", "a:1", "b:1", "c", "b:3"]:
+        grant(e.acquire(0, key, ttl_ms=100, principal="user:a"))
+    first = e.list_held(1, "", 2)
+    assert ([s.key for s in first.locks], first.next) == (["a:1", "b:1"], "b:1")
+    second = e.list_held(1, "", 2, first.next)
+    assert ([s.key for s in second.locks], second.next) == (["b:2", "b:3"], "b:3")
+    last = e.list_held(1, "", 2, second.next)
+    assert ([s.key for s in last.locks], last.next) == (["c"], None)
+    # A page that ends exactly at the last key has no next.
+    assert e.list_held(1, "b:", 3).next is None
+    assert e.list_held(1, "b:", 2).next == "b:2"
+    # ``after`` need not be a held key; before the prefix it starts at the prefix.
+    assert [s.key for s in e.list_held(1, "b:", 10, "b:15").locks] == ["b:2", "b:3"]
+    assert [s.key for s in e.list_held(1, "b:", 10, "a:9").locks] == ["b:1", "b:2", "b:3"]
+    assert e.list_held(1, "b:", 10, "b:3") == ListPage([], None)
+    assert e.list_held(1, "b:", 10, "zzz") == ListPage([], None)
+
+
+def test_list_index_follows_grants_frees_and_hand_offs() -> None:
+    e = make_engine()
+    a = grant(e.acquire(0, "a", ttl_ms=100, principal="user:a"))
+    grant(e.acquire(0, "b", ttl_ms=50, principal="user:a"))
+    e.acquire(0, "a", ttl_ms=100, principal="user:b", wait_ms=1000)
+    assert e.release(1, "a", a.handle)  # handed to the waiter: still held
+    assert [s.key for s in e.list_held(2).locks] == ["a", "b"]
+    assert [s.key for s in e.list_held(60).locks] == ["a"]  # b expired
+    e.check_invariants()
 
 
 def test_heaps_stay_bounded_under_many_renewals() -> None:
@@ -284,3 +315,16 @@ def test_many_keys_expire_in_deadline_order(n: int) -> None:
         e.advance(t)
         seen.extend(lease.expires_at for lease in e.drain().expired)
     assert seen == sorted(seen) and len(seen) == 100
+
+
+def test_list_index_follows_a_rollback() -> None:
+    e = make_engine()
+    kept = grant(e.acquire(0, "kept", ttl_ms=100, principal="user:a"))
+    e.drain()
+    grant(e.acquire(1, "undone", ttl_ms=100, principal="user:a"))
+    e.rollback()  # its commit failed: the grant never happened
+    assert [s.key for s in e.list_held(2).locks] == ["kept"]
+    assert e.release(3, "kept", kept.handle)
+    e.rollback()  # so did this release
+    assert [s.key for s in e.list_held(4).locks] == ["kept"]
+    e.check_invariants()

@@ -137,8 +137,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert engine.waiter_count == sum(len(q) for q in self.m.queue.values())
         assert engine.held_count == sum(h is not None for h in self.m.holder.values())
         assert engine.fence == self.m.last_fence
-        held = engine.list_held(now)
+        held = engine.list_held(now).locks
         assert [s.key for s in held] == [k for k in KEYS if self.m.holder[k] is not None]
+        walked, after = [], None
+        while True:  # pages of 2, following next, give the same keys
+            page = engine.list_held(now, "", 2, after)
+            walked += [s.key for s in page.locks]
+            if page.next is None:
+                break
+            after = page.next
+        assert walked == [s.key for s in held]
         assert not engine.drain(), "status/list must not change anything"
 
     # ------------------------------------------------------------- rules

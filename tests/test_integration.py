@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from lockd_client import (
     Handle,
+    InvalidRequestError,
     LockClient,
     LockdError,
     LockTimeoutError,
@@ -350,6 +351,27 @@ def test_list_with_prefix_and_limit(client: LockClient) -> None:
     assert [lock.key for lock in client.list(prefix="app:", limit=2)] == ["app:a", "app:b"]
     assert {lock.key for lock in client.list()} >= {"app:a", "app:b", "app:c", "other:a"}
     assert client.list(prefix="nothing-here") == []
+
+
+def test_list_pages_of_the_default_size_and_following_them(client: LockClient) -> None:
+    # 1,001 locks: the default page is 1,000, so a second page of one follows.
+    keys = [f"many:{i:04d}" for i in range(1001)]
+    handles = [client.try_acquire(key, ttl=60) for key in keys]
+    first, after = client.list_page(prefix="many:")
+    assert [lock.key for lock in first] == keys[:1000] and after == keys[999]
+    last, after = client.list_page(prefix="many:", after=after)
+    assert [lock.key for lock in last] == keys[1000:] and after is None
+    assert [lock.key for lock in client.list(prefix="many:")] == keys  # follows every page
+    page, _ = client.list_page(prefix="many:", limit=2, after="many:0500")
+    assert [lock.key for lock in page] == ["many:0501", "many:0502"]
+    assert client.list_page(prefix="many:", limit=10_000)[1] is None
+    with pytest.raises(InvalidRequestError) as too_many:
+        client.list_page(limit=10_001)
+    assert too_many.value.field == "limit"
+    with pytest.raises(ValueError):
+        client.list_page(after="")
+    for handle in handles:  # the daemon is shared: leave no thousand leases behind
+        assert handle is not None and client.release(handle).released
 
 
 def test_break_result_and_warning_log(shared: DaemonProcess, client: LockClient) -> None:

@@ -95,7 +95,7 @@ def test_every_op_parses_to_its_typed_request() -> None:
     assert parse_request(line({"id": 1, "op": "release", **requests["release"]})) == Release(
         1, "release", "k", "h" * 22
     )
-    assert parse_request(line({"id": 1, "op": "list"})) == ListLocks(1, "list", "", None)
+    assert parse_request(line({"id": 1, "op": "list"})) == ListLocks(1, "list", "", 1000, None)
     assert parse_request(line({"id": 1, "op": "break", **requests["break"]})) == Break(
         1, "break", "k", "stuck"
     )
@@ -106,7 +106,7 @@ def test_null_optional_fields_count_as_absent() -> None:
     assert isinstance(request, Acquire)
     assert request.owner is None and request.release_on_close is False
     assert parse_request(line({"id": 1, "op": "list", "prefix": None, "limit": None})) == (
-        ListLocks(1, "list", "", None)
+        ListLocks(1, "list", "", 1000, None)
     )
 
 
@@ -259,14 +259,24 @@ def test_release_on_close_must_be_a_boolean(value: object) -> None:
     assert_invalid(acquire(releaseOnClose=value), "releaseOnClose")
 
 
-@pytest.mark.parametrize("limit", [0, -1, 1.5, "3", True])
+@pytest.mark.parametrize("limit", [0, -1, 1.5, "3", True, 10_001])
 def test_bad_list_limit(limit: object) -> None:
     assert_invalid({"id": 1, "op": "list", "limit": limit}, "limit")
 
 
+def test_list_page_fields() -> None:
+    request = {"id": 1, "op": "list", "prefix": "a:", "limit": 10_000, "after": "a:5"}
+    assert parse_request(line(request)) == ListLocks(1, "list", "a:", 10_000, "a:5")
+
+
+@pytest.mark.parametrize("after", ["", 5, "a\x01", EURO_1023 + "\u00e9", ["a"]])
+def test_bad_list_after(after: object) -> None:
+    assert_invalid({"id": 1, "op": "list", "after": after}, "after")
+
+
 def test_list_prefix_may_be_empty_but_not_a_control_character() -> None:
     assert parse_request(line({"id": 1, "op": "list", "prefix": ""})) == ListLocks(
-        1, "list", "", None
+        1, "list", "", 1000, None
     )
     assert_invalid({"id": 1, "op": "list", "prefix": "a\x01"}, "prefix")
     assert_invalid({"id": 1, "op": "list", "prefix": EURO_1023 + "\u00e9"}, "prefix")

@@ -427,9 +427,13 @@ def open_client(socket_path: str | None) -> LockClient:
 # --------------------------------------------------------------------------- output
 
 
+#: how every JSON document the CLI prints is written.
+JSON_STYLE: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
+
+
 def print_json(value: Any) -> None:
     """ONE JSON document on one line: stable for scripts (``jq``, ``while read``)."""
-    click.echo(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    click.echo(json.dumps(value, **JSON_STYLE))
 
 
 def format_ms(ms: int | float) -> str:
@@ -495,13 +499,34 @@ def _pad(text: str, width: int) -> str:
 
 def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """Columns aligned with two spaces between them; no trailing spaces."""
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(display_width(row[i]) for row in cells) for i in range(len(headers))]
-    lines = []
-    for row in cells:
-        padded = [_pad(cell, widths[i]) for i, cell in enumerate(row)]
-        lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines)
+    return "\n".join(TableWriter(headers).lines(rows))
+
+
+class TableWriter:
+    """A table written as its rows arrive (``locks list`` streams page by page).
+
+    The first batch fixes the column widths (with the header); a longer cell
+    in a later batch widens its column from then on.
+    """
+
+    def __init__(self, headers: Sequence[str]) -> None:
+        self._headers: list[str] | None = [str(c) for c in headers]
+        self._widths = [0] * len(headers)
+
+    def lines(self, rows: Iterable[Sequence[object]]) -> list[str]:
+        """The next lines of the table (the header first, on the first call)."""
+        cells = [["-" if c is None else str(c) for c in r] for r in rows]
+        if self._headers is not None:
+            cells.insert(0, self._headers)
+            self._headers = None
+        for row in cells:
+            self._widths = [
+                max(w, display_width(c)) for w, c in zip(self._widths, row, strict=True)
+            ]
+        return [
+            "  ".join(_pad(c, w) for c, w in zip(row, self._widths, strict=True)).rstrip()
+            for row in cells
+        ]
 
 
 def render_fields(pairs: Iterable[tuple[str, object]]) -> str:

@@ -18,13 +18,18 @@ internals). What a script can rely on (SPEC §9):
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+
 import click
 from lockd_client import LockClient, LockStatus, LockTimeoutError
 
 from lockd.cli.common import (
     EXIT_CODES_HELP,
+    JSON_STYLE,
     TTL,
     WAIT,
+    TableWriter,
     client_command,
     fail,
     format_ms,
@@ -35,7 +40,6 @@ from lockd.cli.common import (
     open_client,
     print_json,
     render_fields,
-    render_table,
     socket_option,
 )
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST
@@ -95,35 +99,87 @@ def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
 _HOLDER_FIELDS = ("heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process")
 
 
+LIST_COLUMNS = ("KEY", "HELD BY", "OWNER", "FENCE", "EXPIRES IN", "WAITERS")
+#: locks asked for per ``list`` request (the daemon's default page).
+LIST_PAGE = 1000
+
+
 @locks.command("list")
 @click.option("--prefix", metavar="P", help="Only keys that start with P.")
-@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="At most N locks.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), metavar="N", help="At most N locks (default: all)."
+)
+@click.option("--after", metavar="KEY", help="Start after KEY (the NEXT of an earlier listing).")
 @socket_option
 @json_option
 @client_command
-def list_cmd(prefix: str | None, limit: int | None, socket_path: str | None, as_json: bool) -> None:
-    """Every held lock (owners, admins and services)."""
+def list_cmd(
+    prefix: str | None,
+    limit: int | None,
+    after: str | None,
+    socket_path: str | None,
+    as_json: bool,
+) -> None:
+    """Every held lock in key order (owners, admins and services).
+
+    Fetched and printed a page at a time, so a daemon with a million locks
+    is never blocked and the table starts at once. With --json: one document
+    {"locks": [...], "next": KEY or null}; next is set when --limit cut the
+    listing, to pass as --after.
+    """
     with open_client(socket_path) as client:
-        held = client.list(prefix=prefix, limit=limit)
-    if as_json:
-        print_json({"locks": [s.raw for s in held]})
-        return
-    if not held:
+        pages = _pages(client, prefix, limit, after)
+        if as_json:
+            _stream_json(pages)
+        else:
+            _stream_table(pages, prefix)
+
+
+#: one page of ``list``: its locks, and the key after which the next starts.
+Page = tuple[list[LockStatus], str | None]
+
+
+def _pages(
+    client: LockClient, prefix: str | None, limit: int | None, after: str | None
+) -> Iterator[Page]:
+    """``list`` pages from ``after`` on, until the end or ``limit`` locks."""
+    left = limit
+    while True:
+        page = client.list_page(prefix, LIST_PAGE if left is None else min(left, LIST_PAGE), after)
+        yield page
+        locks, after = page
+        if left is not None:
+            left -= len(locks)
+        if after is None or left == 0:
+            return
+
+
+def _stream_json(pages: Iterator[Page]) -> None:
+    """One JSON document, written a page at a time (never all locks in memory)."""
+    sep, next_key = "", None
+    click.echo('{"locks":[', nl=False)
+    for locks, next_key in pages:
+        entries = [json.dumps(lock.raw, **JSON_STYLE) for lock in locks]
+        if entries:
+            click.echo(sep + ",".join(entries), nl=False)
+            sep = ","
+    click.echo(f'],"next":{json.dumps(next_key, **JSON_STYLE)}}}')
+
+
+def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
+    table = TableWriter(LIST_COLUMNS)
+    shown = 0
+    for locks, _ in pages:
+        rows = [
+            (s.key, s.held_by, s.owner, s.fence, format_relative(s.expires_in_ms), s.waiters)
+            for s in locks
+        ]
+        if rows:
+            click.echo("\n".join(table.lines(rows)))
+        shown += len(rows)
+    if not shown:
         under = f" under {prefix!r}" if prefix else ""
         click.echo(f"no locks held{under}")
-        return
-    rows = [
-        (
-            s.key,
-            s.held_by,
-            s.owner,
-            s.fence,
-            format_relative(s.expires_in_ms),
-            s.waiters,
-        )
-        for s in held
-    ]
-    click.echo(render_table(("KEY", "HELD BY", "OWNER", "FENCE", "EXPIRES IN", "WAITERS"), rows))
 
 
 @locks.command()

@@ -20,7 +20,9 @@ MAX_KEY_BYTES = 1024
 MAX_OWNER_CHARS = 256
 MAX_REASON_CHARS = 1024
 MAX_HANDLE_CHARS = 256
-MAX_LIST_LIMIT = 1_000_000
+#: a ``list`` page: how many entries without ``limit``, and at most (SPEC 3).
+DEFAULT_LIST_LIMIT = 1_000
+MAX_LIST_LIMIT = 10_000
 MAX_TTL_MS = 86_400_000
 MAX_TIMEOUT_MS = 86_400_000
 
@@ -107,7 +109,9 @@ class Status(Request):
 @dataclass(frozen=True)
 class ListLocks(Request):
     prefix: str
-    limit: int | None
+    limit: int
+    #: the page starts after this key (the previous page's ``next``).
+    after: str | None
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "renew": (frozenset({"key", "handle", "ttlMs"}), frozenset()),
     "release": (frozenset({"key", "handle"}), frozenset()),
     "status": (frozenset({"key"}), frozenset()),
-    "list": (frozenset(), frozenset({"prefix", "limit"})),
+    "list": (frozenset(), frozenset({"prefix", "limit", "after"})),
     "break": (frozenset({"key", "reason"}), frozenset()),
     "cancel": (frozenset({"target"}), frozenset()),
     "stats": (frozenset(), frozenset()),
@@ -288,7 +292,8 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
         if (_utf8_len(prefix) or 0) > MAX_KEY_BYTES:
             raise invalid("prefix", f"prefix must be at most {MAX_KEY_BYTES} bytes of UTF-8")
         limit = _int(f["limit"], "limit", 1, MAX_LIST_LIMIT) if "limit" in f else None
-        return ListLocks(rid, op, prefix, limit)
+        after = check_key(f["after"], "after") if "after" in f else None
+        return ListLocks(rid, op, prefix, DEFAULT_LIST_LIMIT if limit is None else limit, after)
     if op == "break":
         return Break(rid, op, check_key(f["key"]), _text(f["reason"], "reason", MAX_REASON_CHARS))
     if op == "cancel":

@@ -435,7 +435,7 @@ class LockService:
         if isinstance(request, Hello):
             return self.hello(caller)
         if isinstance(request, ListLocks):
-            return self.list(caller, request.prefix, request.limit)
+            return self.list(caller, request.prefix, request.limit, request.after)
         if isinstance(request, Break):
             return self.break_lock(caller, request.key, request.reason)
         if isinstance(request, Stats):
@@ -485,11 +485,11 @@ class LockService:
         self.commit_fact("status")
         return self.status_view(st)
 
-    def list(self, caller: Caller, prefix: str, limit: int | None) -> dict[str, Any]:
+    def list(self, caller: Caller, prefix: str, limit: int, after: str | None) -> dict[str, Any]:
         self.authorize(caller, "list")
-        held = self.engine.list_held(self.clock.boot_ms(), prefix, limit)
+        page = self.engine.list_held(self.clock.boot_ms(), prefix, limit, after)
         self.commit_fact("list")
-        return {"locks": [self.status_view(st) for st in held]}
+        return {"locks": [self.status_view(st) for st in page.locks], "next": page.next}
 
     def break_lock(self, caller: Caller, key: str, reason: str) -> dict[str, Any]:
         self.authorize(caller, "break", key)
