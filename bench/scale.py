@@ -156,8 +156,28 @@ class Wire:
 # --------------------------------------------------------------------- fill
 
 
+#: what each column of the leases table gets, by name, for filled lease ``i``.
+#: The schema is lockd's own, whatever its version: a column missing here
+#: that has no default stops the fill with its name.
+FILL_COLUMNS: dict[str, Any] = {
+    "key": lambda i, ctx: key_of(i),
+    "slot": lambda i, ctx: 0,
+    "handle": lambda i, ctx: secrets.token_urlsafe(16),
+    "fence": lambda i, ctx: i + 1,
+    "owner": lambda i, ctx: f"job-{i % 1000}" if i % 3 == 0 else None,
+    "principal": lambda i, ctx: PRINCIPALS[i % len(PRINCIPALS)],
+    "ttl_ms": lambda i, ctx: 3_600_000,
+    "expires_at": lambda i, ctx: ctx["expires_at"],
+    "boot_id": lambda i, ctx: ctx["boot_id"],
+    "mode": lambda i, ctx: "exclusive",
+    "hold_limit": lambda i, ctx: 1,
+    "pid": lambda i, ctx: None,
+    "process": lambda i, ctx: None,
+}
+
+
 def fill(db: Path, count: int, expires_at: int) -> float:
-    """Write ``count`` leases of this boot into a fresh database; seconds taken.
+    """Write ``count`` exclusive leases of this boot into a fresh database; seconds taken.
 
     The schema comes from lockd's own Store (its migrations); the rows go in
     with one ``executemany`` in key order, as a long-running daemon would
@@ -166,28 +186,22 @@ def fill(db: Path, count: int, expires_at: int) -> float:
     from lockd.daemon.store import Store, read_boot_id
 
     t0 = time.monotonic()
-    boot_id = read_boot_id()
-    Store(db, boot_id).close()
+    ctx = {"boot_id": read_boot_id(), "expires_at": expires_at}
+    Store(db, ctx["boot_id"]).close()
     conn = sqlite3.connect(str(db), isolation_level=None)
     try:
+        columns = []
+        for _, name, _, notnull, default, _ in conn.execute("PRAGMA table_info(leases)"):
+            if name in FILL_COLUMNS:
+                columns.append(name)
+            elif notnull and default is None:
+                raise RuntimeError(f"bench/scale.py does not know how to fill leases.{name}")
+        makers = [FILL_COLUMNS[name] for name in columns]
         conn.execute("PRAGMA synchronous=OFF")
         conn.execute("BEGIN")
         conn.executemany(
-            "INSERT INTO leases (key, handle, fence, owner, principal, ttl_ms, expires_at,"
-            " boot_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                (
-                    key_of(i),
-                    secrets.token_urlsafe(16),
-                    i + 1,
-                    f"job-{i % 1000}" if i % 3 == 0 else None,
-                    PRINCIPALS[i % len(PRINCIPALS)],
-                    3_600_000,
-                    expires_at,
-                    boot_id,
-                )
-                for i in range(count)
-            ),
+            f"INSERT INTO leases ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+            (tuple(make(i, ctx) for make in makers) for i in range(count)),
         )
         conn.execute("COMMIT")
     finally:
@@ -489,7 +503,10 @@ def _drain(head: Wire, conns: list[Wire], handle: str, waiters: int) -> list[flo
                     grants.append(time.perf_counter())
                     wire.sock.sendall(
                         wire.line(
-                            next(release_ids), "release", key="queue", handle=result["handle"]
+                            next(release_ids),
+                            "release",
+                            key="queue",
+                            handle=result["handle"],
                         )
                     )
     sel.close()
@@ -615,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, ~2 minutes")
     parser.add_argument(
-        "--only", default=",".join(SECTIONS), help=f"comma list of sections ({','.join(SECTIONS)})"
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma list of sections ({','.join(SECTIONS)})",
     )
     parser.add_argument("--expiry-leases", type=int, help="leases that expire together")
     parser.add_argument("--restart-sizes", type=_sizes, help="comma list, e.g. 300000,1e6")
