@@ -15,8 +15,9 @@ An acquire may have to wait, so it is answered in steps. The server calls
   out that lease, and the server must call :meth:`release_undelivered` when
   the reply cannot be written (nobody could ever present its handle);
 * :class:`WaitForRoom` -- over the rate limit with time left: sleep
-  ``delay_ms`` (or until shutdown), then call :meth:`acquire_after_wait`,
-  which answers with a step again;
+  ``delay_ms`` (until room comes, or out the timeout when it would come too
+  late; or until shutdown), then call :meth:`acquire_after_wait`, which
+  answers with a step again;
 * :class:`~lockd.daemon.engine.Parked` -- queued in the engine: wait until
   :attr:`on_resolved` fires for the waiter (or the connection goes, or the
   daemon stops), call :meth:`cancel_waiter` (a no-op once resolved), then
@@ -362,16 +363,21 @@ class LockService:
     def _acquire_within(
         self, caller: Caller, conn: int, req: Acquire, now: int, deadline: int
     ) -> AcquireStep:
-        """Count the attempt of a blocking acquire, then ask the engine."""
+        """Count the attempt of a blocking acquire, then ask the engine.
+
+        Over the rate limit it waits for room, and when no room comes within
+        its ``timeoutMs`` it still waits the timeout out before LOCK_TIMEOUT
+        (SPEC 6): a caller that retries on LOCK_TIMEOUT is paced by its own
+        timeout, as it is when the key is busy, instead of spinning.
+        """
         retry_after = self._take_attempt(caller, now)
         left = deadline - now
         if retry_after is None:
             return self._acquire_in_engine(caller, conn, req, now, max(0, left))
-        if retry_after >= left:
-            # No room will come within the timeout: waiting is pointless.
+        if left <= 0:
             self.stats.count("rateLimited")
             raise _timed_out(req)
-        return WaitForRoom(retry_after, deadline)
+        return WaitForRoom(min(retry_after, left), deadline)
 
     def _take_attempt(self, caller: Caller, now: int) -> int | None:
         """Count one acquire attempt; the ms to wait for room when over limit.
