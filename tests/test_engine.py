@@ -327,4 +327,90 @@ def test_list_index_follows_a_rollback() -> None:
     assert e.release(3, "kept", kept.handle)
     e.rollback()  # so did this release
     assert [s.key for s in e.list_held(4).locks] == ["kept"]
+
+
+# ------------------------------------------------------- bounded expiry (issue 10)
+
+
+def fill(e: LockEngine, count: int, ttl_ms: int, prefix: str = "mass") -> list[Lease]:
+    return [
+        grant(e.acquire(0, f"{prefix}:{i}", ttl_ms=ttl_ms, principal="user:a"))
+        for i in range(count)
+    ]
+
+
+def test_mass_expiry_goes_in_bounded_passes() -> None:
+    e = make_engine()
+    fill(e, 2500, 100)
+    e.drain()
+    assert e.advance(100, 1000) is False and e.behind
+    assert len(e.drain().expired) == 1000
+    assert e.advance(100, 1000) is False
+    assert len(e.drain().expired) == 1000
+    assert e.advance(100, 1000) is True and not e.behind
+    changes = e.drain()
+    assert len(changes.expired) == 500 and len(changes.rows) == 500
+    assert e.held_count == 0
+    e.check_invariants()
+
+
+def test_a_request_sees_its_own_key_expired_while_the_timer_is_behind() -> None:
+    e = make_engine()
+    leases = fill(e, 500, 100)
+    e.drain()
+    assert e.advance(100, 10) is False
+    last = leases[-1]  # expires last among equals: still unapplied
+    assert e.status(100, last.key).holder is None
+    assert not e.release(100, last.key, last.handle)
+    assert e.renew(100, leases[-2].key, leases[-2].handle, 1000) is None
+    taken = grant(e.acquire(100, leases[-3].key, ttl_ms=50, principal="user:b"))
+    assert taken.fence == 501
+    e.check_invariants()
+    while not e.advance(100, 100):
+        pass
+    assert [s.key for s in e.list_held(100).locks] == [leases[-3].key]
+    e.check_invariants()
+
+
+def test_a_waiter_whose_deadline_came_before_the_late_expiry_is_not_granted() -> None:
+    e = make_engine()
+    fill(e, 200, 10, prefix="early")  # a backlog ahead of everything below
+    held = grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    gone = park(e.acquire(0, "k", ttl_ms=100, principal="user:b", wait_ms=50))
+    late = park(e.acquire(0, "k", ttl_ms=100, principal="user:c", wait_ms=200))
+    e.drain()
+    # At 150 the backlog keeps the timer from reaching k; status settles k.
+    status = e.status(150, "k")
+    assert gone.timed_out and gone.lease is None
+    assert late.lease is not None and status.holder is late.lease
+    assert held.fence < late.lease.fence
+    resolved = e.drain().resolved
+    assert gone in resolved and late in resolved
+    e.check_invariants()
+
+
+def test_a_key_whose_waiters_all_timed_out_meanwhile_is_freed() -> None:
+    e = make_engine()
+    fill(e, 200, 10, prefix="early")
+    grant(e.acquire(0, "k", ttl_ms=100, principal="user:a"))
+    gone = park(e.acquire(0, "k", ttl_ms=100, principal="user:b", wait_ms=50))
+    e.drain()
+    status = e.status(150, "k")
+    assert status.holder is None and status.waiters == 0 and gone.timed_out
+    assert grant(e.acquire(150, "k", ttl_ms=100, principal="user:c")).key == "k"
+    e.check_invariants()
+
+
+def test_list_skips_keys_that_ran_out_while_the_timer_is_behind() -> None:
+    e = make_engine()
+    fill(e, 300, 100)
+    for key in ("mass:0005x", "mass:0100x", "mass:9x"):
+        grant(e.acquire(0, key, ttl_ms=1000, principal="user:a"))
+    e.drain()
+    assert e.advance(100, 10) is False
+    first = e.list_held(100, "mass:", 2)
+    assert [s.key for s in first.locks] == ["mass:0005x", "mass:0100x"]
+    assert first.next == "mass:0100x"
+    last = e.list_held(100, "mass:", 2, first.next)
+    assert ([s.key for s in last.locks], last.next) == (["mass:9x"], None)
     e.check_invariants()

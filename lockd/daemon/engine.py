@@ -73,6 +73,13 @@ MAX_TTL_MS = 86_400_000
 MAX_TIMEOUT_MS = 86_400_000
 #: holders listed per key by status and list (SPEC 10).
 MAX_LISTED_HOLDERS = 100
+#: deadlines a timer pass applies at most (lease expiries and waiter
+#: timeouts). 200,000 leases running out together are expired over many
+#: passes, each followed by its commit and replies, instead of in one step
+#: that holds the loop for seconds; the rest wait for the next pass.
+EXPIRY_CHUNK = 1000
+#: due deadlines a request applies on its way in, before settling its own key.
+REQUEST_CHUNK = 64
 
 
 def new_handle_id() -> str:
@@ -356,6 +363,9 @@ class LockEngine:
         #: the running request's undo log (None outside a request).
         self._undo: list[_UndoEntry] | None = None
         self._undo_mark: tuple[int, int, int, int, int | None, int] = (0, 0, 0, 0, None, 0)
+        #: set when a bounded :meth:`advance` left due deadlines unapplied;
+        #: requests then settle their own key first (:meth:`_settle`).
+        self._behind = False
 
     # ------------------------------------------------------------------ state
 
@@ -397,7 +407,8 @@ class LockEngine:
                 self._index(lease)
                 self._push_lease(lease)
         self._sorted_keys.update(self._keys)
-        self._advance(now)
+        # Leases that ran out while the daemon was down go in timer passes too.
+        self._advance(now, EXPIRY_CHUNK)
 
     def drain(self) -> Changes:
         """Hand over the effects gathered so far (they were committed)."""
@@ -471,9 +482,18 @@ class LockEngine:
             candidates.append(self._waiter_heap[0][0])
         return min(candidates) if candidates else None
 
-    def advance(self, now: int) -> None:
-        """Let time pass: expire leases and waiters whose deadline is <= now."""
-        self._advance(now)
+    def advance(self, now: int, budget: int | None = None) -> bool:
+        """Let time pass: apply deadlines <= now, at most ``budget`` of them.
+
+        True when none is left due; False when the budget ran out first (the
+        timer comes back at once, see :data:`EXPIRY_CHUNK`).
+        """
+        return self._advance(now, budget)
+
+    @property
+    def behind(self) -> bool:
+        """Deadlines already passed are still waiting for a timer pass."""
+        return self._behind
 
     # ------------------------------------------------------------- operations
 
@@ -501,7 +521,7 @@ class LockEngine:
         """
         if mode not in holds.MODES:
             raise ValueError(f"unknown mode {mode!r}")
-        self._advance(now)
+        self._catch_up(now, key)
         self._begin()
         bound = conn if release_on_close else None
         state = self._keys.get(key)
@@ -551,7 +571,7 @@ class LockEngine:
 
     def renew(self, now: int, key: str, handle: str, ttl_ms: int) -> Lease | None:
         """Extend the lease if ``handle`` still holds ``key``; None means lost."""
-        self._advance(now)
+        self._catch_up(now, key)
         self._begin()
         lease = self._find(key, handle)
         if lease is None:
@@ -564,7 +584,7 @@ class LockEngine:
 
     def release(self, now: int, key: str, handle: str) -> bool:
         """End the hold of ``handle`` on ``key``; the queue is served from its head."""
-        self._advance(now)
+        self._catch_up(now, key)
         self._begin()
         lease = self._find(key, handle)
         if lease is None:
@@ -574,7 +594,7 @@ class LockEngine:
 
     def break_lock(self, now: int, key: str) -> list[Lease]:
         """End every hold of ``key``; returns them, oldest first (empty: was free)."""
-        self._advance(now)
+        self._catch_up(now, key)
         self._begin()
         state = self._keys.get(key)
         if state is None:
@@ -603,7 +623,7 @@ class LockEngine:
         if not waiter.resolved:
             waiter.cancelled = True
             self._leave_queue(now, waiter)
-        self._advance(now)
+        self._catch_up(now, None)
 
     def connection_closed(self, now: int, conn: int, *, release_bound: bool = True) -> list[Lease]:
         """Drop the connection's waiters and release its bound leases.
@@ -619,9 +639,11 @@ class LockEngine:
             if waiter is not None:
                 waiter.cancelled = True
                 self._leave_queue(now, waiter)
-        self._advance(now)
+        self._catch_up(now, None)
         released = []
         for lease in sorted(self._conn_leases.pop(conn, ()), key=lambda held: held.fence):
+            if self._behind:
+                self._settle(now, lease.key)
             if lease.conn != conn or not self._holds(lease):
                 continue
             if release_bound:
@@ -632,7 +654,7 @@ class LockEngine:
         return released
 
     def status(self, now: int, key: str) -> KeyStatus:
-        self._advance(now)
+        self._catch_up(now, key)
         return self._status(key, self._keys.get(key))
 
     def list_held(
@@ -641,21 +663,38 @@ class LockEngine:
         """Held keys under ``prefix`` in key order, at most ``limit``, after ``after``.
 
         Keys under a prefix are contiguous in key order, so the page is a
-        slice of the sorted index: O(limit + log n).
+        slice of the sorted index: O(limit + log n). While the timer is
+        behind, each key is settled first and skipped if that freed it.
         """
-        self._advance(now)
+        self._catch_up(now, None)
         if after is not None and after >= prefix:
-            start = self._sorted_keys.irange(minimum=after, inclusive=(False, True))
+            cursor, inclusive = after, False
         else:
-            start = self._sorted_keys.irange(minimum=prefix)
+            cursor, inclusive = prefix, True
         keys: list[str] = []
-        for key in start:
-            if not key.startswith(prefix):
-                break
-            if len(keys) == limit:
-                return ListPage([self._status(k, self._keys[k]) for k in keys], keys[-1])
-            keys.append(key)
-        return ListPage([self._status(k, self._keys[k]) for k in keys], None)
+        exhausted = False
+        while not exhausted and len(keys) <= limit:
+            # A batch first: settling a key may take it out of the index.
+            want = limit + 1 - len(keys)
+            batch = list(
+                itertools.islice(
+                    self._sorted_keys.irange(minimum=cursor, inclusive=(inclusive, True)), want
+                )
+            )
+            exhausted = len(batch) < want
+            if batch:
+                cursor, inclusive = batch[-1], False
+            for key in batch:
+                if not key.startswith(prefix):
+                    exhausted = True
+                    break
+                if self._behind:
+                    self._settle(now, key)
+                if key in self._keys:
+                    keys.append(key)
+        more = len(keys) > limit
+        del keys[limit:]
+        return ListPage([self._status(k, self._keys[k]) for k in keys], keys[-1] if more else None)
 
     # ---------------------------------------------------- holders and waiters
 
@@ -846,15 +885,19 @@ class LockEngine:
         assert state.free_slots is not None
         self._list_append(state.free_slots, slot)
 
-    def _end_hold(self, now: int, state: _KeyState, lease: Lease) -> None:
-        """A holder is gone (release, expiry, close): serve the queue, or drop the key."""
+    def _end_hold(self, now: int, state: _KeyState, lease: Lease, at: int | None = None) -> None:
+        """A holder is gone (release, expiry, close): serve the queue, or drop the key.
+
+        ``at`` is when it happened if that was before ``now`` (an expiry
+        applied late): see :meth:`_serve_queue`.
+        """
         if state.count == 1 and state.q_len == 0:
             self._drop_key(lease.key, state)
             return
         self._detach(state, lease)
         self._give_slot(state, lease.slot)
         self._dset(self._changes.rows, (lease.key, lease.slot), None)
-        self._serve_queue(now, state)
+        self._serve_queue(now, state, at)
 
     def _drop_key(self, key: str, state: _KeyState) -> None:
         """The key's last holders leave and nobody waits: forget the key.
@@ -868,11 +911,25 @@ class LockEngine:
             self._unindex(lease)
             self._dset(self._changes.rows, (key, lease.slot), None)
 
-    def _serve_queue(self, now: int, state: _KeyState) -> None:
-        """Grant the head of the queue while it fits (SPEC 10: no overtaking)."""
-        while (waiter := state.q_first) is not None and holds.fits(
-            waiter.mode, state.mode, state.count, state.limit
-        ):
+    def _serve_queue(self, now: int, state: _KeyState, at: int | None = None) -> None:
+        """Grant the head of the queue while it fits (SPEC 10: no overtaking).
+
+        The key freed ``at`` (default: now). A waiter whose own deadline
+        came before that has timed out and is not granted: in time order
+        its timeout comes first. Only a late expiry or a request settling
+        its key while the timer is behind meets such a waiter here.
+        """
+        dead_before = now + 1 if at is None else at
+        timed_out: Waiter | None = None
+        while (waiter := state.q_first) is not None:
+            if waiter.deadline < dead_before:
+                self._set(waiter, "timed_out", True)
+                self._changes.resolved.append(waiter)
+                self._dequeue(state, waiter)
+                timed_out = waiter
+                continue
+            if not holds.fits(waiter.mode, state.mode, state.count, state.limit):
+                break
             self._dequeue(state, waiter)
             bound = waiter.conn if waiter.release_on_close else None
             lease = self._grant(
@@ -890,6 +947,8 @@ class LockEngine:
             )
             self._set(waiter, "lease", lease)
             self._changes.resolved.append(waiter)
+        if timed_out is not None and state.count == 0 and state.q_len == 0:
+            self._drop_key(timed_out.key, state)  # nobody left to hand the key to
 
     def _enqueue(
         self,
@@ -956,7 +1015,7 @@ class LockEngine:
             if not ids:
                 self._ddel(self._conn_waiters, waiter.conn)
 
-    def _leave_queue(self, now: int, waiter: Waiter) -> None:
+    def _leave_queue(self, now: int, waiter: Waiter, at: int | None = None) -> None:
         """A waiter left (timeout, cancel); if it was the head, the next may fit now."""
         if self._waiters.get(waiter.id) is not waiter:
             return
@@ -964,7 +1023,7 @@ class LockEngine:
         was_head = state.q_first is waiter
         self._dequeue(state, waiter)
         if was_head:
-            self._serve_queue(now, state)
+            self._serve_queue(now, state, at)
 
     # ------------------------------------------------------------------ time
 
@@ -983,18 +1042,21 @@ class LockEngine:
         while wheap and wheap[0][1] not in self._waiters:
             heapq.heappop(wheap)
 
-    def _advance(self, now: int) -> None:
-        """Apply every deadline <= now, in time order.
+    def _advance(self, now: int, budget: int | None = None) -> bool:
+        """Apply deadlines <= now in time order, at most ``budget``; True when none is left.
 
         Order matters when the timer runs late (a loaded box, a resume from
-        suspend): a waiter whose deadline came before a lease's expiry has
-        timed out and must not be handed that key. At equal times the lease
-        goes first, so a waiter whose deadline is the expiry still wins.
+        suspend, a backlog of expiries): a waiter whose deadline came before
+        a lease's expiry has timed out and must not be handed that key. At
+        equal times the lease goes first, so a waiter whose deadline is the
+        expiry still wins. Each event is applied as of its own time (``at``).
         Time passing is a fact: nothing here is recorded for a rollback.
         """
         self._undo = None
         heap, wheap = self._lease_heap, self._waiter_heap
-        while True:
+        applied = 0
+        caught_up = False
+        while budget is None or applied < budget:
             self._prune_heaps()
             lease_at = heap[0][0] if heap else None
             waiter_at = wheap[0][0] if wheap else None
@@ -1005,15 +1067,49 @@ class LockEngine:
             ):
                 lease = heapq.heappop(heap)[2]
                 self._changes.expired.append(lease)
-                self._end_hold(now, self._keys[lease.key], lease)
+                self._end_hold(now, self._keys[lease.key], lease, lease_at)
             elif waiter_at is not None and waiter_at <= now:
                 waiter = self._waiters[heapq.heappop(wheap)[1]]
                 waiter.timed_out = True
                 self._changes.resolved.append(waiter)
-                self._leave_queue(now, waiter)
+                self._leave_queue(now, waiter, waiter_at)
             else:
+                caught_up = True
                 break
+            applied += 1
+        else:
+            caught_up = (next_due := self.next_deadline()) is None or next_due > now
+        self._behind = not caught_up
         self._compact_if_bloated()
+        return caught_up
+
+    def _catch_up(self, now: int, key: str | None) -> None:
+        """Time passes before a request: a few due deadlines, then all of ``key``'s."""
+        if not self._advance(now, REQUEST_CHUNK) and key is not None:
+            self._settle(now, key)
+
+    def _settle(self, now: int, key: str) -> None:
+        """Expire ``key``'s holders that ran out, ahead of the timer that is behind.
+
+        Keys are independent, so applying one key's deadlines ahead of the
+        others' changes nothing another key shows; within the key they go in
+        time order, and its waiters whose deadline passed are timed out when
+        they reach the head (:meth:`_serve_queue`). O(holders of the key),
+        and only while :attr:`behind`.
+        """
+        state = self._keys.get(key)
+        if state is None:
+            return
+        due = [lease for lease in self._holders(state) if lease.expires_at <= now]
+        due.sort(key=lambda lease: (lease.expires_at, lease.fence))
+        for lease in due:
+            state = self._keys.get(key)
+            if state is None:
+                return  # the key was dropped: nothing of it is left to expire
+            if not self._holds(lease):
+                continue
+            self._changes.expired.append(lease)
+            self._end_hold(now, state, lease, lease.expires_at)
 
     def _compact_if_bloated(self) -> None:
         """Renewals leave dead heap entries; rebuild when they dominate."""

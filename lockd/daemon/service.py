@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from lockd import __version__
 from lockd.daemon.clock import Clock
 from lockd.daemon.engine import (
+    EXPIRY_CHUNK,
     Busy,
     KeyStatus,
     Lease,
@@ -190,11 +191,9 @@ class LockService:
         self.engine.drain()
         self.stats.count("grants", changes.grants)
         self.stats.count("retakes", changes.retakes)
-        for lease in changes.expired:
-            self.stats.count("expiries")
-            log.info(
-                kv(event="expired", key=lease.key, principal=lease.principal, fence=lease.fence)
-            )
+        if changes.expired:
+            self.stats.count("expiries", len(changes.expired))
+            self._log_expired(changes.expired)
         for waiter in changes.resolved:
             if waiter.timed_out:
                 self.stats.count("timeouts")
@@ -204,6 +203,26 @@ class LockService:
                     kv(event="granted", key=lease.key, principal=lease.principal, fence=lease.fence)
                 )
             self.on_resolved(waiter)
+
+    def _log_expired(self, expired: list[Lease]) -> None:
+        """One info line per commit however many leases ran out; each at debug.
+
+        A line per lease cost ~75 % of the loop time when 100,000 leases ran
+        out together (issue 10). A lone expiry, the usual case, keeps its key
+        on the info line.
+        """
+        if len(expired) == 1:
+            lease = expired[0]
+            log.info(
+                kv(event="expired", key=lease.key, principal=lease.principal, fence=lease.fence)
+            )
+            return
+        log.info(kv(event="expired", count=len(expired), more_due=self.engine.behind))
+        if log.isEnabledFor(logging.DEBUG):
+            for lease in expired:
+                log.debug(
+                    kv(event="expired", key=lease.key, principal=lease.principal, fence=lease.fence)
+                )
 
     def next_deadline(self) -> int | None:
         """The engine's earliest lease or waiter deadline (boot-clock ms), if any."""
@@ -219,7 +238,7 @@ class LockService:
         False when the commit failed: the expiries and hand-offs stay pending
         and the timer retries shortly.
         """
-        self.engine.advance(self.clock.boot_ms())
+        self.engine.advance(self.clock.boot_ms(), EXPIRY_CHUNK)
         return self.commit_fact("tick")
 
     def commit_request(self) -> None:
