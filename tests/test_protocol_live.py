@@ -221,7 +221,8 @@ def test_every_op_result_has_the_spec_fields(conn: RawConn) -> None:
     assert lost == {"renewed": False, "reason": "lease_lost"}
 
     listed = conn.result({"id": 7, "op": "list", "prefix": key})
-    assert set(listed) == {"locks"} and len(listed["locks"]) == 1
+    assert set(listed) == {"locks", "next"} and len(listed["locks"]) == 1
+    assert listed["next"] is None
     moving = {"expiresInMs", "leaseExpiresAt", "holders"}  # renewed since the status above
     entry = listed["locks"][0]
     assert set(entry) == STATUS_FIELDS
