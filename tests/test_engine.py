@@ -414,3 +414,14 @@ def test_list_skips_keys_that_ran_out_while_the_timer_is_behind() -> None:
     last = e.list_held(100, "mass:", 2, first.next)
     assert ([s.key for s in last.locks], last.next) == (["mass:9x"], None)
     e.check_invariants()
+
+
+def test_equal_deadlines_and_repeated_renewals_order_by_fence() -> None:
+    e = make_engine()
+    a = grant(e.acquire(0, "a", ttl_ms=100, principal="user:a"))
+    b = grant(e.acquire(0, "b", ttl_ms=100, principal="user:a"))
+    for _ in range(3):  # the same deadline pushed again: entries equal up to the lease
+        assert e.renew(0, "a", a.handle, 100) is a
+    assert e.advance(100) is True
+    assert [lease.key for lease in e.drain().expired] == ["a", "b"] and b.fence > a.fence
+    e.check_invariants()

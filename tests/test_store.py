@@ -331,3 +331,23 @@ def test_a_schema_1_database_keeps_its_leases_handles_and_fence(tmp_path: Path) 
     assert engine.release(1_000_001, "alpha", "handle-alpha-000000000")
     granted = engine.acquire(1_000_002, "new", ttl_ms=10, principal="user:a")
     assert isinstance(granted, Lease) and granted.fence == 5
+
+
+def test_leases_stream_in_key_order_with_shared_strings(store: Store) -> None:
+    rows = {k: lease(k, f, owner="nightly") for f, k in enumerate(["b", "c", "a"], start=1)}
+    store.apply(changes(rows, fence=3))
+    streamed = list(store.leases())
+    assert [x.key for x in streamed] == ["a", "b", "c"]
+    # One string object per distinct principal and owner, however many leases.
+    assert streamed[0].principal is streamed[1].principal is streamed[2].principal
+    assert streamed[0].owner is streamed[2].owner
+    assert store.stored_fence() == 3
+
+
+def test_restore_builds_each_key_from_its_holders_together() -> None:
+    engine = LockEngine()
+    engine.restore([lease("b", 2), lease("a", 1)], now=0)
+    assert [s.key for s in engine.list_held(0).locks] == ["a", "b"] and engine.fence == 2
+    engine.check_invariants()
+    with pytest.raises(ValueError, match="must come together"):
+        LockEngine().restore([lease("a", 1), lease("b", 2), lease("a", 3)], now=0)

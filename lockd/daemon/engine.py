@@ -350,6 +350,9 @@ class LockEngine:
         self._fence = fence
         self._new_handle = handle_factory
         self._lease_count = 0
+        #: (expires_at, fence, lease): the fence orders equal deadlines. Fences
+        #: are unique per grant and a renewal re-pushes the same lease, so two
+        #: entries never tie up to a lease that Python would have to compare.
         self._lease_heap: list[tuple[int, int, Lease]] = []
         self._waiter_heap: list[tuple[int, int]] = []
         self._waiters: dict[int, Waiter] = {}
@@ -357,7 +360,6 @@ class LockEngine:
         self._conn_leases: dict[int, set[Lease]] = {}
         #: (key, principal, owner) -> the hold a re-take would take back.
         self._owned: dict[tuple[str, str, str], Lease] = {}
-        self._seq = itertools.count()
         self._waiter_ids = itertools.count(1)
         self._changes = Changes()
         #: the running request's undo log (None outside a request).
@@ -389,26 +391,56 @@ class LockEngine:
         return len(self._waiters)
 
     def restore(self, leases: Iterable[Lease], now: int) -> None:
-        """Load leases kept by the store; those already run out are freed."""
-        by_key: dict[str, list[Lease]] = {}
+        """Load leases kept by the store; those already run out are freed.
+
+        The store streams them in key order, so a key's holders come
+        together: each key is built as its rows go by, and a million leases
+        load without a second copy of them in memory. The deadline heap is
+        built once at the end (heapify is O(n), a push per lease is not).
+        """
+        group: list[Lease] = []
         for lease in leases:
-            self._fence = max(self._fence, lease.fence)
-            lease.conn = None  # a restart ends every connection binding
-            by_key.setdefault(lease.key, []).append(lease)
-        for key, group in by_key.items():
-            group.sort(key=lambda lease: lease.fence)  # oldest grant first
-            state = self._keys[key] = _KeyState(group[-1].mode, group[-1].limit)
-            used = {lease.slot for lease in group}
-            state.next_slot = max(used) + 1
-            free = [slot for slot in range(state.next_slot) if slot not in used]
-            state.free_slots = free or None
-            for lease in group:
-                self._link(state, lease)
-                self._index(lease)
-                self._push_lease(lease)
+            if group and lease.key != group[0].key:
+                self._restore_key(group)
+                group = []
+            group.append(lease)
+        if group:
+            self._restore_key(group)
+        heapq.heapify(self._lease_heap)
         self._sorted_keys.update(self._keys)
         # Leases that ran out while the daemon was down go in timer passes too.
         self._advance(now, EXPIRY_CHUNK)
+
+    def _restore_key(self, group: list[Lease]) -> None:
+        """Make the state of one key from all its stored holders."""
+        key = group[0].key
+        if key in self._keys:
+            raise ValueError(f"the leases of {key!r} must come together")
+        for lease in group:
+            lease.conn = None  # a restart ends every connection binding
+            if lease.fence > self._fence:
+                self._fence = lease.fence
+            self._lease_heap.append((lease.expires_at, lease.fence, lease))
+        if len(group) == 1:  # the common case, without the general bookkeeping
+            lease = group[0]
+            state = _KeyState(lease.mode, lease.limit)
+            state.count, state.first, state.last = 1, lease, lease
+            state.next_slot = lease.slot + 1
+            state.free_slots = list(range(lease.slot)) or None
+            self._keys[key] = state
+            self._lease_count += 1
+            if lease.owner is not None:
+                self._owned[(key, lease.principal, lease.owner)] = lease
+            return
+        group.sort(key=lambda lease: lease.fence)  # oldest grant first
+        state = self._keys[key] = _KeyState(group[-1].mode, group[-1].limit)
+        used = {lease.slot for lease in group}
+        state.next_slot = max(used) + 1
+        free = [slot for slot in range(state.next_slot) if slot not in used]
+        state.free_slots = free or None
+        for lease in group:
+            self._link(state, lease)
+            self._index(lease)
 
     def drain(self) -> Changes:
         """Hand over the effects gathered so far (they were committed)."""
@@ -1028,7 +1060,7 @@ class LockEngine:
     # ------------------------------------------------------------------ time
 
     def _push_lease(self, lease: Lease) -> None:
-        heapq.heappush(self._lease_heap, (lease.expires_at, next(self._seq), lease))
+        heapq.heappush(self._lease_heap, (lease.expires_at, lease.fence, lease))
 
     def _lease_entry_live(self, entry: tuple[int, int, Lease]) -> bool:
         expires_at, _, lease = entry

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from lockd.daemon.engine import Changes, Lease, RowId
 from lockd.logfmt import kv
@@ -199,54 +200,68 @@ class Store:
 
     def load(self) -> tuple[list[Lease], int]:
         """Drop leases of earlier boots; return this boot's leases and the fence."""
+        leases = list(self.leases())
+        return leases, max([self.stored_fence(), *(lease.fence for lease in leases)])
+
+    def stored_fence(self) -> int:
+        """The fence high-water mark kept in ``meta``."""
+        value: int = self._db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
+        return value
+
+    def leases(self) -> Iterator[Lease]:
+        """Stream this boot's leases in (key, slot) order; drop those of earlier boots.
+
+        Rows are read one at a time (never ``fetchall``: a million rows as
+        tuples cost more than the leases made of them), and the strings many
+        leases share (principal, owner, mode, process) and the TTLs are
+        interned, so each exists once however many leases hold it. Rows of
+        an earlier boot are skipped and deleted once the stream has ended.
+        """
         db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            dropped = db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,)).rowcount
-            rows = db.execute(
-                "SELECT key, handle, fence, owner, principal, ttl_ms, expires_at, mode, "
-                "hold_limit, slot, pid, process FROM leases"
-            ).fetchall()
-            fence = db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        if dropped:
-            log.info(kv(event="dropped_earlier_boot", leases=dropped))
-        leases = [
-            Lease(
+        boot_id = self.boot_id
+        shared: dict[object, Any] = {}
+        share = shared.setdefault
+        dropped = 0
+        rows = db.execute(
+            "SELECT key, handle, fence, owner, principal, ttl_ms, expires_at, mode, "
+            "hold_limit, slot, pid, process, boot_id FROM leases ORDER BY key, slot"
+        )
+        for (
+            key,
+            handle,
+            fence,
+            owner,
+            principal,
+            ttl,
+            expires,
+            mode,
+            limit,
+            slot,
+            pid,
+            proc,
+            boot,
+        ) in rows:
+            if boot != boot_id:
+                dropped += 1
+                continue
+            yield Lease(
                 key,
                 handle,
                 fence,
-                owner,
-                principal,
-                ttl,
+                None if owner is None else share(owner, owner),
+                share(principal, principal),
+                share(ttl, ttl),
                 expires,
                 None,
-                mode,
+                share(mode, mode),
                 limit,
                 slot,
                 pid,
-                proc,
+                None if proc is None else share(proc, proc),
             )
-            for (
-                key,
-                handle,
-                fence,
-                owner,
-                principal,
-                ttl,
-                expires,
-                mode,
-                limit,
-                slot,
-                pid,
-                proc,
-            ) in rows
-        ]
-        fence = max([fence, *(lease.fence for lease in leases)])
-        return leases, fence
+        if dropped:
+            db.execute("DELETE FROM leases WHERE boot_id != ?", (boot_id,))
+            log.info(kv(event="dropped_earlier_boot", leases=dropped))
 
     def apply(self, changes: Changes) -> None:
         """Persist one batch of engine effects atomically.
