@@ -315,6 +315,8 @@ class LockdDaemon:
     db: Path | None = None
     #: seconds to wait for the socket (a big database takes a while to load).
     start_timeout: float = 20.0
+    #: a checkout whose lockd to run instead of the one this bench imports.
+    tree: Path | None = None
     root: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
 
@@ -343,7 +345,15 @@ class LockdDaemon:
         cmd += ["-m", "lockd", "serve", "--socket", str(self.socket)]
         cmd += ["--db", str(self.db_path), "--config", str(self.root / "cfg")]
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            env = None if self.tree is None else {**os.environ, "PYTHONPATH": str(self.tree)}
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                cwd=self.tree,
+                env=env,
+            )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -17,12 +17,18 @@ queue. N waiters (100,000) park on one key; each grant is released by the
    bench as soon as it arrives: the hand-off rate of the last 2,000 against
    the first 2,000 of the same drain. Goal >= 0.8x.
 
+``--before REV`` measures a second lockd in the same run: REV checked out
+in a temporary git worktree, each section run against it first and then
+against this checkout, so the before/after table compares figures taken on
+the same box under the same load.
+
 Leases are written straight into the database before the daemon starts (a
-lease holds no live state besides its row): the schema is lockd's own, made
-by :class:`lockd.daemon.store.Store`. Every request goes over a raw JSON-lines
-socket (no client library), so the numbers are the daemon's. Sizes are
-options; ``--quick`` runs smaller sizes in ~2 minutes. Prints a table and
-writes ``bench/results/<UTC time>-scale-<plan>.json``.
+lease holds no live state besides its row): the schema is the measured
+lockd's own, made by its :class:`lockd.daemon.store.Store` in a process that
+imports that checkout. Every request goes over a raw JSON-lines socket (no
+client library), so the numbers are the daemon's. Sizes are options;
+``--quick`` runs smaller sizes in ~2 minutes. Prints a table and writes
+``bench/results/<UTC time>-scale-<plan>.json``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import selectors
 import shutil
 import socket
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import threading
@@ -49,7 +56,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# A fill subprocess (see fill()) imports lockd from the checkout it measures.
+sys.path.insert(
+    0, os.environ.get("LOCKD_SCALE_TREE") or str(Path(__file__).resolve().parent.parent)
+)
 
 from common import LockdDaemon, fmt_num, median, percentile, proc_cpu_s, table
 from run import _git_rev, _no_nan, log
@@ -176,8 +186,20 @@ FILL_COLUMNS: dict[str, Any] = {
 }
 
 
-def fill(db: Path, count: int, expires_at: int) -> float:
-    """Write ``count`` exclusive leases of this boot into a fresh database; seconds taken.
+def fill(tree: Path, db: Path, count: int, expires_at: int) -> float:
+    """Write ``count`` leases into a fresh database with ``tree``'s lockd; seconds taken."""
+    t0 = time.monotonic()
+    subprocess.run(
+        [sys.executable, __file__, "--fill", str(db), str(count), str(expires_at)],
+        cwd=tree,
+        env={**os.environ, "LOCKD_SCALE_TREE": str(tree), "PYTHONPATH": str(tree)},
+        check=True,
+    )
+    return time.monotonic() - t0
+
+
+def _fill_here(db: Path, count: int, expires_at: int) -> None:
+    """Write ``count`` exclusive leases of this boot into a fresh database.
 
     The schema comes from lockd's own Store (its migrations); the rows go in
     with one ``executemany`` in key order, as a long-running daemon would
@@ -185,7 +207,6 @@ def fill(db: Path, count: int, expires_at: int) -> float:
     """
     from lockd.daemon.store import Store, read_boot_id
 
-    t0 = time.monotonic()
     ctx = {"boot_id": read_boot_id(), "expires_at": expires_at}
     Store(db, ctx["boot_id"]).close()
     conn = sqlite3.connect(str(db), isolation_level=None)
@@ -206,7 +227,6 @@ def fill(db: Path, count: int, expires_at: int) -> float:
         conn.execute("COMMIT")
     finally:
         conn.close()
-    return time.monotonic() - t0
 
 
 def set_expiry(db: Path, expires_at: int) -> None:
@@ -252,17 +272,17 @@ def start_timed(daemon: LockdDaemon) -> float:
 # ------------------------------------------------------------------- expiry
 
 
-def bench_expiry(count: int) -> dict[str, Any]:
+def bench_expiry(tree: Path, count: int) -> dict[str, Any]:
     """Worst try+release pair of one client while ``count`` leases expire at once."""
     with workdir() as root:
         db = root / "lockd.db"
-        fill_s = fill(db, count, 0)
+        fill_s = fill(tree, db, count, 0)
         log(f"expiry: {count:,} leases written in {fill_s:.1f} s")
         # Time to start and load, generously: ~6 us per lease before issue 10.
         delay_ms = int(4000 + count * 0.02)
         expires_at = boot_ms() + delay_ms
         set_expiry(db, expires_at)
-        daemon = LockdDaemon(db=db, start_timeout=60)
+        daemon = LockdDaemon(db=db, start_timeout=60, tree=tree)
         with contextlib.ExitStack() as stack:
             stack.callback(daemon.stop)
             start_s = start_timed(daemon)
@@ -333,14 +353,14 @@ def _probe_pairs(probe: Wire, expires_at: int) -> _Pairs:
 # ------------------------------------------------------------ restart + list
 
 
-def bench_restart(sizes: list[int], list_pages: int, with_list: bool) -> dict[str, Any]:
+def bench_restart(tree: Path, sizes: list[int], list_pages: int, with_list: bool) -> dict[str, Any]:
     """Start-up time and memory at each size; ``list`` pages at the largest."""
     out: dict[str, Any] = {"sizes": []}
     with workdir() as root:
         for count in [0, *sizes]:
             db = root / f"lockd-{count}.db"
-            fill_s = fill(db, count, boot_ms() + 3_600_000)
-            daemon = LockdDaemon(db=db, start_timeout=120)
+            fill_s = fill(tree, db, count, boot_ms() + 3_600_000)
+            daemon = LockdDaemon(db=db, start_timeout=120, tree=tree)
             try:
                 start_s = start_timed(daemon)
                 cpu_s = proc_cpu_s(daemon.pid)
@@ -439,10 +459,10 @@ def bench_list(daemon: LockdDaemon, count: int, pages: int) -> dict[str, Any]:
 # -------------------------------------------------------------------- queue
 
 
-def bench_queue(waiters: int) -> dict[str, Any]:
+def bench_queue(tree: Path, waiters: int) -> dict[str, Any]:
     """Park ``waiters`` blocking acquires on one key, then drain the queue."""
     edge = min(QUEUE_EDGE, waiters // 4)
-    daemon = LockdDaemon(start_timeout=60)
+    daemon = LockdDaemon(start_timeout=60, tree=tree)
     with contextlib.ExitStack() as stack:
         daemon.start()
         stack.callback(daemon.stop)
@@ -520,119 +540,119 @@ def _drain(head: Wire, conns: list[Wire], handle: str, waiters: int) -> list[flo
 # ---------------------------------------------------------------- reporting
 
 
-def _verdict(value: float, goal: float, higher_is_better: bool = False) -> str:
-    if math.isnan(value):
-        return "-"
-    ok = value >= goal if higher_is_better else value <= goal
-    return "ok" if ok else "MISSED"
+def _ms(value: float, digits: int = 1) -> str:
+    return f"{fmt_num(value, digits)} ms"
+
+
+def measures(r: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(measure, value, goal, goal met) rows for one lockd's results."""
+    rows: list[tuple[str, str, str, bool | None]] = []
+    if e := r.get("expiry"):
+        worst = e["worst_ms"]
+        rows += [
+            (
+                f"expiry of {e['leases']:,}: worst try+release pair",
+                _ms(worst),
+                "<= 100 ms",
+                worst <= GOALS["expiry_worst_ms"],
+            ),
+            ("  same client's worst pair before it", _ms(e["quiet_worst_ms"]), "", None),
+            ("  pairs p50 during it", _ms(e["p50_ms"], 2), "", None),
+            ("  every lease expired after", _ms(e["drained_after_ms"], 0), "", None),
+        ]
+    if rs := r.get("restart"):
+        base = rs["sizes"][0]
+        rows.append(
+            (
+                "restart with 0 leases: hello after; RSS",
+                f"{base['start_s']:.2f} s; {base['rss_mb']:.0f} MB",
+                "",
+                None,
+            )
+        )
+        for entry in rs["sizes"][1:]:
+            n = entry["leases"]
+            goal_s, goal_mb = {300_000: (0.9, 80.0), 1_000_000: (3.0, 250.0)}.get(n, (None, None))
+            rows += [
+                (
+                    f"restart at {n:,}: hello after",
+                    f"{entry['start_s']:.2f} s",
+                    f"<= {goal_s} s" if goal_s else "",
+                    entry["start_s"] <= goal_s if goal_s else None,
+                ),
+                ("  daemon CPU until then", f"{entry['cpu_s']:.2f} s", "", None),
+                (
+                    "  RSS then (peak)",
+                    f"{entry['rss_mb']:.0f} ({entry['peak_rss_mb']:.0f}) MB",
+                    f"<= {goal_mb:.0f} MB" if goal_mb else "",
+                    entry["rss_mb"] <= goal_mb if goal_mb else None,
+                ),
+                ("  bytes per lease over 0 leases", f"{entry['bytes_per_lease']:.0f} B", "", None),
+            ]
+        if lst := rs.get("list"):
+            for name in ("first", "middle"):
+                page = lst[name]
+                label = f"list at {lst['leases']:,}: {name} page of {lst['page']:,}, worst"
+                if page["error"]:
+                    rows.append((label, f"n/a: {page['error'][:30]}", "<= 50 ms", None))
+                    continue
+                rows += [
+                    (
+                        label,
+                        _ms(page["worst_ms"]),
+                        "<= 50 ms",
+                        page["worst_ms"] <= GOALS["list_page_ms"],
+                    ),
+                    (
+                        "  other client's worst status meanwhile",
+                        _ms(page["probe_worst_ms"]),
+                        "",
+                        None,
+                    ),
+                ]
+    if q := r.get("queue"):
+        rows += [
+            (
+                f"queue of {q['waiters']:,}: last/first {q['edge']:,} hand-off rate",
+                f"{q['ratio']:.2f}x",
+                ">= 0.8x",
+                q["ratio"] >= GOALS["queue_ratio"],
+            ),
+            (
+                "  hand-offs/s: first, last",
+                f"{q['first_per_s']:,.0f}, {q['last_per_s']:,.0f}",
+                "",
+                None,
+            ),
+        ]
+    return rows
 
 
 def report(results: dict[str, Any]) -> str:
     meta = results["meta"]
+    labels = list(results["runs"])
     out = [
-        f"lockd scale benchmarks ({meta['plan']}), git {meta['git']}, "
-        f"load {meta['loadavg_start']} -> {meta['loadavg_end']}, {meta['seconds']} s",
+        (
+            f"lockd scale benchmarks ({meta['plan']}): "
+            + ", ".join(f"{label} = {meta['revisions'][label]}" for label in labels)
+        ),
+        (
+            f"load {meta['loadavg_start']} -> {meta['loadavg_end']}, {meta['seconds']} s, "
+            f"{meta['cpus']} CPUs"
+        ),
         "",
     ]
-    rows: list[tuple[str, str, str, str, str]] = []
-    if "expiry" in results:
-        e = results["expiry"]
-        rows.append(
-            (
-                f"expiry of {e['leases']:,}: worst try+release pair",
-                f"{fmt_num(e['worst_ms'], 1)} ms",
-                f"quiet worst {fmt_num(e['quiet_worst_ms'], 1)} ms",
-                "<= 100 ms",
-                _verdict(e["worst_ms"], GOALS["expiry_worst_ms"]),
-            )
-        )
-        rows.append(
-            (
-                "  pairs p50 / p99 during; all expired after",
-                f"{fmt_num(e['p50_ms'], 2)} / {fmt_num(e['p99_ms'], 1)} ms",
-                f"{fmt_num(e['drained_after_ms'])} ms",
-                "",
-                "",
-            )
-        )
-    if "restart" in results:
-        base = results["restart"]["sizes"][0]
-        for entry in results["restart"]["sizes"][1:]:
-            n = entry["leases"]
-            goal = {300_000: ("300k", 0.9, 80.0), 1_000_000: ("1m", 3.0, 250.0)}.get(n)
-            rows.append(
-                (
-                    f"restart at {n:,}: hello after",
-                    f"{entry['start_s']:.2f} s",
-                    f"0 leases {base['start_s']:.2f} s",
-                    f"<= {goal[1]} s" if goal else "",
-                    _verdict(entry["start_s"], goal[1]) if goal else "",
-                )
-            )
-            if "cpu_s" in entry:
-                rows.append(
-                    (
-                        "  daemon CPU until then",
-                        f"{entry['cpu_s']:.2f} s",
-                        f"0 leases {base['cpu_s']:.2f} s",
-                        "",
-                        "",
-                    )
-                )
-            rows.append(
-                (
-                    "  RSS (peak); bytes per lease over 0 leases",
-                    f"{entry['rss_mb']:.0f} ({entry['peak_rss_mb']:.0f}) MB",
-                    f"{base['rss_mb']:.0f} MB; {entry['bytes_per_lease']:.0f} B",
-                    f"<= {goal[2]:.0f} MB" if goal else "",
-                    _verdict(entry["rss_mb"], goal[2]) if goal else "",
-                )
-            )
-        lst = results["restart"].get("list")
-        if lst:
-            for name in ("first", "middle"):
-                page = lst[name]
-                if page["error"]:
-                    rows.append(
-                        (
-                            f"list at {lst['leases']:,}: {name} page",
-                            "n/a",
-                            page["error"][:40],
-                            "",
-                            "",
-                        )
-                    )
-                    continue
-                rows.append(
-                    (
-                        f"list at {lst['leases']:,}: {name} page of {lst['page']:,} (p50/worst)",
-                        f"{page['p50_ms']:.1f} / {page['worst_ms']:.1f} ms",
-                        f"{page['reply_bytes'] / 1e3:.0f} kB",
-                        "<= 50 ms",
-                        _verdict(page["worst_ms"], GOALS["list_page_ms"]),
-                    )
-                )
-                rows.append(
-                    (
-                        "  loop blocked: other client's worst status",
-                        f"{page['probe_worst_ms']:.1f} ms",
-                        f"quiet worst {lst['probe_quiet_worst_ms']:.1f} ms",
-                        "",
-                        "",
-                    )
-                )
-    if "queue" in results:
-        q = results["queue"]
-        rows.append(
-            (
-                f"queue of {q['waiters']:,}: last/first {q['edge']:,} hand-offs",
-                f"{q['ratio']:.2f}x",
-                f"{q['last_per_s']:,.0f} vs {q['first_per_s']:,.0f}/s",
-                ">= 0.8x",
-                _verdict(q["ratio"], GOALS["queue_ratio"], higher_is_better=True),
-            )
-        )
-    out.append(table(("measure", "lockd", "same-run reference", "goal", ""), rows))
+    per_label = {
+        label: {m: (v, g, ok) for m, v, g, ok in measures(results["runs"][label])}
+        for label in labels
+    }
+    last = labels[-1]
+    rows = []
+    for name, _, goal, _ in measures(results["runs"][last]):
+        cells = [per_label[label].get(name, ("-", "", None))[0] for label in labels]
+        ok = per_label[last][name][2]
+        rows.append((name, *cells, goal, "" if ok is None else "ok" if ok else "MISSED"))
+    out.append(table(("measure", *labels, "goal", f"{last}"), rows))
     out.append("")
     out.append(f"full data: {meta['json']}")
     return "\n".join(out)
@@ -640,6 +660,36 @@ def report(results: dict[str, Any]) -> str:
 
 def _sizes(text: str) -> list[int]:
     return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """``rev`` of this repository in a temporary git worktree."""
+    repo = HERE.parent
+    path = Path(tempfile.mkdtemp(prefix="lockd-scale-rev-", dir="/tmp")) / "tree"
+    subprocess.run(
+        ["git", "-C", str(repo), "worktree", "add", "--detach", str(path), rev],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "remove", "--force", str(path)],
+            check=False,
+            capture_output=True,
+        )
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _revision(tree: Path) -> str:
+    return subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -650,11 +700,20 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(SECTIONS),
         help=f"comma list of sections ({','.join(SECTIONS)})",
     )
+    parser.add_argument(
+        "--before", metavar="REV", help="also measure REV (e.g. main), in the same run"
+    )
     parser.add_argument("--expiry-leases", type=int, help="leases that expire together")
     parser.add_argument("--restart-sizes", type=_sizes, help="comma list, e.g. 300000,1e6")
     parser.add_argument("--queue-waiters", type=int, help="waiters parked on one key")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON")
+    parser.add_argument(
+        "--fill", nargs=3, metavar=("DB", "COUNT", "EXPIRES"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
+    if args.fill:
+        _fill_here(Path(args.fill[0]), int(args.fill[1]), int(args.fill[2]))
+        return 0
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if unknown := only - set(SECTIONS):
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
@@ -674,20 +733,37 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "git": _git_rev(),
+            "revisions": {},
             "json": str(json_path),
         },
         "plan": plan,
+        "runs": {},
     }
     t0 = time.monotonic()
-    if "expiry" in only:
-        results["expiry"] = bench_expiry(plan["expiry_leases"])
-    if only & {"restart", "list"}:
-        results["restart"] = bench_restart(
-            plan["restart_sizes"], plan["list_pages"], with_list="list" in only
-        )
-    if "queue" in only:
-        results["queue"] = bench_queue(plan["queue_waiters"])
+    with contextlib.ExitStack() as stack:
+        trees = {}
+        if args.before:
+            trees["before"] = stack.enter_context(checkout(args.before))
+            results["meta"]["revisions"]["before"] = f"{args.before} {_revision(trees['before'])}"
+        trees["after" if args.before else "lockd"] = HERE.parent
+        results["meta"]["revisions"][list(trees)[-1]] = _git_rev()
+        runs: dict[str, dict[str, Any]] = {label: {} for label in trees}
+        results["runs"] = runs
+        # Section by section, each lockd in turn: both meet the same load.
+        for label, tree in trees.items():
+            if "expiry" in only:
+                log(f"[{label}] expiry")
+                runs[label]["expiry"] = bench_expiry(tree, plan["expiry_leases"])
+        for label, tree in trees.items():
+            if only & {"restart", "list"}:
+                log(f"[{label}] restart" + (" and list" if "list" in only else ""))
+                runs[label]["restart"] = bench_restart(
+                    tree, plan["restart_sizes"], plan["list_pages"], with_list="list" in only
+                )
+        for label, tree in trees.items():
+            if "queue" in only:
+                log(f"[{label}] queue")
+                runs[label]["queue"] = bench_queue(tree, plan["queue_waiters"])
     results["meta"]["seconds"] = round(time.monotonic() - t0, 1)
     results["meta"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     json_path.write_text(json.dumps(_no_nan(results), indent=2, default=str) + "\n")
