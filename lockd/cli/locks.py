@@ -158,11 +158,12 @@ def _stream_json(pages: Iterator[Page]) -> None:
     """One JSON document, written a page at a time (never all locks in memory)."""
     sep, next_key = "", None
     click.echo('{"locks":[', nl=False)
-    for locks, next_key in pages:
+    for locks, after in pages:
         entries = [json.dumps(lock.raw, **JSON_STYLE) for lock in locks]
         if entries:
             click.echo(sep + ",".join(entries), nl=False)
             sep = ","
+        next_key = after
     click.echo(f'],"next":{json.dumps(next_key, **JSON_STYLE)}}}')
 
 
