@@ -24,7 +24,7 @@ import pytest
 LOCKD = [sys.executable, "-m", "lockd"]
 
 # The etcd cluster fixtures (etcd_cluster, new_etcd_cluster).
-pytest_plugins = ["tests.etcd_cluster"]
+pytest_plugins = ["tests.etcd_fixtures"]
 
 
 @dataclass

@@ -10,8 +10,8 @@ It talks to etcd with the standard library only (``urllib``), so a defect in
 the daemon's own gateway client cannot make the fixture lie about the
 cluster's state.
 
-Registered as a pytest plugin from ``tests/conftest.py``; the fixtures skip
-with a reason when ``etcd`` is not installed (CI installs it in ``.ci/run``).
+Standard library only, so ``bench/`` uses it too; the pytest fixtures are in
+``tests/etcd_fixtures.py``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import ssl
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 ETCD = shutil.which("etcd")
 OPENSSL = shutil.which("openssl")
@@ -360,58 +356,9 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _data_root() -> Path:
+def data_root() -> Path:
     # Data directories on tmpfs when there is one: etcd fsyncs its WAL on every
     # commit, and on a shared disk that makes the tests slow, not more real.
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
     return Path(tempfile.mkdtemp(prefix="lockd-etcd-", dir=base))
-
-
-@pytest.fixture(scope="session")
-def etcd_cluster() -> Iterator[EtcdCluster]:
-    """One 3-member cluster for the whole run: tests that use it leave every member running.
-
-    Tests that kill members, or need TLS or authentication, take
-    ``new_etcd_cluster`` instead.
-    """
-    _require_etcd()
-    root = _data_root()
-    cluster = EtcdCluster(root)
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def new_etcd_cluster() -> Iterator[Callable[..., EtcdCluster]]:
-    """Start clusters for this test alone: ``new_etcd_cluster(size=3, tls=False)``.
-
-    Every cluster it started is killed and its data removed after the test.
-    """
-    _require_etcd()
-    root = _data_root()
-    clusters: list[EtcdCluster] = []
-
-    def start(size: int = 3, *, tls: bool = False) -> EtcdCluster:
-        if tls and OPENSSL is None:
-            pytest.skip("openssl is not installed (needed to make test certificates)")
-        folder = root / f"c{len(clusters)}"
-        files = TlsFiles.make(folder / "tls") if tls else None
-        cluster = EtcdCluster(folder, size=size, tls=files)
-        clusters.append(cluster)
-        return cluster.start()
-
-    try:
-        yield start
-    finally:
-        for cluster in clusters:
-            cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _require_etcd() -> None:
-    if ETCD is None:
-        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
