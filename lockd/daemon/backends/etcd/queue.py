@@ -16,9 +16,10 @@ without any daemon's memory, these functions say
   head watches the holds that block it, every later waiter its immediate
   predecessor, which wakes it when it is granted or leaves.
 
-Exclusive holds are semaphores of one slot: an exclusive request of limit N
-fits while fewer than N holds exist; a shared request fits while no
-exclusive hold exists (shared requests always have limit 1).
+Whether a request fits beside the current holds is ``lockd.daemon.holds``'
+rule, shared with the embedded engine: an exclusive request of limit N fits
+while fewer than N holds exist (exclusive is a semaphore of one slot), a
+shared one while no exclusive hold exists.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Literal
+
+from lockd.daemon import holds as rules
 
 Mode = Literal["exclusive", "shared"]
 
@@ -58,11 +61,13 @@ class QueueDecision:
 
 
 def fits(mode: Mode, limit: int, holds: Iterable[Claim]) -> bool:
-    """True when a request of ``mode`` and ``limit`` can be held beside ``holds``."""
-    holds = list(holds)
-    if mode == "shared":
-        return all(h.mode == "shared" for h in holds)
-    return len(holds) < limit
+    """True when a request of ``mode`` and ``limit`` can be held beside ``holds``.
+
+    The rule is ``holds.fits``, the one the embedded engine applies too; a
+    key's holds all have one mode, so the first one speaks for all.
+    """
+    held = list(holds)
+    return rules.fits(mode, held[0].mode if held else None, len(held), limit)
 
 
 def blockers(waiter: Claim, holds: Iterable[Claim]) -> frozenset[bytes]:
@@ -98,7 +103,7 @@ def decide(holds: Sequence[Claim], waiters: Sequence[Claim]) -> QueueDecision:
 
 def try_fits(mode: Mode, limit: int, holds: Sequence[Claim], waiters: Sequence[Claim]) -> bool:
     """``tryAcquire``: wins only if the request fits and nobody is queued for the key."""
-    return not waiters and fits(mode, limit, holds)
+    return rules.may_take_now(fits(mode, limit, holds), len(waiters))
 
 
 def limit_in_force(holds: Sequence[Claim], waiters: Sequence[Claim]) -> int | None:
