@@ -142,6 +142,27 @@ async def test_txn_guarded_by_revision_loses_when_the_key_moved(
     assert not version_guard.succeeded
 
 
+async def test_a_range_compare_guards_a_whole_directory(etcd: EtcdGateway, prefix: str) -> None:
+    empty = Compare(prefix, "create_revision", "==", 0, prefix=True)
+    first = await etcd.txn([empty], [PutOp(prefix + "a", "1")], [RangeOp(prefix, prefix=True)])
+    assert first.succeeded
+    again = await etcd.txn([empty], [PutOp(prefix + "b", "1")], [RangeOp(prefix, prefix=True)])
+    assert not again.succeeded
+    [current] = again.responses
+    assert isinstance(current, RangeResult) and [kv.key for kv in current.kvs] == [
+        (prefix + "a").encode()
+    ]
+
+    # "Nothing under the prefix written after the revision I read."
+    seen = first.header.revision
+    unchanged = Compare(prefix, "mod_revision", "<", seen + 1, prefix=True)
+    assert (await etcd.txn([unchanged])).succeeded
+    await etcd.put(prefix + "b", "2")
+    assert not (await etcd.txn([unchanged])).succeeded
+    await etcd.delete(DeleteOp(prefix + "b"))
+    assert (await etcd.txn([unchanged])).succeeded  # a deletion leaves nothing to compare
+
+
 async def test_txn_compares_on_lease(etcd: EtcdGateway, prefix: str) -> None:
     lease = await etcd.lease_grant(10)
     key = prefix + "leased"

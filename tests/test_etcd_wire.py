@@ -68,6 +68,7 @@ def test_requests_use_the_gateways_names_and_string_int64() -> None:
             "sort_order": "ASCEND",
         }
     }
+    assert Compare("/p/", "mod_revision", "<", 8, prefix=True).body()["range_end"] == b64("/p0")
     with pytest.raises(TypeError):
         Compare("k", "mod_revision", "==", "7").body()
     with pytest.raises(ValueError):

@@ -273,12 +273,20 @@ class Compare:
 
     A key that does not exist has version, create and mod revision 0, so
     ``Compare("k", "create_revision", "==", 0)`` means "k is absent".
+
+    With ``prefix=True`` (or a ``range_end``) the guard holds when it holds
+    for every key in the range (etcd 3.3+); an empty range counts as one
+    absent key. So ``create_revision == 0`` over a prefix means "no key under
+    it", and ``mod_revision < R + 1`` means "no key under it was written
+    after revision R" (a deleted key is simply not there: deletions pass).
     """
 
     key: KeyLike
     target: CompareTarget
     op: CompareOp
     operand: int | KeyLike
+    range_end: KeyLike | None = None
+    prefix: bool = False
 
     def body(self) -> Json:
         enum, operand_field = _TARGETS[self.target]
@@ -291,12 +299,16 @@ class Compare:
             if not isinstance(operand, int):
                 raise TypeError(f"a {self.target} compare takes an int")
             value = str(operand)
-        return {
+        doc: Json = {
             "key": b64(self.key),
             "target": enum,
             "result": _RESULTS[self.op],
             operand_field: value,
         }
+        end = _range_end(self.key, self.range_end, self.prefix)
+        if end is not None:
+            doc["range_end"] = b64(end)
+        return doc
 
 
 @dataclass(frozen=True)
