@@ -1,0 +1,427 @@
+"""etcd baselines on a real 3-member loopback cluster: etcd3's ``Lock``, and the
+gateway client's floor.
+
+This is the anchor the etcd backend will be measured against (issue 14:
+lockd-on-etcd >= 2x etcd3 on B1, hand-off p50 <= 3 ms with 0 lost wake-ups
+on B2). The backend itself is not built yet; when it is, it joins these
+tables as a third system in the same run.
+
+Systems:
+
+- ``etcd3``: the ``etcd3`` package's ``Lock`` (gRPC). Per pair it grants a
+  lease, runs a put-if-absent transaction and a delete transaction: three
+  raft writes. It waits with ``watch_once`` started *after* its failed
+  attempt, from "now", so a release in between is missed until the next
+  event on the key (or its timeout): a lost wake-up.
+- ``gateway``: not a lock, a floor. Two guarded transactions per pair
+  (put-if-absent, delete-if-still-ours) through ``EtcdGateway`` (httpx on
+  the JSON gateway, under trio): the least any lockd-on-etcd pair costs
+  in etcd round trips, and what our client costs per request.
+- ``h11``: the same two transactions, same bodies, same trio loop, with
+  HTTP/1.1 done by h11 directly on one trio stream: what the HTTP client
+  stack (httpx + httpcore) adds per request.
+
+etcd3 is unmaintained and does not install beside the project (it needs
+protobuf < 4 and tenacity < 7), so it runs in a throwaway venv of its own::
+
+    python3 -m venv /tmp/etcd3-venv
+    /tmp/etcd3-venv/bin/pip install etcd3==0.12.0 'protobuf<4' 'tenacity>=6.1,<7'
+    .venv/bin/python bench/etcd_baseline.py --etcd3-python /tmp/etcd3-venv/bin/python
+
+Without ``--etcd3-python`` (or when that interpreter cannot import etcd3)
+the etcd3 rows print one ``skipped:`` line and the rest runs.
+
+Measures (same definitions as bench/run.py):
+
+- B1: one process, one key, acquire + release pairs per second for a fixed
+  time per round; the median over rounds, systems interleaved.
+- B2: 4 processes contend for one key (blocking acquire, hold 1 ms, release,
+  re-request at once); hand-off latency p50/p99/max, FIFO share, overlaps.
+  ``stalls`` counts hand-offs slower than 1 s while someone was waiting:
+  wake-ups that were lost and only made good by a later event or a timeout.
+
+The cluster's data lives on tmpfs (/dev/shm) when there is one, for both
+systems alike: this measures the clients and etcd's raft path, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from common import (  # noqa: E402  (bench modules are run as scripts)
+    analyse_handoffs,
+    fmt_num,
+    handoff_loop,
+    now_ns,
+    pairs_loop,
+    table,
+)
+
+HANDOFF_PROCS = 4
+HOLD_S = 0.001  # as bench/run.py
+STALL_MS = 1000.0
+WAIT_S = 60.0  # a blocking acquire that takes this long fails the run
+LOCK_TTL_S = 30
+
+
+# ------------------------------------------------------------------ etcd3 side
+
+
+class Etcd3Locker:
+    """etcd3's ``Lock``, one client per process (runs in the throwaway venv)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import etcd3
+
+        host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+        self.client = etcd3.client(host=host, port=int(port))
+        self._locks: dict[str, Any] = {}
+
+    def _lock(self, key: str) -> Any:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = self.client.lock(key, ttl=LOCK_TTL_S)
+        return lock
+
+    def prepare(self, key: str) -> None:
+        self.client.status()
+        self._lock(key)
+
+    def try_pair(self, key: str) -> bool:
+        lock = self._lock(key)
+        if not lock.acquire(timeout=0):
+            return False
+        if not lock.release():
+            raise RuntimeError(f"etcd3 release of {key!r} found the lock gone")
+        return True
+
+    def acquire(self, key: str) -> None:
+        if not self._lock(key).acquire(timeout=WAIT_S):
+            raise RuntimeError(f"etcd3 acquire of {key!r} took over {WAIT_S} s")
+
+    def release(self, key: str) -> None:
+        if not self._lock(key).release():
+            raise RuntimeError(f"etcd3 release of {key!r} found the lock gone")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One etcd3 process: wait for the common start, run, print the result as JSON."""
+    locker = Etcd3Locker(args.endpoint)
+    locker.prepare(args.key)
+    time.sleep(max(0.0, (args.start_ns - now_ns()) / 1e9))
+    if args.work == "pairs":
+        out: Any = pairs_loop(locker, args.key, args.stop_ns)
+    else:
+        out = handoff_loop(locker, args.key, args.stop_ns, HOLD_S)
+    locker.close()
+    print(json.dumps(out))
+
+
+def run_etcd3(
+    python: str, endpoint: str, key: str, work: str, procs: int, duration_s: float
+) -> list[Any]:
+    """``procs`` etcd3 workers started together in the throwaway venv; their results."""
+    start = now_ns() + int(3e9)  # time to import grpc and connect, not timed
+    stop = start + int(duration_s * 1e9)
+    cmd = [python, __file__, "worker", "--endpoint", endpoint, "--key", key, "--work", work]
+    cmd += ["--start-ns", str(start), "--stop-ns", str(stop)]
+    children = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(procs)
+    ]
+    results = []
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=duration_s + WAIT_S + 10)
+            if child.returncode != 0:
+                raise RuntimeError(f"etcd3 worker failed:\n{err.strip()}")
+            results.append(json.loads(out))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return results
+
+
+def etcd3_skip_reason(python: str | None) -> str | None:
+    if python is None:
+        return "skipped: no --etcd3-python (see the module docstring for the throwaway venv)"
+    probe = subprocess.run(
+        [python, "-c", "import etcd3, etcd3.locks"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"skipped: {python} cannot import etcd3 ({last})"
+    return None
+
+
+# ---------------------------------------------------------------- gateway side
+
+
+def gateway_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
+    """Two guarded transactions per pair through EtcdGateway, one trio task."""
+    import trio
+
+    from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
+    from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp
+
+    async def loop() -> dict[str, Any]:
+        async with EtcdGateway(GatewaySettings([endpoint])) as etcd:
+            await etcd.status()  # connect outside the timed loop
+            absent = Compare(key, "create_revision", "==", 0)
+            pairs = 0
+            cpu0 = time.process_time()
+            start = now_ns()
+            stop = start + int(duration_s * 1e9)
+            end = start
+            while end < stop:
+                won = await etcd.txn([absent], [PutOp(key, "bench")])
+                if not won.succeeded:
+                    raise RuntimeError("the gateway floor found its key taken")
+                ours = Compare(key, "create_revision", "==", won.header.revision)
+                if not (await etcd.txn([ours], [DeleteOp(key)])).succeeded:
+                    raise RuntimeError("the gateway floor lost its key")
+                pairs += 1
+                end = now_ns()
+            return {
+                "pairs": pairs,
+                "start_ns": start,
+                "end_ns": end,
+                "client_cpu_s": time.process_time() - cpu0,
+            }
+
+    return trio.run(loop)
+
+
+def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
+    """The gateway floor's two transactions over h11 on one trio stream: no httpx.
+
+    The same request bodies (``wire.txn_body``) and the same trio loop as
+    ``gateway_pairs``, with the HTTP/1.1 framing done by h11 (the protocol
+    library under httpcore) on a kept-alive connection: how much of the
+    gateway client's cost per request is the HTTP client stack.
+    """
+    import h11
+    import trio
+
+    from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp, txn_body
+
+    host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+
+    async def loop() -> dict[str, Any]:
+        stream = await trio.open_tcp_stream(host, int(port))
+        conn = h11.Connection(h11.CLIENT)
+
+        async def txn(body: dict[str, Any]) -> dict[str, Any]:
+            data = json.dumps(body).encode()
+            headers = [("Host", host), ("Content-Type", "application/json")]
+            headers.append(("Content-Length", str(len(data))))
+            out = conn.send(h11.Request(method="POST", target="/v3/kv/txn", headers=headers))
+            out = (out or b"") + (conn.send(h11.Data(data=data)) or b"")
+            await stream.send_all(out + (conn.send(h11.EndOfMessage()) or b""))
+            chunks = []
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                elif isinstance(event, h11.Data):
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+            conn.start_next_cycle()
+            doc: dict[str, Any] = json.loads(b"".join(chunks))
+            return doc
+
+        absent = Compare(key, "create_revision", "==", 0)
+        pairs = 0
+        cpu0 = time.process_time()
+        start = now_ns()
+        stop = start + int(duration_s * 1e9)
+        end = start
+        while end < stop:
+            won = await txn(txn_body([absent], [PutOp(key, "bench")], []))
+            if not won.get("succeeded"):
+                raise RuntimeError("the h11 floor found its key taken")
+            ours = Compare(key, "create_revision", "==", int(won["header"]["revision"]))
+            if not (await txn(txn_body([ours], [DeleteOp(key)], []))).get("succeeded"):
+                raise RuntimeError("the h11 floor lost its key")
+            pairs += 1
+            end = now_ns()
+        await stream.aclose()
+        cpu = time.process_time() - cpu0
+        return {"pairs": pairs, "start_ns": start, "end_ns": end, "client_cpu_s": cpu}
+
+    return trio.run(loop)
+
+
+# ------------------------------------------------------------------ the runs
+
+
+def pairs_row(result: dict[str, Any]) -> dict[str, float]:
+    seconds = (result["end_ns"] - result["start_ns"]) / 1e9
+    pairs = max(result["pairs"], 1)
+    return {"pairs_s": result["pairs"] / seconds, "cpu_us": result["client_cpu_s"] / pairs * 1e6}
+
+
+def stalls(per_process: Sequence[Sequence[Sequence[int]]]) -> int:
+    """Hand-offs slower than STALL_MS while another process was already waiting."""
+    grants = sorted(
+        (granted, released, proc)
+        for proc, records in enumerate(per_process)
+        for _requested, granted, released in records
+    )
+    requests = [sorted((r[0], r[1]) for r in records) for records in per_process]
+    count = 0
+    for (_, released, proc), (granted, _, _) in itertools.pairwise(grants):
+        if (granted - released) / 1e6 <= STALL_MS:
+            continue
+        waiting = any(
+            requested <= released < got
+            for other, spans in enumerate(requests)
+            if other != proc
+            for requested, got in spans
+        )
+        count += waiting
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    w = sub.add_parser("worker")
+    w.add_argument("--endpoint", required=True)
+    w.add_argument("--key", required=True)
+    w.add_argument("--work", choices=["pairs", "handoff"], required=True)
+    w.add_argument("--start-ns", type=int, required=True)
+    w.add_argument("--stop-ns", type=int, required=True)
+    parser.add_argument("--etcd3-python", help="python of a venv where etcd3 imports")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
+    parser.add_argument("--out", type=Path, help="write every round as JSON here")
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        worker(args)
+        return 0
+
+    from tests.etcd_cluster import EtcdCluster, data_root
+
+    rounds, b1_s, b2_s = (2, 2.0, 4.0) if args.quick else (5, 4.0, 10.0)
+    skip = etcd3_skip_reason(args.etcd3_python)
+    systems = ["gateway", "h11"] if skip else ["etcd3", "gateway", "h11"]
+    root = data_root()
+    cluster = EtcdCluster(root)
+    cluster.start()
+    try:
+        # Every client talks to the leader, as a client near it would.
+        endpoint = cluster.leader().client_url
+        load = os.getloadavg()[0]
+        print(f"etcd 3-member loopback cluster, data on {root}, load {load:.1f}", file=sys.stderr)
+        b1: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+        b2: list[dict[str, Any]] = []
+        for n in range(rounds):
+            for system in systems[n % len(systems) :] + systems[: n % len(systems)]:
+                key = f"/bench/b1/{system}/{n}"
+                if system == "etcd3":
+                    result = run_etcd3(args.etcd3_python, endpoint, key, "pairs", 1, b1_s)[0]
+                elif system == "h11":
+                    result = h11_pairs(endpoint, key, b1_s)
+                else:
+                    result = gateway_pairs(endpoint, key, b1_s)
+                b1[system].append(pairs_row(result))
+                print(f"round {n + 1}/{rounds} B1 {system}: {b1[system][-1]}", file=sys.stderr)
+            if not skip:
+                per_process = run_etcd3(
+                    args.etcd3_python, endpoint, f"/bench/b2/{n}", "handoff", HANDOFF_PROCS, b2_s
+                )
+                analysis = analyse_handoffs(per_process)
+                analysis["stalls"] = stalls(per_process)
+                b2.append(analysis)
+                print(
+                    f"round {n + 1}/{rounds} B2 etcd3: p50 {analysis['p50_ms']:.2f} ms",
+                    file=sys.stderr,
+                )
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    print(report(b1, b2, skip, load))
+    if args.out:
+        args.out.write_text(json.dumps({"b1": b1, "b2": b2, "skip": skip}, indent=1, default=str))
+    return 0
+
+
+def report(
+    b1: dict[str, list[dict[str, float]]], b2: list[dict[str, Any]], skip: str | None, load: float
+) -> str:
+    lines = [f"etcd baselines (3 members on loopback; load average {load:.1f} at start)", ""]
+    lines.append("B1 uncontended acquire+release pairs/s, one process (median over rounds)")
+    rows = []
+    for system, results in b1.items():
+        rows.append(
+            [
+                system,
+                fmt_num(statistics.median(r["pairs_s"] for r in results)),
+                fmt_num(statistics.median(r["cpu_us"] for r in results)),
+                str(len(results)),
+            ]
+        )
+    lines.append(table(["system", "pairs/s", "client CPU us/pair", "rounds"], rows))
+    if skip:
+        lines += ["", f"  etcd3: {skip}"]
+    if b2:
+        lines += ["", f"B2 hand-off, {HANDOFF_PROCS} processes, etcd3 (median over rounds)"]
+
+        def med(field: str) -> float:
+            return statistics.median(r[field] for r in b2)
+
+        rows = [
+            [
+                "etcd3",
+                f"{med('p50_ms'):.2f}",
+                f"{med('p99_ms'):.2f}",
+                f"{max(r['max_ms'] for r in b2):.1f}",
+                f"{med('fifo_fraction'):.0%}",
+                f"{med('regrab_fraction'):.0%}",
+                str(sum(r["stalls"] for r in b2)),
+                str(sum(r["overlaps"] for r in b2)),
+                str(sum(r["handoffs"] for r in b2)),
+            ]
+        ]
+        lines.append(
+            table(
+                [
+                    "system",
+                    "p50 ms",
+                    "p99 ms",
+                    "max ms",
+                    "FIFO",
+                    "re-grab",
+                    "stalls",
+                    "overlaps",
+                    "hand-offs",
+                ],
+                rows,
+            )
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
