@@ -55,7 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,57 +177,65 @@ def etcd3_skip_reason(python: str | None) -> str | None:
 # ---------------------------------------------------------------- gateway side
 
 
+async def two_txn_pairs(
+    txn: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], key: str, duration_s: float
+) -> dict[str, Any]:
+    """Pairs of put-if-absent and delete-if-still-ours transactions until the time is up.
+
+    ``txn`` posts one ``/v3/kv/txn`` body and returns the reply document; the
+    floors below differ only in how they do that.
+    """
+    from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp, txn_body
+
+    absent = txn_body([Compare(key, "create_revision", "==", 0)], [PutOp(key, "bench")], [])
+    pairs = 0
+    cpu0 = time.process_time()
+    start = now_ns()
+    stop = start + int(duration_s * 1e9)
+    end = start
+    while end < stop:
+        won = await txn(absent)
+        if not won.get("succeeded"):
+            raise RuntimeError(f"the floor found {key!r} taken")
+        ours = Compare(key, "create_revision", "==", int(won["header"]["revision"]))
+        if not (await txn(txn_body([ours], [DeleteOp(key)], []))).get("succeeded"):
+            raise RuntimeError(f"the floor lost {key!r}")
+        pairs += 1
+        end = now_ns()
+    cpu = time.process_time() - cpu0
+    return {"pairs": pairs, "start_ns": start, "end_ns": end, "client_cpu_s": cpu}
+
+
 def gateway_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
-    """Two guarded transactions per pair through EtcdGateway, one trio task."""
+    """The two transactions through ``EtcdGateway.call`` (httpx), one trio task."""
     import trio
 
     from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
-    from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp
 
-    async def loop() -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
         async with EtcdGateway(GatewaySettings([endpoint])) as etcd:
             await etcd.status()  # connect outside the timed loop
-            absent = Compare(key, "create_revision", "==", 0)
-            pairs = 0
-            cpu0 = time.process_time()
-            start = now_ns()
-            stop = start + int(duration_s * 1e9)
-            end = start
-            while end < stop:
-                won = await etcd.txn([absent], [PutOp(key, "bench")])
-                if not won.succeeded:
-                    raise RuntimeError("the gateway floor found its key taken")
-                ours = Compare(key, "create_revision", "==", won.header.revision)
-                if not (await etcd.txn([ours], [DeleteOp(key)])).succeeded:
-                    raise RuntimeError("the gateway floor lost its key")
-                pairs += 1
-                end = now_ns()
-            return {
-                "pairs": pairs,
-                "start_ns": start,
-                "end_ns": end,
-                "client_cpu_s": time.process_time() - cpu0,
-            }
 
-    return trio.run(loop)
+            async def txn(body: dict[str, Any]) -> dict[str, Any]:
+                return await etcd.call("/v3/kv/txn", body, idempotent=False)
+
+            return await two_txn_pairs(txn, key, duration_s)
+
+    return trio.run(run)
 
 
 def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
-    """The gateway floor's two transactions over h11 on one trio stream: no httpx.
+    """The same two transactions with HTTP/1.1 done by h11 on one kept trio stream.
 
-    The same request bodies (``wire.txn_body``) and the same trio loop as
-    ``gateway_pairs``, with the HTTP/1.1 framing done by h11 (the protocol
-    library under httpcore) on a kept-alive connection: how much of the
-    gateway client's cost per request is the HTTP client stack.
+    h11 is the protocol library under httpcore; the difference to
+    ``gateway_pairs`` is what the HTTP client stack costs per request.
     """
     import h11
     import trio
 
-    from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp, txn_body
-
     host, port = endpoint.removeprefix("http://").rsplit(":", 1)
 
-    async def loop() -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
         stream = await trio.open_tcp_stream(host, int(port))
         conn = h11.Connection(h11.CLIENT)
 
@@ -251,26 +259,12 @@ def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
             doc: dict[str, Any] = json.loads(b"".join(chunks))
             return doc
 
-        absent = Compare(key, "create_revision", "==", 0)
-        pairs = 0
-        cpu0 = time.process_time()
-        start = now_ns()
-        stop = start + int(duration_s * 1e9)
-        end = start
-        while end < stop:
-            won = await txn(txn_body([absent], [PutOp(key, "bench")], []))
-            if not won.get("succeeded"):
-                raise RuntimeError("the h11 floor found its key taken")
-            ours = Compare(key, "create_revision", "==", int(won["header"]["revision"]))
-            if not (await txn(txn_body([ours], [DeleteOp(key)], []))).get("succeeded"):
-                raise RuntimeError("the h11 floor lost its key")
-            pairs += 1
-            end = now_ns()
-        await stream.aclose()
-        cpu = time.process_time() - cpu0
-        return {"pairs": pairs, "start_ns": start, "end_ns": end, "client_cpu_s": cpu}
+        try:
+            return await two_txn_pairs(txn, key, duration_s)
+        finally:
+            await stream.aclose()
 
-    return trio.run(loop)
+    return trio.run(run)
 
 
 # ------------------------------------------------------------------ the runs

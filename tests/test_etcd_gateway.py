@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -366,9 +367,7 @@ async def test_tls_with_client_certificates_and_auth(
         assert (await etcd.get("/tls/k")).kvs[0].value == b"v"
 
     # Without a client certificate the TLS handshake is refused: unreachable.
-    no_cert = GatewaySettings(
-        cluster.endpoints, timeout=1, ca_file=tls.ca, username="root", password_file=password_file
-    )
+    no_cert = replace(settings, timeout=1, cert_file=None, key_file=None)
     async with EtcdGateway(no_cert) as etcd:
         with pytest.raises(EtcdUnavailable):
             await etcd.get("/tls/k")
@@ -378,13 +377,7 @@ async def test_tls_with_client_certificates_and_auth(
     async with EtcdGateway(settings) as etcd:
         with pytest.raises(EtcdError, match="authentication failed"):
             await etcd.get("/tls/k")
-    anonymous = GatewaySettings(
-        cluster.endpoints,
-        timeout=5,
-        ca_file=tls.ca,
-        cert_file=tls.client_cert,
-        key_file=tls.client_key,
-    )
+    anonymous = replace(settings, username=None, password_file=None)
     async with EtcdGateway(anonymous) as etcd:
         with pytest.raises(EtcdError):
             await etcd.get("/tls/k")

@@ -299,15 +299,8 @@ class Compare:
             if not isinstance(operand, int):
                 raise TypeError(f"a {self.target} compare takes an int")
             value = str(operand)
-        doc: Json = {
-            "key": b64(self.key),
-            "target": enum,
-            "result": _RESULTS[self.op],
-            operand_field: value,
-        }
-        end = _range_end(self.key, self.range_end, self.prefix)
-        if end is not None:
-            doc["range_end"] = b64(end)
+        doc = _key_range(self.key, self.range_end, self.prefix)
+        doc.update({"target": enum, "result": _RESULTS[self.op], operand_field: value})
         return doc
 
 
@@ -327,10 +320,7 @@ class RangeOp:
     serializable: bool = False  # True: answer from the member's copy, without a quorum read
 
     def body(self) -> Json:
-        doc: Json = {"key": b64(self.key)}
-        end = _range_end(self.key, self.range_end, self.prefix)
-        if end is not None:
-            doc["range_end"] = b64(end)
+        doc = _key_range(self.key, self.range_end, self.prefix)
         if self.revision:
             doc["revision"] = str(self.revision)
         if self.limit:
@@ -368,10 +358,7 @@ class DeleteOp:
     prev_kv: bool = False
 
     def body(self) -> Json:
-        doc: Json = {"key": b64(self.key)}
-        end = _range_end(self.key, self.range_end, self.prefix)
-        if end is not None:
-            doc["range_end"] = b64(end)
+        doc = _key_range(self.key, self.range_end, self.prefix)
         if self.prev_kv:
             doc["prev_kv"] = True
         return doc
@@ -421,9 +408,13 @@ class WatchRequest:
         return {"create_request": doc}
 
 
-def _range_end(key: KeyLike, range_end: KeyLike | None, prefix: bool) -> bytes | None:
+def _key_range(key: KeyLike, range_end: KeyLike | None, prefix: bool) -> Json:
+    """``key`` and, for a range, ``range_end``: the fields every ranged request shares."""
     if prefix and range_end is not None:
         raise ValueError("give either prefix=True or range_end, not both")
+    doc: Json = {"key": b64(key)}
     if prefix:
-        return prefix_end(key)
-    return as_bytes(range_end) if range_end is not None else None
+        doc["range_end"] = b64(prefix_end(key))
+    elif range_end is not None:
+        doc["range_end"] = b64(range_end)
+    return doc
