@@ -190,3 +190,37 @@ async def test_refusals_are_errors_not_unavailability() -> None:
         with pytest.raises(EtcdError) as caught:
             await etcd.get("")
     assert caught.value.code == 3
+
+
+async def test_after_a_member_refuses_writes_wait_for_a_member_that_follows_a_live_leader() -> None:
+    leaders = iter([1, 0, 2])  # host 2 follows the dead member 1, then no one, then itself
+    down = False
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        calls.append(f"{host}{path}")
+        if host == "10.0.0.1":
+            if down:
+                raise httpx.ConnectError("refused", request=request)
+            return httpx.Response(200, json={"header": {"member_id": "1", "revision": "5"}})
+        if path == "/v3/maintenance/status":
+            return httpx.Response(
+                200, json={"header": {"member_id": "2"}, "leader": str(next(leaders))}
+            )
+        return httpx.Response(200, json={"header": {"member_id": "2", "revision": "6"}})
+
+    async with _gateway(handler, timeout=5) as etcd:
+        await etcd.put("k", "1")  # learns that 10.0.0.1 is member 1
+        down = True
+        result = await etcd.put("k", "2")
+    assert result.header.revision == 6
+    assert calls[1:] == [
+        "10.0.0.1/v3/kv/put",  # refused: member 1 is down
+        "10.0.0.2/v3/maintenance/status",  # follows 1: not through here
+        "10.0.0.1/v3/maintenance/status",  # still refused; a round failed: back off
+        "10.0.0.2/v3/maintenance/status",  # no leader yet
+        "10.0.0.1/v3/maintenance/status",
+        "10.0.0.2/v3/maintenance/status",  # a new leader
+        "10.0.0.2/v3/kv/put",
+    ]

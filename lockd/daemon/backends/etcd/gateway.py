@@ -16,7 +16,10 @@ Why this shape:
   sending, etcd timed out the proposal, the deadline struck mid-request) it
   raises ``EtcdUnavailable(maybe_committed=True)`` at once, so the caller can
   find out what happened from the keys it wrote, instead of the client
-  guessing by retrying.
+  guessing by retrying. After it saw a member's endpoint refuse connections,
+  it sends a write only through a member that no longer follows that one
+  (``_check_leader``): a write forwarded to a dead leader is the commonest
+  way to an unknown outcome.
 - **No reads from a member that lost its leader.** Every request carries
   etcd's ``hasleader`` metadata (gateway header ``Grpc-Metadata-hasleader``):
   a member cut off from the quorum refuses at once ("no leader") instead of
@@ -162,6 +165,11 @@ class EtcdGateway:
         self._endpoints = [e.rstrip("/") for e in settings.endpoints]
         self._current = 0  # the endpoint that answered last
         self._token: str | None = None
+        # Which member answers at each endpoint (from reply headers), and the
+        # members whose endpoint refused a connection since the last leader
+        # check: see _check_leader.
+        self._member_ids: dict[str, int] = {}
+        self._down_members: set[int] = set()
         self._auth_lock = trio.Lock()
         self._http = httpx.AsyncClient(
             verify=settings.ssl_context(),
@@ -276,7 +284,9 @@ class EtcdGateway:
                 endpoint = self.endpoint
                 maybe_committed = not idempotent
                 try:
-                    return await self._post(endpoint + path, body, idempotent=idempotent)
+                    if not idempotent and self._down_members:
+                        await self._check_leader(endpoint)
+                    return await self._post(endpoint, path, body, idempotent=idempotent)
                 except _NotSent as failure:
                     maybe_committed = False
                     why = str(failure)
@@ -308,18 +318,46 @@ class EtcdGateway:
         read = budget / 2 if idempotent else None
         return httpx.Timeout(read, connect=budget / (len(self._endpoints) + 1))
 
-    async def _post(self, url: str, body: Mapping[str, Any], *, idempotent: bool) -> Json:
+    async def _check_leader(self, endpoint: str) -> None:
+        """Refuse to send a write through a member that still follows a member we saw die.
+
+        After the leader's endpoint refused a connection, the other members
+        keep forwarding proposals to it until they elect a new leader
+        (~1.5 s), and etcd then holds such a write up to its 7 s proposal
+        timeout with an unknown outcome. Asking the member whom it follows
+        (a read, no raft) lets the write wait for the election instead, and
+        go through as a write whose outcome is known.
+        """
+        try:
+            status = await self._post(endpoint, "/v3/maintenance/status", {}, idempotent=True)
+        except _MaybeSent as failure:  # a read failed: the write itself was never sent
+            raise _NotSent(str(failure)) from None
+        leader = int(status.get("leader", 0))
+        if leader == 0 or leader in self._down_members:
+            raise _NotSent(f"no live leader yet (follows {leader:x}, which is down)")
+        self._down_members.clear()  # a new leader: forwarding works again
+
+    async def _post(
+        self, endpoint: str, path: str, body: Mapping[str, Any], *, idempotent: bool
+    ) -> Json:
         """One attempt; ``_NotSent``/``_MaybeSent`` for failures another endpoint may not have."""
-        headers = await self._auth_headers(url)
+        headers = await self._auth_headers(endpoint)
         try:
             timeout = self._attempt_timeout(idempotent=idempotent)
-            reply = await self._http.post(url, json=body, headers=headers, timeout=timeout)
+            reply = await self._http.post(
+                endpoint + path, json=body, headers=headers, timeout=timeout
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            if endpoint in self._member_ids:
+                self._down_members.add(self._member_ids[endpoint])
             raise _NotSent(f"cannot connect ({exc})") from None
         except httpx.TransportError as exc:
             raise _MaybeSent(f"connection failed mid-request ({exc!r})") from None
         doc = _json(reply)
         if reply.status_code == 200:
+            header = doc.get("header")
+            if isinstance(header, dict) and "member_id" in header:
+                self._member_ids[endpoint] = int(header["member_id"])
             return doc
         code, message = _error_of(doc, reply)
         if message == INVALID_TOKEN and self.settings.username is not None:
@@ -333,16 +371,15 @@ class EtcdGateway:
             raise LeaseNotFound(code, message)
         raise EtcdError(code, message)
 
-    async def _auth_headers(self, url: str) -> dict[str, str]:
+    async def _auth_headers(self, endpoint: str) -> dict[str, str]:
         if self.settings.username is None:
             return {}
         async with self._auth_lock:
             if self._token is None:
-                base = url.split("/v3/", 1)[0]
                 credentials = {"name": self.settings.username, "password": self.settings.password()}
                 try:
                     reply = await self._http.post(
-                        base + "/v3/auth/authenticate", json=credentials, timeout=None
+                        endpoint + "/v3/auth/authenticate", json=credentials, timeout=None
                     )
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     raise _NotSent(f"cannot connect ({exc})") from None
