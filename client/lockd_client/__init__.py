@@ -45,6 +45,7 @@ from ._errors import (
     ShuttingDownError,
     SocketPermissionError,
     StorageUnavailableError,
+    UntrustedDaemonError,
 )
 from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
 from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
@@ -70,6 +71,7 @@ __all__ = [
     "ShuttingDownError",
     "SocketPermissionError",
     "StorageUnavailableError",
+    "UntrustedDaemonError",
     "default_socket_path",
     "resolve_socket_path",
 ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
 import socket
 import struct
@@ -41,7 +42,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._errors import UntrustedDaemonError
 from ._requests import late_grant
+from ._trust import trusted_uids, unsafe_directory, untrusted_peer
 from ._wire import BadLine, ReplyLines, encode
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
@@ -50,6 +53,7 @@ _READ_CHUNK = 65536
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _POLLIN = select.POLLIN
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int; a longer wait just loops
+_NO_LIMIT = struct.pack("@ll", 0, 0)  # SO_SNDTIMEO of zero: wait as long as it takes
 
 
 class ConnectionLost(Exception):
@@ -101,17 +105,33 @@ class Connection:
         send_timeout: float | None,
         next_id: Callable[[], int],
     ) -> Connection:
-        """Connect to ``path``; raises OSError when that fails."""
+        """Connect to ``path``; raises OSError when that fails.
+
+        Raises :class:`UntrustedDaemonError` (before sending anything) when
+        the socket's folder or the process serving it is not trusted (see
+        :mod:`lockd_client._trust`).
+        """
+        trusted = trusted_uids()
+        reason = unsafe_directory(os.path.dirname(os.path.abspath(path)), trusted)
+        if reason is not None:
+            raise UntrustedDaemonError(path, reason)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(connect_timeout)
+            # A blocking connect waits in a full listen backlog ("clients wait
+            # in the backlog"); settimeout() would make it non-blocking and
+            # fail at once with EAGAIN. For AF_UNIX the kernel bounds that
+            # wait by SO_SNDTIMEO, so the connect timeout goes there.
+            if connect_timeout is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connect_timeout))
             sock.connect(path)
+            reason = untrusted_peer(sock, trusted)
+            if reason is not None:
+                raise UntrustedDaemonError(path, reason)
             # Blocking from here on: reads wait in poll(), and the kernel's
             # SO_SNDTIMEO bounds a stuck send (EAGAIN), so sendall() needs no
             # poll() of its own before each send.
-            sock.settimeout(None)
-            if send_timeout is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout))
+            send_limit = _timeval(send_timeout) if send_timeout is not None else _NO_LIMIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, send_limit)
         except BaseException:
             sock.close()
             raise

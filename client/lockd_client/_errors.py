@@ -27,6 +27,7 @@ __all__ = [
     "ShuttingDownError",
     "SocketPermissionError",
     "StorageUnavailableError",
+    "UntrustedDaemonError",
     "error_from_reply",
 ]
 
@@ -35,8 +36,8 @@ class LockdError(Exception):
     """Base class of every lockd error.
 
     ``code`` is the daemon's error code (``"LOCK_TIMEOUT"``, ...) or a
-    client-side code (``"DAEMON_UNAVAILABLE"``, ``"PROTOCOL_ERROR"``,
-    ``"CLIENT_CLOSED"``); ``status`` mirrors HTTP (``None`` for client-side
+    client-side code (``"DAEMON_UNAVAILABLE"``, ``"DAEMON_UNTRUSTED"``,
+    ``"PROTOCOL_ERROR"``, ``"CLIENT_CLOSED"``); ``status`` mirrors HTTP (``None`` for client-side
     errors); ``details`` is the error's ``details`` object (never ``None``).
     """
 
@@ -247,6 +248,27 @@ def _group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+class UntrustedDaemonError(DaemonUnavailableError):
+    """The socket is not one the client may trust; nothing was sent to it.
+
+    Its folder (or a parent) belongs to another user or can be written by
+    others, or the process listening runs as neither root, the caller, nor the
+    ``lockd`` system user: it could be another user's fake daemon. ``reason``
+    says which.
+    """
+
+    reason: str
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        super().__init__(socket_path, reason)
+        self.message = (
+            f"lockd socket {socket_path} is not trusted: {reason}. "
+            "Use a socket in a folder only you (or root) can write, served by root, "
+            "yourself or the lockd system user (set XDG_RUNTIME_DIR or LOCKD_SOCKET)."
+        )
+        self.args = (self.message,)
+        self.code = "DAEMON_UNTRUSTED"
+        self.reason = reason
 
 
 _BY_CODE: dict[str, type[LockdError]] = {

@@ -1,0 +1,82 @@
+"""Whom the client may talk to: a socket in a safe folder, served by a trusted uid.
+
+A lock client hands the daemon its keys and owners and believes its answers,
+so talking to an impostor is worse than failing: another user who pre-creates
+``/tmp/runtime-<uid>/`` (the fallback when ``XDG_RUNTIME_DIR`` is unset) and
+runs a fake daemon there would make every lock "held" while nothing is held.
+Two checks, both before anything is sent:
+
+1. :func:`unsafe_directory`: every folder from the socket's up to ``/`` is
+   owned by a trusted uid, and none is writable by group or others unless it
+   is sticky (``/tmp``): otherwise someone else could swap the socket.
+2. :func:`untrusted_peer`: the process listening (``SO_PEERCRED`` of the
+   connected socket, from the kernel) runs as root, as us, or as the
+   ``lockd`` system user.
+
+The daemon applies check 1 to its own socket folder too (with root and its
+own uid as the trusted owners).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import socket
+import stat
+import struct
+
+__all__ = ["SYSTEM_USER", "trusted_uids", "unsafe_directory", "untrusted_peer"]
+
+#: The system user the packaged system daemon runs as (systemd/lockd.sysusers).
+SYSTEM_USER = "lockd"
+_PEERCRED = struct.Struct("3i")
+
+
+def trusted_uids() -> frozenset[int]:
+    """Root, the caller's effective uid, and the ``lockd`` system user if it exists."""
+    uids = {0, os.geteuid()}
+    with contextlib.suppress(KeyError):
+        uids.add(pwd.getpwnam(SYSTEM_USER).pw_uid)
+    return frozenset(uids)
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
+    """Why ``folder`` (and its parents) cannot be trusted to hold a socket; None if it can.
+
+    A folder that does not exist is not reported (connecting or binding
+    will say so). Symlinks are resolved first: it is the real folders whose
+    owners decide who can replace the socket.
+    """
+    path = os.path.realpath(folder)
+    while True:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if st.st_uid not in trusted:
+                return f"{path} belongs to {_owner(st.st_uid)}"
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+                mode = stat.S_IMODE(st.st_mode)
+                return f"{path} is writable by other users (mode {mode:04o}, not sticky)"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def untrusted_peer(sock: socket.socket, trusted: frozenset[int]) -> str | None:
+    """Why the process at the other end of ``sock`` is not a daemon we trust; None if it is."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, _gid = _PEERCRED.unpack(raw)
+    if uid in trusted:
+        return None
+    return f"the process listening on it (pid {pid}) runs as {_owner(uid)}"
