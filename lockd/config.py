@@ -49,8 +49,15 @@ class Paths:
 
 
 def user_socket_path() -> Path:
-    """The user-mode default socket: ``$XDG_RUNTIME_DIR/lockd/lockd.sock``."""
-    return Path(platformdirs.user_runtime_dir(APP)) / "lockd.sock"
+    """The user-mode default socket: ``$XDG_RUNTIME_DIR/lockd/lockd.sock``.
+
+    Raises ConfigError when platformdirs refuses the fallback runtime folder
+    (``/tmp/runtime-<uid>`` made by another user: a trap for the socket).
+    """
+    try:
+        return Path(platformdirs.user_runtime_dir(APP)) / "lockd.sock"
+    except PermissionError as exc:
+        raise ConfigError(f"the socket folder is not safe: {exc}") from None
 
 
 def resolve_paths(
@@ -60,21 +67,24 @@ def resolve_paths(
     db: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | None = None,
 ) -> Paths:
-    """Paths for ``lockd serve``: flags win, then ``LOCKD_SOCKET``, then defaults."""
+    """Paths for ``lockd serve``: flags win, then ``LOCKD_SOCKET``, then defaults.
+
+    Raises ConfigError when the default socket folder is not safe to use.
+    """
     if socket is None and os.environ.get(SOCKET_ENV):
         socket = os.environ[SOCKET_ENV]
     if system:
-        default_socket = SYSTEM_SOCKET
         default_db = SYSTEM_STATE_DIR / "lockd.db"
         default_config = SYSTEM_CONFIG_DIR
         mode = 0o666
     else:
-        default_socket = user_socket_path()
         default_db = Path(platformdirs.user_state_dir(APP)) / "lockd.db"
         default_config = Path(platformdirs.user_config_dir(APP))
         mode = 0o600
+    # The user default only when needed: platformdirs may refuse its folder.
+    socket_path = Path(socket) if socket else SYSTEM_SOCKET if system else user_socket_path()
     return Paths(
-        socket=Path(socket) if socket else default_socket,
+        socket=socket_path,
         db=Path(db) if db else default_db,
         config_dir=Path(config) if config else default_config,
         socket_mode=mode,

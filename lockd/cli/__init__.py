@@ -85,13 +85,13 @@ def serve(
     """
     # Imported here, not at start-up: every other command (and every <TAB>
     # of shell completion) would pay for trio, SQLite and platformdirs.
-    from lockd.config import resolve_paths
+    from lockd.config import ConfigError, resolve_paths
     from lockd.daemon.serve import StartupError, run
 
-    paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
     try:
+        paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
         code = run(paths)
-    except StartupError as exc:
+    except (StartupError, ConfigError) as exc:
         # Exit 1; under --json the code is USAGE: the config, the rule sets or
         # the paths given do not allow a start (details.reason says so).
         if json_output:

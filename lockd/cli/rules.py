@@ -202,10 +202,10 @@ def test_cmd(
 
     if op in KEYED_OPS and key is None:
         raise click.UsageError(f"KEY is required for --op {op}")
-    with warnings.catch_warnings():  # it computes the socket's runtime dir too: unused here
-        warnings.simplefilter("ignore")
-        paths = resolve_paths(system=system, config=config_dir)
     try:
+        with warnings.catch_warnings():  # it computes the socket's runtime dir too: unused here
+            warnings.simplefilter("ignore")
+            paths = resolve_paths(system=system, config=config_dir)
         settings = load_settings(paths.config_dir)
         policy = load_policy(paths.rule_sets_dir)
     except ConfigError as err:

@@ -20,7 +20,12 @@ from lockd.config import ConfigError, Paths, Settings, load_settings
 from lockd.daemon import fdlimit, systemd
 from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.engine import LockEngine
-from lockd.daemon.listener import SocketInUseError, acquire_path_lock, bind_socket
+from lockd.daemon.listener import (
+    SocketInUseError,
+    UnsafeSocketDirError,
+    acquire_path_lock,
+    bind_socket,
+)
 from lockd.daemon.ratelimit import RateLimiter
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
@@ -143,11 +148,12 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
         try:
             lock_fd = acquire_path_lock(paths.socket, paths.socket_mode)
             sock, owns = bind_socket(paths.socket, paths.socket_mode), True
-        except SocketInUseError as exc:
+        except (SocketInUseError, UnsafeSocketDirError, OSError) as exc:
             store.close()
-            raise StartupError(str(exc)) from None
-        except OSError as exc:
-            store.close()
+            if lock_fd is not None:
+                os.close(lock_fd)
+            if isinstance(exc, SocketInUseError | UnsafeSocketDirError):
+                raise StartupError(str(exc)) from None
             raise StartupError(f"socket {paths.socket}: {exc.strerror or exc}") from None
     log.info(
         kv(
