@@ -4,14 +4,29 @@ Identity comes only from the kernel (SO_PEERCRED on the accepted socket),
 never from anything the client writes. The mapping from (pid, uid, gid) to a
 :class:`Caller` is pure given the lookups, which are injected so tests can
 describe users and cgroups without creating them.
+
+Identity fails closed, never degrades:
+
+- A lookup that fails is not "no such user": the daemon out of file
+  descriptors made ``getpwuid`` miss and turned an admin into a member with a
+  fresh rate-limit bucket. :func:`identify` first makes sure the lookups have
+  descriptors to work with and raises :class:`IdentityUnavailable` when they
+  do not, or when the answers contradict each other; the request is refused.
+- The pid in SO_PEERCRED is the pid at ``connect()``; by the time the daemon
+  reads ``/proc/PID/cgroup`` that process may be gone and its pid reused by a
+  service's process. :func:`peer_unit` ties the read to the peer itself (a
+  pidfd from ``SO_PEERPIDFD``; on older kernels the uid of the process behind
+  ``/proc/PID``) and gives no unit when it cannot: never a service by accident.
 """
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
 import re
+import signal
 import socket
 import struct
 from collections.abc import Callable, Iterable
@@ -22,8 +37,17 @@ Role = Literal["owner", "admin", "member", "service"]
 Kind = Literal["user", "service"]
 
 _PEERCRED = struct.Struct("3i")
+#: getsockopt(SO_PEERPIDFD) (Linux 6.5+): a pidfd of the process that connected.
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+_INT = struct.Struct("i")
+#: Descriptors the passwd/group lookups may hold at once (NSS files, nscd).
+_LOOKUP_FDS = 8
 # A systemd unit name as it appears as a path component of /proc/PID/cgroup.
 _UNIT_RE = re.compile(r"^[^/]+\.(service|scope)$")
+
+
+class IdentityUnavailable(OSError):
+    """Who is calling could not be established; the request is refused, never guessed."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +102,42 @@ def group_name(gid: int) -> str:
 
 
 def login_groups(name: str | None, uid: int, peer_gid: int) -> frozenset[str]:
-    """Groups of a login (passwd gid + supplementary) plus the peer's gid."""
+    """Groups of a login (passwd gid + supplementary) plus the peer's gid.
+
+    Raises :class:`IdentityUnavailable` when the login found by uid a moment
+    ago cannot be looked up by name, or its group list cannot be read.
+    """
     gids = {peer_gid}
     if name is not None:
         try:
             entry = pwd.getpwnam(name)
             gids.update(os.getgrouplist(name, entry.pw_gid))
-        except (KeyError, OSError):
-            pass
+        except KeyError:
+            raise IdentityUnavailable(f"the login {name!r} vanished during lookup") from None
+        except OSError as exc:
+            raise IdentityUnavailable(f"groups of {name!r}: {exc.strerror or exc}") from None
     return frozenset(group_name(g) for g in gids)
+
+
+def ensure_lookup_room() -> None:
+    """Raise :class:`IdentityUnavailable` unless the passwd/group lookups can open files.
+
+    glibc reports a lookup that could not open /etc/passwd exactly like a
+    uid without an entry, so the only safe way is to make sure beforehand:
+    descriptors opened and closed here stay free for the lookups that follow
+    (the daemon's loop is single-threaded; nothing runs in between).
+    """
+    fds: list[int] = []
+    try:
+        for _ in range(_LOOKUP_FDS):
+            fds.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        raise IdentityUnavailable(
+            f"cannot look up users and groups: {exc.strerror or exc}"
+        ) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def systemd_unit_of(pid: int) -> str | None:
@@ -97,6 +148,57 @@ def systemd_unit_of(pid: int) -> str | None:
     except OSError:
         return None
     return unit_from_cgroup(lines)
+
+
+def peer_unit(sock: socket.socket, cred: PeerCred) -> str | None:
+    """The system unit of the process that connected ``sock``, or None if not provable.
+
+    With ``SO_PEERPIDFD`` the cgroup is read, then the peer's pidfd is
+    signalled with 0: if the peer still lives, its pid was never reused, so
+    ``/proc/PID`` was the peer's during the read. Without it (kernels before
+    6.5) the process behind ``/proc/PID`` must at least run as the peer's
+    uid. A peer that is gone, or a mismatch, gives None.
+    """
+    try:
+        pidfd = _INT.unpack(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, _INT.size))[0]
+    except OSError as exc:
+        if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+            return _unit_if_uid_matches(cred)
+        return None  # ESRCH and the like: the peer is gone
+    try:
+        unit = systemd_unit_of(cred.pid)
+        signal.pidfd_send_signal(pidfd, 0)
+    except OSError:  # ProcessLookupError: the peer exited, its pid may be anyone's now
+        return None
+    finally:
+        os.close(pidfd)
+    return unit
+
+
+def _unit_if_uid_matches(cred: PeerCred) -> str | None:
+    """Older kernels: read uid and cgroup through one handle on ``/proc/PID``."""
+    try:
+        proc = os.open(f"/proc/{cred.pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+
+        def read(name: str) -> str:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+            with open(fd, encoding="utf-8") as f:
+                return f.read()
+
+        uids = next(
+            (line.split()[1:] for line in read("status").splitlines() if line.startswith("Uid:")),
+            [],
+        )
+        if str(cred.uid) not in uids[:2]:  # real or effective uid
+            return None
+        return unit_from_cgroup(read("cgroup").splitlines())
+    except OSError:
+        return None
+    finally:
+        os.close(proc)
 
 
 def unit_from_cgroup(lines: Iterable[str]) -> str | None:
@@ -161,3 +263,10 @@ def resolve_caller(
         role = "member"
     display = name if name is not None else str(cred.uid)
     return Caller("user", display, role, cred.uid, cred.gid, cred.pid, groups)
+
+
+def identify(sock: socket.socket, config: IdentityConfig) -> Caller:
+    """The caller behind an accepted socket; raises :class:`IdentityUnavailable`."""
+    cred = peer_credentials(sock)
+    ensure_lookup_room()
+    return resolve_caller(cred, config, unit_of=lambda _pid: peer_unit(sock, cred))

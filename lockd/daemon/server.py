@@ -42,7 +42,7 @@ from lockd.daemon.protocol import (
     parse_request,
 )
 from lockd.daemon.service import AcquireStep, LockService, Reply, WaitForRoom, shutting_down
-from lockd.identity import Caller, IdentityConfig, peer_credentials, resolve_caller
+from lockd.identity import Caller, IdentityConfig, identify
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.server")
@@ -118,7 +118,7 @@ class LockServer:
     # ------------------------------------------------------------ lifecycle
 
     def _resolve_peer(self, sock: stdsocket.socket) -> Caller:
-        return resolve_caller(peer_credentials(sock), self.identity)
+        return identify(sock, self.identity)
 
     async def serve(
         self,
