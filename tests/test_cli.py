@@ -65,11 +65,13 @@ def invoke(args: list[str], **kwargs: object) -> Result:
     return CliRunner().invoke(main, args, prog_name="lockd", **kwargs)  # type: ignore[arg-type]
 
 
-def run_cli(daemon: DaemonProcess | None, *args: str, socket: str | None = None) -> Result:
+def run_cli(
+    daemon: DaemonProcess | None, *args: str, socket: str | None = None, **kwargs: object
+) -> Result:
     """Invoke ``lockd ARGS --socket <daemon's socket>`` in-process."""
     path = socket if socket is not None else str(daemon.socket) if daemon else None
     extra = ["--socket", path] if path is not None else []
-    return invoke([*args, *extra])
+    return invoke([*args, *extra], **kwargs)
 
 
 def one_line(text: str) -> str:
@@ -448,7 +450,7 @@ def test_same_owner_retakes_and_fences_the_old_handle(shared: DaemonProcess) -> 
     first = acquire(shared, "retake", "--ttl", "60s", "--owner", "run-1")
     second = acquire(shared, "retake", "--ttl", "60s", "--owner", "run-1")
     assert first != second
-    stale = run_cli(shared, "locks", "release", "retake", "--handle", first)
+    stale = run_cli(shared, "locks", "release", "retake", env={"LOCKD_HANDLE": first})
     assert stale.exit_code == EXIT_LOST
     assert "not the holder" in one_line(stale.stderr)
     assert run_cli(shared, "locks", "release", "retake", "--handle", second).exit_code == 0
@@ -462,7 +464,9 @@ def test_renew_and_stale_handles(shared: DaemonProcess) -> None:
     expires = run_cli(shared, "locks", "status", "renewme", "--json")
     assert json.loads(expires.stdout)["expiresInMs"] > 100_000
 
-    lost = run_cli(shared, "locks", "renew", "renewme", "--handle", "x" * 22, "--ttl", "1m")
+    lost = run_cli(
+        shared, "locks", "renew", "renewme", "--handle", "-", "--ttl", "1m", input="x" * 22
+    )
     assert lost.exit_code == EXIT_LOST
     assert "lease lost" in one_line(lost.stderr)
     lost_json = run_cli(
@@ -580,7 +584,7 @@ def test_stats_formats(daemon: DaemonProcess) -> None:
 
 def test_invalid_request_from_the_daemon_exits_2(shared: DaemonProcess) -> None:
     # The client lets a long handle through; the daemon refuses it (256 chars max).
-    result = run_cli(shared, "locks", "release", "k", "--handle", "h" * 300)
+    result = run_cli(shared, "locks", "release", "k", env={"LOCKD_HANDLE": "h" * 300})
     assert result.exit_code == EXIT_USAGE
     assert "invalid request" in one_line(result.stderr)
 
@@ -598,14 +602,14 @@ def test_client_side_invalid_key_exits_2(shared: DaemonProcess) -> None:
         ["locks", "list"],
         ["locks", "status", "k"],
         ["locks", "acquire", "k", "--ttl", "1s"],
-        ["locks", "release", "k", "--handle", "h"],
+        ["locks", "release", "k", "--handle", "-"],
         ["stats", "--format", "openmetrics"],
         ["rules", "show"],
     ],
 )
 def test_daemon_down_exits_5_naming_the_socket(short_tmp: Path, args: list[str]) -> None:
     socket = str(short_tmp / "absent.sock")
-    result = run_cli(None, *args, socket=socket)
+    result = run_cli(None, *args, socket=socket, input="h\n")
     assert result.exit_code == EXIT_UNAVAILABLE
     line = one_line(result.stderr)
     assert socket in line and "lockd serve" in line
@@ -643,10 +647,10 @@ def test_shell_script_round_trip(shared: DaemonProcess) -> None:
     script = """
     H=$(lockd locks acquire backup --ttl 60s); echo "acquire=$? len=${#H}"
     lockd locks acquire backup --ttl 60s; echo "busy=$?"
-    lockd locks renew backup --handle "$H" --ttl 2m >/dev/null; echo "renew=$?"
-    lockd locks release backup --handle "$H" >/dev/null; echo "release=$?"
-    lockd locks release backup --handle "$H"; echo "stale=$?"
-    lockd locks renew backup --handle "$H" --ttl 1m; echo "lost=$?"
+    printf '%s\\n' "$H" | lockd locks renew backup --handle - --ttl 2m >/dev/null; echo "renew=$?"
+    LOCKD_HANDLE=$H lockd locks release backup >/dev/null; echo "release=$?"
+    LOCKD_HANDLE=$H lockd locks release backup; echo "stale=$?"
+    lockd locks renew backup --handle - --ttl 1m <<<"$H"; echo "lost=$?"
     lockd locks break backup --reason "nothing held"; echo "breakfree=$?"
     lockd locks acquire backup --ttl 5x; echo "baddur=$?"
     lockd whoami --socket "$ROOT/absent.sock"; echo "down=$?"

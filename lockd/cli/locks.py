@@ -8,6 +8,11 @@ internals). What a script can rely on (SPEC §9):
   60s)`` works. It never asks for ``releaseOnClose``: the lease must outlive
   the ``lockd`` process that took it. Busy or timed out: exit 1.
 - ``renew`` / ``release`` with a handle that no longer holds the key: exit 6.
+  They read the handle from ``LOCKD_HANDLE`` (as ``lockd run`` exports it)
+  or from stdin with ``--handle -``: an argument is visible to every user of
+  the host in ``/proc/PID/cmdline`` (``ps``), and holding the handle id is
+  what proves a hold, so a handle given as an argument still works but gets
+  a warning on stderr.
 - ``break`` of a free key: exit 0, saying it was free.
 - ``--json`` prints the daemon's result as ONE JSON document, also for
   ``renewed: false``, ``released: false`` and ``broken: false``; the exit
@@ -19,9 +24,11 @@ internals). What a script can rely on (SPEC §9):
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 
 import click
+from click.core import ParameterSource
 from lockd_client import LockClient, LockStatus, LockTimeoutError
 
 from lockd.cli.common import (
@@ -42,7 +49,7 @@ from lockd.cli.common import (
     render_fields,
     socket_option,
 )
-from lockd.exitcodes import EXIT_BUSY, EXIT_LOST
+from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
 
 
 def complete_keys(
@@ -241,7 +248,7 @@ def acquire(
     \b
         H=$(lockd locks acquire backup --ttl 10m) || exit
         ...
-        lockd locks release backup --handle "$H"
+        printf '%s\n' "$H" | lockd locks release backup --handle -
 
     The lease outlives this command: release it, or it ends after --ttl.
     Busy (or --wait timed out): exit 1. A wait that meets a daemon restart
@@ -270,15 +277,58 @@ def acquire(
         click.echo(handle.handle)
 
 
+HANDLE_ENV = "LOCKD_HANDLE"
+
+HANDLE = click.option(
+    "--handle",
+    "handle_id",
+    envvar=HANDLE_ENV,
+    show_envvar=True,
+    metavar="H|-",
+    help="The handle id; '-' reads it from stdin. Default: $LOCKD_HANDLE. "
+    "An id given here is visible to every user in ps: prefer '-' or the variable.",
+)
+
+
+def _handle_from(handle_id: str | None) -> str:
+    """The handle id from stdin (``-``), ``$LOCKD_HANDLE`` or the argument (with a warning)."""
+    ctx = click.get_current_context()
+    if handle_id is None:
+        fail(
+            f"no handle: pass it on stdin with --handle -, or set {HANDLE_ENV}",
+            EXIT_USAGE,
+            code=USAGE,
+        )
+    if handle_id == "-":
+        handle_id = sys.stdin.readline().strip()
+        if not handle_id:
+            fail("--handle -: no handle id on stdin", EXIT_USAGE, code=USAGE)
+    elif ctx.get_parameter_source("handle_id") == ParameterSource.COMMANDLINE:
+        click.echo(
+            "lockd: warning: a handle id given as an argument is visible to every user "
+            f"of this host (ps, /proc/PID/cmdline); use --handle - (stdin) or {HANDLE_ENV}",
+            err=True,
+        )
+    return handle_id
+
+
 @locks.command()
 @KEY
-@click.option("--handle", "handle_id", required=True, metavar="H", help="The handle id.")
+@HANDLE
 @click.option("--ttl", type=TTL, required=True, help="New time-to-live, from now.")
 @socket_option
 @json_option
 @client_command
-def renew(key: str, handle_id: str, ttl: int, socket_path: str | None, as_json: bool) -> None:
-    """Extend the lease of handle H on KEY (lease lost: exit 6)."""
+def renew(
+    key: str, handle_id: str | None, ttl: int, socket_path: str | None, as_json: bool
+) -> None:
+    """Extend the lease of handle H on KEY (lease lost: exit 6).
+
+    \b
+        printf '%s\n' "$H" | lockd locks renew backup --handle - --ttl 10m
+        LOCKD_HANDLE=$H lockd locks renew backup --ttl 10m
+    """
+    handle_id = _handle_from(handle_id)
     with open_client(socket_path) as client:
         result = client.renew((key, handle_id), ttl=ttl / 1000)
     if as_json:
@@ -297,12 +347,18 @@ def renew(key: str, handle_id: str, ttl: int, socket_path: str | None, as_json: 
 
 @locks.command()
 @KEY
-@click.option("--handle", "handle_id", required=True, metavar="H", help="The handle id.")
+@HANDLE
 @socket_option
 @json_option
 @client_command
-def release(key: str, handle_id: str, socket_path: str | None, as_json: bool) -> None:
-    """Free KEY if handle H still holds it (not the holder: exit 6)."""
+def release(key: str, handle_id: str | None, socket_path: str | None, as_json: bool) -> None:
+    """Free KEY if handle H still holds it (not the holder: exit 6).
+
+    \b
+        printf '%s\n' "$H" | lockd locks release backup --handle -
+        LOCKD_HANDLE=$H lockd locks release backup
+    """
+    handle_id = _handle_from(handle_id)
     with open_client(socket_path) as client:
         result = client.release((key, handle_id))
     if as_json:
