@@ -248,6 +248,8 @@ def _group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+
+
 class UntrustedDaemonError(DaemonUnavailableError):
     """The socket is not one the client may trust; nothing was sent to it.
 

@@ -26,6 +26,8 @@ import socket
 import stat
 import struct
 
+from ._errors import _user_name
+
 __all__ = ["SYSTEM_USER", "trusted_uids", "unsafe_directory", "untrusted_peer"]
 
 #: The system user the packaged system daemon runs as (systemd/lockd.sysusers).
@@ -42,10 +44,8 @@ def trusted_uids() -> frozenset[int]:
 
 
 def _owner(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
+    name = _user_name(uid)
+    return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
 
 
 def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
