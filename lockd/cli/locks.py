@@ -290,8 +290,12 @@ HANDLE = click.option(
 )
 
 
-def _handle_from(handle_id: str | None) -> str:
-    """The handle id from stdin (``-``), ``$LOCKD_HANDLE`` or the argument (with a warning)."""
+def _handle_from(handle_id: str | None, as_json: bool) -> str:
+    """The handle id from stdin (``-``), ``$LOCKD_HANDLE`` or the argument.
+
+    An argument gets a warning on stderr, except under ``--json``, whose
+    stderr is one JSON document (the README says so).
+    """
     ctx = click.get_current_context()
     if handle_id is None:
         fail(
@@ -303,7 +307,7 @@ def _handle_from(handle_id: str | None) -> str:
         handle_id = sys.stdin.readline().strip()
         if not handle_id:
             fail("--handle -: no handle id on stdin", EXIT_USAGE, code=USAGE)
-    elif ctx.get_parameter_source("handle_id") == ParameterSource.COMMANDLINE:
+    elif not as_json and ctx.get_parameter_source("handle_id") == ParameterSource.COMMANDLINE:
         click.echo(
             "lockd: warning: a handle id given as an argument is visible to every user "
             f"of this host (ps, /proc/PID/cmdline); use --handle - (stdin) or {HANDLE_ENV}",
@@ -328,7 +332,7 @@ def renew(
         printf '%s\n' "$H" | lockd locks renew backup --handle - --ttl 10m
         LOCKD_HANDLE=$H lockd locks renew backup --ttl 10m
     """
-    handle_id = _handle_from(handle_id)
+    handle_id = _handle_from(handle_id, as_json)
     with open_client(socket_path) as client:
         result = client.renew((key, handle_id), ttl=ttl / 1000)
     if as_json:
@@ -358,7 +362,7 @@ def release(key: str, handle_id: str | None, socket_path: str | None, as_json: b
         printf '%s\n' "$H" | lockd locks release backup --handle -
         LOCKD_HANDLE=$H lockd locks release backup
     """
-    handle_id = _handle_from(handle_id)
+    handle_id = _handle_from(handle_id, as_json)
     with open_client(socket_path) as client:
         result = client.release((key, handle_id))
     if as_json:
