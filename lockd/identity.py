@@ -133,7 +133,7 @@ def ensure_lookup_room() -> None:
             fds.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
     except OSError as exc:
         raise IdentityUnavailable(
-            f"cannot look up users and groups: {exc.strerror or exc}"
+            exc.errno, f"cannot look up users and groups: {exc.strerror or exc}"
         ) from None
     finally:
         for fd in fds:

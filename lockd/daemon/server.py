@@ -42,7 +42,7 @@ from lockd.daemon.protocol import (
     parse_request,
 )
 from lockd.daemon.service import AcquireStep, LockService, Reply, WaitForRoom, shutting_down
-from lockd.identity import Caller, IdentityConfig, identify
+from lockd.identity import Caller, IdentityConfig, IdentityUnavailable, identify
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.server")
@@ -317,6 +317,14 @@ class LockServer:
     async def _serve_connection(self, sock: stdsocket.socket) -> None:
         try:
             caller = self._resolve(sock)
+        except IdentityUnavailable as exc:
+            # Never guess who it is (an admin would become a member): refuse.
+            self._open_connections -= 1
+            self.service.stats.count("connectionsRefused")
+            reason = "no_file_descriptors" if exc.errno in fdlimit.OUT_OF_FDS else "no_identity"
+            self._warnings.warn("connection_refused", reason, error=exc.strerror or exc)
+            sock.close()
+            return
         except OSError as exc:
             self._open_connections -= 1
             log.warning(kv(event="peer_unknown", error=exc))
