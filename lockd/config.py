@@ -109,6 +109,8 @@ class Settings:
     max_line_bytes: int = 65536
     #: blocking acquires one connection may have waiting; more are refused.
     max_pending_per_connection: int = 1024
+    #: CPU milliseconds one rule evaluation may use; over it the request is denied.
+    rule_budget_ms: int = 50
     #: log level: debug, info, warning or error.
     log_level: str = "info"
     #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.

@@ -37,6 +37,7 @@ GOOD: dict[str, Any] = {
     "max_connections": 10,
     "max_line_bytes": 4096,
     "max_pending_per_connection": 3,
+    "rule_budget_ms": 20,
     "log_level": "debug",
     "sqlite_synchronous": "FULL",
 }

@@ -565,8 +565,10 @@ def test_manager_reload_reports_unreadable_file(tmp_path: Path) -> None:
     d.mkdir()
     (d / "dangling.toml").symlink_to(tmp_path / "nowhere")
     mgr = PolicyManager(d)
-    mgr.load_initial()  # a dangling symlink is not a file: it does not count
-    assert mgr.policy.is_open
+    # A symlink is not a regular file (it could point at /dev/zero or a FIFO):
+    # an error naming it, never silently the open default.
+    with pytest.raises(RuleSetError, match=r"dangling\.toml: is a symbolic link"):
+        mgr.load_initial()
 
 
 # --------------------------------------------------------------------------- cost

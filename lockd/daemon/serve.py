@@ -85,7 +85,7 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
     except ConfigError as exc:
         raise StartupError(f"config: {exc}") from None
     setup_logging(settings.log_level)
-    policy = PolicyManager(paths.rule_sets_dir)
+    policy = PolicyManager(paths.rule_sets_dir, budget=settings.rule_budget_ms / 1000)
     try:
         policy.load_initial()
     except RuleSetError as exc:

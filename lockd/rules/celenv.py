@@ -26,11 +26,20 @@ Why it is built this way:
 - **Misuse is an error, not false.** ``isMemberOf`` with no argument or a
   non-string argument is an evaluation error, which the policy turns into a
   denial, so ``!isMemberOf(1)`` denies instead of allowing.
+- **Bounded cost.** CEL has no cost limit in cel-python, and evaluation runs
+  on the daemon's event loop: a nested comprehension took seconds per
+  request. A comprehension inside another is refused at load time (its cost
+  is the product of the lists); what remains is linear in the rule's size,
+  and :func:`run_rule` bounds it in CPU time (``budget``): the evaluation is
+  interrupted by ``SIGVTALRM`` and raises :class:`RuleOverBudget`, which the
+  policy turns into a denial.
 """
 
 from __future__ import annotations
 
 import contextvars
+import signal
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +174,28 @@ def _check_names(ast: lark.Tree) -> tuple[int | None, int | None, str] | None:
     return None
 
 
+def _nested_comprehension(ast: lark.Tree) -> Any | None:
+    """The method token of a comprehension nested in another's arguments, if any."""
+
+    def walk(node: lark.Tree, inside: bool) -> Any | None:
+        is_macro = (
+            node.data == "member_dot_arg"
+            and len(node.children) >= 3
+            and str(node.children[1]) in _CEL_MACRO_METHODS
+        )
+        if is_macro and inside:
+            return node.children[1]
+        for i, child in enumerate(node.children):
+            if isinstance(child, lark.Tree):
+                # The receiver (child 0) runs once; the arguments run per element.
+                found = walk(child, inside or (is_macro and i >= 2))
+                if found is not None:
+                    return found
+        return None
+
+    return walk(ast, False)
+
+
 def _parse_error_message(exc: celpy.CELParseError) -> str:
     cause = exc.__context__
     if isinstance(cause, lark.exceptions.UnexpectedToken):
@@ -208,6 +239,14 @@ def compile_rule(source: RuleSource, path: tuple[str, ...], expr: str) -> Compil
     if problem is not None:
         line, col, message = problem
         raise source.cel_error(path, expr, line, col, message)
+    nested = _nested_comprehension(ast)
+    if nested is not None:
+        line, col = _position(nested)
+        message = (
+            f"{nested!s}() inside another comprehension: its cost is the product of "
+            "the lists' sizes; at most one level of all/exists/exists_one/map/filter"
+        )
+        raise source.cel_error(path, expr, line, col, message)
     try:
         program = env.program(ast, functions=_FUNCTIONS)
     except Exception as exc:
@@ -230,12 +269,43 @@ def rule_activation(caller: Caller, key: str) -> dict[str, Any]:
     }
 
 
-def run_rule(rule: CompiledRule, activation: Mapping[str, Any], groups: frozenset[str]) -> Any:
-    """Evaluate ``rule`` with ``groups`` visible to ``isMemberOf``; errors propagate."""
+class RuleOverBudget(BaseException):
+    """A rule's evaluation used more CPU time than its budget and was stopped.
+
+    A BaseException so that nothing inside celpy catches it as an error.
+    """
+
+
+def _over_budget(signum: int, frame: Any) -> None:
+    raise RuleOverBudget()
+
+
+def run_rule(
+    rule: CompiledRule,
+    activation: Mapping[str, Any],
+    groups: frozenset[str],
+    budget: float | None = None,
+) -> Any:
+    """Evaluate ``rule`` with ``groups`` visible to ``isMemberOf``; errors propagate.
+
+    ``budget``: seconds of CPU time the evaluation may use, enforced with
+    ``ITIMER_VIRTUAL`` (only in the main thread, where signals are
+    delivered; elsewhere the evaluation is not bounded). Over it,
+    :class:`RuleOverBudget` is raised.
+    """
     token = _CALLER_GROUPS.set(groups)
+    timed = budget is not None and threading.current_thread() is threading.main_thread()
+    previous: Any = None
     try:
+        if timed:
+            assert budget is not None
+            previous = signal.signal(signal.SIGVTALRM, _over_budget)
+            signal.setitimer(signal.ITIMER_VIRTUAL, budget)
         return rule.program.evaluate(activation)
     finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+            signal.signal(signal.SIGVTALRM, previous)
         _CALLER_GROUPS.reset(token)
 
 

@@ -17,12 +17,25 @@ Why it is built this way:
   TOML string (what CEL parsed) back to the file (:func:`_string_offsets`).
 - **No celpy here.** Importing this module is cheap, so code that only needs
   file names (:func:`is_rule_file_name`) need not pay for the CEL grammar.
+- **Only regular files, read without blocking, of bounded size.** A FIFO
+  named ``x.toml`` would hang the daemon in ``open()``, a symlink to
+  ``/dev/zero`` would eat memory, a huge file would stall the loop: each
+  file is opened ``O_NONBLOCK | O_NOFOLLOW``, must be a regular file, and is
+  read up to :data:`MAX_RULE_FILE_BYTES`; anything else is a load error
+  naming the file.
+- **Nobody else may write the policy.** For the daemon (``trusted_owners``
+  given), a ``rule-sets/`` folder or rule file that another user owns or can
+  write is a load error: a member who can delete the policy opens the
+  namespace. ``lockd rules check`` reads any file it is pointed at.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,8 +82,36 @@ def is_rule_file_name(name: str) -> bool:
     return name.endswith(".toml") and not name.startswith(".")
 
 
-def rule_files(rule_sets_dir: Path) -> list[Path]:
-    """``*.toml`` files, sorted; hidden files and editor leftovers do not count."""
+#: Largest rule file read (a policy is a few rules; 1 MiB is far beyond any).
+MAX_RULE_FILE_BYTES = 1024 * 1024
+
+
+def _foreign_writer(st: os.stat_result, trusted_owners: frozenset[int]) -> str | None:
+    """Why users other than ``trusted_owners`` could change this file or folder; None if not."""
+    if st.st_uid not in trusted_owners:
+        return f"belongs to uid {st.st_uid}, not to the daemon's user or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def rule_files(rule_sets_dir: Path, *, trusted_owners: frozenset[int] | None = None) -> list[Path]:
+    """``*.toml`` files, sorted; hidden files and editor leftovers do not count.
+
+    With ``trusted_owners``, a folder someone else owns or can write is an error.
+    """
+    if trusted_owners is not None:
+        try:
+            problem = _foreign_writer(rule_sets_dir.stat(), trusted_owners)
+        except OSError:
+            problem = None  # missing (open default) or unreadable: listing says which
+        if problem is not None:
+            raise RuleSetError(
+                str(rule_sets_dir),
+                None,
+                None,
+                f"{problem}: anyone who can write it sets the policy",
+            )
     try:
         entries = list(rule_sets_dir.iterdir())
     except FileNotFoundError:
@@ -84,19 +125,67 @@ def rule_files(rule_sets_dir: Path) -> list[Path]:
     return sorted(p for p in entries if is_rule_file_name(p.name) and not p.is_dir())
 
 
-def read_files(paths: Iterable[Path]) -> list[tuple[Path, bytes]]:
-    """``(path, bytes)`` of each file; one removed since listing is skipped."""
+def read_files(
+    paths: Iterable[Path], *, trusted_owners: frozenset[int] | None = None
+) -> list[tuple[Path, bytes]]:
+    """``(path, bytes)`` of each file; one removed since listing is skipped.
+
+    Raises :class:`RuleSetError` for anything but a regular file of at most
+    :data:`MAX_RULE_FILE_BYTES` (and, with ``trusted_owners``, for a file
+    another user owns or can write).
+    """
     out: list[tuple[Path, bytes]] = []
     for path in paths:
         try:
-            out.append((path, path.read_bytes()))
+            data = _read_rule_file(path, trusted_owners)
         except FileNotFoundError:
             continue  # removed between listing and reading: it no longer counts
         except OSError as exc:
             raise RuleSetError(
                 str(path), None, None, f"cannot read: {exc.strerror or exc}"
             ) from exc
+        out.append((path, data))
     return out
+
+
+def _read_rule_file(path: Path, trusted_owners: frozenset[int] | None) -> bytes:
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuleSetError(
+                str(path), None, None, "is a symbolic link; rule files must be regular files"
+            ) from None
+        raise
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise RuleSetError(
+                str(path), None, None, f"is a {kind}; rule files must be regular files"
+            )
+        if trusted_owners is not None:
+            problem = _foreign_writer(st, trusted_owners)
+            if problem is not None:
+                raise RuleSetError(
+                    str(path), None, None, f"{problem}: anyone who can write it sets the policy"
+                )
+        data = f.read(MAX_RULE_FILE_BYTES + 1)
+    if len(data) > MAX_RULE_FILE_BYTES:
+        raise RuleSetError(
+            str(path), None, None, f"larger than {MAX_RULE_FILE_BYTES} bytes; not read"
+        )
+    return data
+
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFDIR: "directory",
+}
 
 
 #: ``(file, sha256)`` of every rule file a policy was built from.

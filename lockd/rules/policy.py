@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from lockd.identity import Caller
 from lockd.logfmt import kv
 from lockd.rules.celenv import (
     CompiledRule,
+    RuleOverBudget,
     compile_rule,
     describe_eval_error,
     is_cel_bool,
@@ -216,6 +218,12 @@ class Policy:
         # cache. Interpreted evaluation costs ~350 us (celpy's tree walker),
         # and the same job asking for the same key again is the common case.
         self._verdicts: OrderedDict[tuple[Any, ...], Decision] = OrderedDict()
+        #: CPU seconds one evaluation may use (None: unbounded, e.g. ``rules test``).
+        self.budget: float | None = None
+        # (rule, principal) pairs whose evaluation ran over budget: denied
+        # without evaluating for this policy's life, so fresh keys cannot make
+        # a member cost the loop a budget per request. A reload starts afresh.
+        self._over_budget: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     @classmethod
     def open(cls) -> Policy:
@@ -278,9 +286,28 @@ class Policy:
 
     def _evaluate(self, rule: CompiledRule, caller: Caller, key: str) -> Decision:
         where = f"rule {rule.name} in {self.file}"
+        slow = (rule.name, caller.principal)
+        if slow in self._over_budget:
+            return Decision(False, f"{where} ran over its budget for this caller: denied")
         activation = rule_activation(caller, key)
         try:
-            result = run_rule(rule, activation, caller.groups)
+            result = run_rule(rule, activation, caller.groups, self.budget)
+        except RuleOverBudget:
+            self._over_budget[slow] = None
+            if len(self._over_budget) > VERDICT_CACHE_SIZE:
+                self._over_budget.popitem(last=False)
+            budget_ms = round((self.budget or 0) * 1000)
+            log.warning(
+                kv(
+                    event="rule_over_budget",
+                    rule=rule.name,
+                    file=self.file,
+                    principal=caller.principal,
+                    budget_ms=budget_ms,
+                    effect="denied until the rule set is reloaded",
+                )
+            )
+            return Decision(False, f"{where} used more than {budget_ms} ms: denied")
         except Exception as exc:  # any evaluation failure denies, never crashes
             return Decision(False, f"rule error: {where}: {describe_eval_error(exc)}: denied")
         if not is_cel_bool(result):
@@ -299,12 +326,20 @@ def load_rule_set(path: Path, *, wall_ms: Callable[[], int] = timefmt.wall_ms) -
     return _build(files, wall_ms)
 
 
-def load_policy(rule_sets_dir: Path, *, wall_ms: Callable[[], int] = timefmt.wall_ms) -> Policy:
+def load_policy(
+    rule_sets_dir: Path,
+    *,
+    wall_ms: Callable[[], int] = timefmt.wall_ms,
+    trusted_owners: frozenset[int] | None = None,
+) -> Policy:
     """The policy of a ``rule-sets/`` folder; raises :class:`RuleSetError`.
 
     A missing folder or one without ``*.toml`` files gives the open default.
+    ``trusted_owners``: the only uids that may own (and write) the folder and
+    its files; None skips that check (``lockd rules test``).
     """
-    return _build(read_files(rule_files(rule_sets_dir)), wall_ms)
+    files = rule_files(rule_sets_dir, trusted_owners=trusted_owners)
+    return _build(read_files(files, trusted_owners=trusted_owners), wall_ms)
 
 
 def _build(files: list[tuple[Path, bytes]], wall_ms: Callable[[], int]) -> Policy:
@@ -339,10 +374,21 @@ class PolicyManager:
     """
 
     def __init__(
-        self, rule_sets_dir: Path, *, wall_ms: Callable[[], int] = timefmt.wall_ms
+        self,
+        rule_sets_dir: Path,
+        *,
+        wall_ms: Callable[[], int] = timefmt.wall_ms,
+        trusted_owners: frozenset[int] | None = None,
+        budget: float | None = None,
     ) -> None:
         self.rule_sets_dir = rule_sets_dir
         self._wall_ms = wall_ms
+        #: who may own and write the rule sets: root and the daemon's user.
+        self.trusted_owners = (
+            trusted_owners if trusted_owners is not None else frozenset({0, os.geteuid()})
+        )
+        #: CPU seconds one rule evaluation may use (``rule_budget_ms``).
+        self.budget = budget
         self._policy = Policy.open()
         self._last_error: dict[str, Any] | None = None
 
@@ -357,7 +403,9 @@ class PolicyManager:
     def load_initial(self) -> Policy:
         """Start-up load; raises :class:`RuleSetError` (the daemon must not start)."""
         try:
-            policy = load_policy(self.rule_sets_dir, wall_ms=self._wall_ms)
+            policy = load_policy(
+                self.rule_sets_dir, wall_ms=self._wall_ms, trusted_owners=self.trusted_owners
+            )
         except RuleSetError as err:
             self._last_error = err.as_dict(timefmt.format_epoch_ms(self._wall_ms()))
             raise
@@ -371,7 +419,10 @@ class PolicyManager:
         (and its ``loadedAt``) without recompiling; an earlier error is cleared.
         """
         try:
-            files = read_files(rule_files(self.rule_sets_dir))
+            trusted = self.trusted_owners
+            files = read_files(
+                rule_files(self.rule_sets_dir, trusted_owners=trusted), trusted_owners=trusted
+            )
             if fingerprint_of(files) == self._policy.fingerprint:
                 if self._last_error is not None:
                     log.info(kv(event="rules_error_cleared"))
@@ -395,6 +446,7 @@ class PolicyManager:
         return True
 
     def _install(self, policy: Policy) -> None:
+        policy.budget = self.budget
         self._policy = policy
         self._last_error = None
         if policy.info is None:
