@@ -185,5 +185,7 @@ def test_fence_never_goes_backwards_when_all_leases_are_gone(
         conn.close()
         daemon_paths.start()
     with LockClient(str(daemon_paths.socket)) as client:
-        assert client.stats()["fence"] == highest
-        assert client.try_acquire("fence:last", ttl=60).fence == highest + 1  # type: ignore[union-attr]
+        # A restart continues above the fence mark (lockd/daemon/fencemark.py):
+        # strictly increasing, not contiguous.
+        assert client.stats()["fence"] >= highest
+        assert client.try_acquire("fence:last", ttl=60).fence > highest  # type: ignore[union-attr]

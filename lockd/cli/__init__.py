@@ -70,12 +70,19 @@ def main() -> None:
     is_flag=True,
     help='A start-up error as one JSON line on stderr ({"error": {...}}, code USAGE).',
 )
+@click.option(
+    "--adopt-fence-mark",
+    is_flag=True,
+    help="Start although the database holds a lower fence than its fence mark "
+    "(after losing it: see docs/operations.md); fences continue above the mark.",
+)
 def serve(
     system: bool,
     socket_path: str | None,
     db: str | None,
     config_dir: str | None,
     json_output: bool,
+    adopt_fence_mark: bool,
 ) -> None:
     """Run the daemon in the foreground (stops cleanly on SIGTERM).
 
@@ -90,7 +97,7 @@ def serve(
 
     try:
         paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
-        code = run(paths)
+        code = run(paths, adopt_fence_mark=adopt_fence_mark)
     except (StartupError, ConfigError) as exc:
         # Exit 1; under --json the code is USAGE: the config, the rule sets or
         # the paths given do not allow a start (details.reason says so).

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import trio
 
 from lockd.config import ConfigError, Paths, Settings, load_settings
-from lockd.daemon import fdlimit, systemd
+from lockd.daemon import fdlimit, fencemark, systemd
 from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.engine import LockEngine
 from lockd.daemon.listener import (
@@ -30,7 +30,7 @@ from lockd.daemon.ratelimit import RateLimiter
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
-from lockd.daemon.store import Store, StoreError, read_boot_id
+from lockd.daemon.store import StorageUnavailable, Store, StoreError, read_boot_id
 from lockd.identity import IdentityConfig
 from lockd.logfmt import kv, setup_logging
 from lockd.rules.files import RuleSetError
@@ -73,7 +73,7 @@ class Daemon:
             os.close(self.lock_fd)
 
 
-def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
+def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = False) -> Daemon:
     """Load config, rules and database, and take the socket. Raises StartupError."""
     clock = clock or SystemClock()
     # Hold stop/reload signals until the server's receiver runs: the socket
@@ -96,11 +96,20 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
     gc.disable()
     try:
         store = Store(paths.db, read_boot_id(), synchronous=settings.sqlite_synchronous)
-        engine = LockEngine(fence=store.stored_fence())
+        fence = store.stored_fence()
+        if store.mark is not None:
+            try:
+                fence = fencemark.check_at_start(store.mark, fence, adopt=adopt_fence_mark)
+            except fencemark.FenceMarkError as exc:
+                store.close()
+                raise StartupError(f"database: {exc}") from None
+        engine = LockEngine(fence=fence)
         # Streamed: the rows go straight into the engine's state.
         engine.restore(store.leases(), clock.boot_ms())
     except (StoreError, OSError) as exc:
-        raise StartupError(f"database: {exc}") from None
+        raise StartupError(
+            f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"
+        ) from None
     finally:
         gc.enable()
     service = LockService(
@@ -175,8 +184,36 @@ def build(paths: Paths, *, clock: Clock | None = None) -> Daemon:
     return daemon
 
 
+#: Seconds between checks that the database files are still ours.
+STORE_CHECK_INTERVAL = 0.25
+
+
+async def _watch_store(store: Store) -> None:
+    """Notice the database being deleted or replaced even when nothing is written.
+
+    Writes fail from then on (:meth:`Store.check_files` runs before each);
+    this says so loudly, once, and puts the fence mark back (its folder may
+    have gone too), so a restart refuses the empty database instead of
+    handing out fences again.
+    """
+    while True:
+        await trio.sleep(STORE_CHECK_INTERVAL)
+        try:
+            store.check_files()
+        except StorageUnavailable as exc:
+            log.error(kv(event="database_lost", error=exc, effect="no writes until restart"))
+            if store.mark is not None and store.mark.reserved:
+                try:
+                    floor = max(store.mark.floor, store.committed_fence)
+                    store.mark.write(store.mark.reserved, floor)
+                except OSError as err:
+                    log.error(kv(event="fence_mark_lost", error=err.strerror or err))
+            return  # the store refuses every write from now on
+
+
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_store, daemon.store)
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
         # A rule set written between build() and the watch being armed raised
         # no event; look once more now (a no-op when nothing changed).
@@ -185,9 +222,9 @@ async def _main(daemon: Daemon) -> None:
         nursery.cancel_scope.cancel()
 
 
-def run(paths: Paths) -> int:
+def run(paths: Paths, *, adopt_fence_mark: bool = False) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit status."""
-    daemon = build(paths)
+    daemon = build(paths, adopt_fence_mark=adopt_fence_mark)
     # Start-up leaves a large heap of long-lived objects (the CEL grammar,
     # compiled rules, modules): freeze them out of the cyclic collector's
     # way, and let gen-0 run less often -- request garbage is freed by

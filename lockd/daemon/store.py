@@ -18,6 +18,23 @@ last commits, but it also ends every process that held those leases.
 Each lease row carries the boot id; rows from an earlier boot are dropped
 at start because every process that held them is gone. The fence survives
 in ``meta`` so it never goes backwards, across restarts and reboots alike.
+
+A broken disk must not quietly lose what was acknowledged:
+
+- At start the files are checked before use: an empty or non-SQLite
+  database file, a WAL with a damaged header, or a failed ``PRAGMA
+  quick_check`` is a :class:`StoreError` (the daemon does not start), never a
+  fresh empty database.
+- The database and WAL files we opened must still be the ones at their
+  paths: deleted (``st_nlink == 0`` for the open file) or replaced, every
+  later commit would vanish at the next restart. :meth:`Store.check_files`
+  compares them; the daemon calls it four times a second and
+  :meth:`Store.apply` every :data:`CHECK_EVERY` writes (a ``stat`` costs
+  ~20 us on the VMs measured, more than a commit, so not every write). From
+  the first failed check on, every write fails as
+  :class:`StorageUnavailable` until a restart.
+- The fence high-water mark is kept outside the database as well
+  (:mod:`lockd.daemon.fencemark`); :meth:`Store.apply` moves it in blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from lockd.daemon.engine import Changes, Lease, RowId
+from lockd.daemon.fencemark import BLOCK, FenceMark
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.store")
@@ -138,8 +156,21 @@ class Store:
     def __init__(self, path: Path | str, boot_id: str, *, synchronous: str = "NORMAL") -> None:
         self.path = Path(path)
         self.boot_id = boot_id
-        if str(path) != ":memory:":
+        on_disk = str(path) != ":memory:"
+        #: the fence mark beside the database (None for an in-memory one).
+        self.mark: FenceMark | None = FenceMark.beside(self.path) if on_disk else None
+        #: the highest fence the database holds (after load and each commit).
+        self.committed_fence = 0
+        #: path -> (st_dev, st_ino) of the files we write, to notice them vanish.
+        self._identities: dict[Path, tuple[int, int]] = {}
+        #: why the files are no longer ours, once a check found it (then no writes).
+        self.lost: str | None = None
+        self._writes_unchecked = 0
+        self._wal = self.path.with_name(self.path.name + "-wal")
+        self._wal_known = False
+        if on_disk:
             _prepare_directory(self.path.parent)
+            _check_files_before_open(self.path)
         # The -wal and -shm files SQLite creates later copy the database
         # file's mode, so a private umask at creation covers all three.
         old_umask = os.umask(0o077)
@@ -167,6 +198,9 @@ class Store:
             self._db.execute("PRAGMA journal_size_limit=4194304")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+            self._quick_check()
+            if on_disk:
+                self._remember_identity(self.path)
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc):
                 raise StoreError(
@@ -198,6 +232,36 @@ class Store:
                 raise
             log.info(kv(event="migrated", db=self.path, version=version))
 
+    def _quick_check(self) -> None:
+        problems = [row[0] for row in self._db.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            shown = "; ".join(str(p) for p in problems[:3])
+            raise StoreError(f"{self.path} failed its integrity check: {shown}")
+
+    def _remember_identity(self, path: Path) -> None:
+        st = os.stat(path)
+        self._identities[path] = (st.st_dev, st.st_ino)
+
+    def check_files(self) -> None:
+        """Raise :class:`StorageUnavailable` if a file we write was deleted or replaced."""
+        if self.lost is not None:
+            raise StorageUnavailable(self.lost)
+        if self.mark is None:
+            return
+        if self._wal not in self._identities and self._wal.exists():
+            self._remember_identity(self._wal)
+        for path, identity in self._identities.items():
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None
+            if st is None or (st.st_dev, st.st_ino) != identity:
+                self.lost = (
+                    f"{path} was deleted or replaced while lockd had it open: "
+                    "nothing written now would survive a restart"
+                )
+                raise StorageUnavailable(self.lost)
+
     def load(self) -> tuple[list[Lease], int]:
         """Drop leases of earlier boots; return this boot's leases and the fence."""
         leases = list(self.leases())
@@ -206,6 +270,7 @@ class Store:
     def stored_fence(self) -> int:
         """The fence high-water mark kept in ``meta``."""
         value: int = self._db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
+        self.committed_fence = max(self.committed_fence, value)
         return value
 
     def leases(self) -> Iterator[Lease]:
@@ -287,12 +352,48 @@ class Store:
             fence = None
         if not rows and fence is None:
             return
+        if self.lost is not None:
+            raise StorageUnavailable(self.lost)
+        self._writes_unchecked += 1
+        if self._writes_unchecked >= CHECK_EVERY:
+            self._writes_unchecked = 0
+            self.check_files()
+        if (
+            changes.fence is not None
+            and self.mark is not None
+            and changes.fence > self.mark.reserved
+        ):
+            self._move_mark(changes.fence)
         try:
             self._apply(rows, fence)
         except _BUG_ERRORS:
             raise
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"{self.path}: {exc}") from exc
+        if changes.fence is not None:
+            self.committed_fence = max(self.committed_fence, changes.fence)
+        if not self._wal_known and self.mark is not None:
+            self._remember_identity(self._wal)  # once: the first write made it
+            self._wal_known = True
+
+    def _move_mark(self, fence: int) -> None:
+        """Make what the database holds durable, then reserve the next block of fences."""
+        assert self.mark is not None
+        try:
+            for path in (self.path, self._wal):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self.mark.write(fence + BLOCK, max(self.mark.floor, self.committed_fence))
+        except OSError as exc:
+            raise StorageUnavailable(
+                f"{self.mark.path}: cannot move the fence mark: {exc.strerror or exc}"
+            ) from exc
 
     def _apply(self, rows: dict[RowId, Lease | None], fence: int | None) -> None:
         db = self._db
@@ -342,6 +443,46 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+        mark = self.mark
+        if mark is not None and mark.reserved:
+            # Record what the database holds now: a database lost or rolled
+            # back while we are stopped is then noticed at the next start.
+            try:
+                mark.write(mark.reserved, max(mark.floor, self.committed_fence))
+            except OSError as exc:
+                log.warning(kv(event="fence_mark_not_written", error=exc.strerror or exc))
+
+
+#: Writes between two checks of the files inside :meth:`Store.apply`.
+CHECK_EVERY = 64
+#: The first 16 bytes of every SQLite database file.
+_SQLITE_HEADER = b"SQLite format 3\x00"
+#: The first 4 bytes of a WAL file (big-endian magic, either checksum order).
+_WAL_MAGICS = (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83")
+
+
+def _check_files_before_open(db: Path) -> None:
+    """Refuse a database or WAL that SQLite would quietly treat as empty.
+
+    SQLite opens a zero-length file as a new database and ignores a WAL
+    whose header is damaged: either way the leases and the fence would be
+    gone without a word. A missing file is fine (a new database).
+    """
+    for path, magics, what in (
+        (db, (_SQLITE_HEADER,), "not a SQLite database"),
+        (db.with_name(db.name + "-wal"), _WAL_MAGICS, "not a SQLite WAL"),
+    ):
+        try:
+            with path.open("rb") as f:
+                head = f.read(len(magics[0]))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        if path == db and not head:
+            raise StoreError(f"{path} is empty (0 bytes): it was truncated or damaged")
+        if head and head not in magics:
+            raise StoreError(f"{path} is damaged: {what} (its first bytes are wrong)")
 
 
 def _prepare_directory(directory: Path) -> None:
