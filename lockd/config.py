@@ -105,6 +105,12 @@ class Settings:
     acquire_per_hour: int = 600
     #: simultaneous client connections; further ones are closed at once.
     max_connections: int = 1024
+    #: simultaneous connections of one uid (root and the daemon's user: not counted).
+    max_connections_per_uid: int = 64
+    #: milliseconds a connection may sit on an incomplete request line.
+    partial_line_timeout_ms: int = 10_000
+    #: bytes of incomplete request lines held for all connections together.
+    max_buffered_bytes: int = 16 * 1024 * 1024
     #: longest request line in bytes (newline not counted).
     max_line_bytes: int = 65536
     #: blocking acquires one connection may have waiting; more are refused.
@@ -149,6 +155,8 @@ class Settings:
             raise ConfigError(f"{source}: 'sqlite_synchronous' must be NORMAL or FULL")
         if not 1024 <= self.max_line_bytes <= 16 * 1024 * 1024:
             raise ConfigError(f"{source}: 'max_line_bytes' must be between 1024 and 16777216")
+        if self.max_buffered_bytes < self.max_line_bytes:
+            raise ConfigError(f"{source}: 'max_buffered_bytes' must be at least 'max_line_bytes'")
 
 
 def load_settings(config_dir: Path) -> Settings:

@@ -29,7 +29,10 @@ REFUSAL_TIMEOUT = 10.0
 
 
 def _connect_and_hello(path: Path) -> str:
-    """'served' if hello is answered, 'refused' on EOF/reset; raises TimeoutError if it hangs."""
+    """'served' if hello is answered, 'refused' on a refusal line, EOF or reset.
+
+    Raises TimeoutError if it hangs.
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(REFUSAL_TIMEOUT)
     try:
@@ -39,7 +42,7 @@ def _connect_and_hello(path: Path) -> str:
             data = sock.recv(65536)
         except (BrokenPipeError, ConnectionResetError):
             return "refused"
-        return "served" if data else "refused"
+        return "served" if b'"protocol"' in data else "refused"
     finally:
         sock.close()
 

@@ -683,8 +683,10 @@ def test_max_connections_refuses_the_extra_connection(daemon_paths: DaemonProces
             assert second.result({"id": 1, "op": "hello"})["protocol"] == 1
             third = RawConn(daemon_paths.socket)
             try:
-                with pytest.raises((BrokenPipeError, ConnectionResetError, AssertionError)):
-                    third.call({"id": 1, "op": "hello"})
+                # Refused with one line that says why, then closed.
+                refusal = third.call({"id": 1, "op": "hello"})
+                assert refusal["id"] is None and refusal["error"]["code"] == "RATE_LIMITED"
+                assert refusal["error"]["details"] == {"limit": 3, "reason": "max_connections"}
             finally:
                 third.close()
             assert first.result({"id": 2, "op": "hello"})["protocol"] == 1

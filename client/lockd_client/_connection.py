@@ -95,6 +95,8 @@ class Connection:
         self._reading = False
         self._dead: ConnectionLost | None = None
         self._fd_closed = False
+        #: the message of the last error the daemon sent without a request id.
+        self._refusal: str | None = None
 
     @classmethod
     def open(
@@ -256,7 +258,8 @@ class Connection:
 
     def _absorb_locked(self, data: bytes) -> None:
         if not data:
-            self._kill_locked("the daemon closed the connection")
+            why = f": {self._refusal}" if self._refusal else ""
+            self._kill_locked(f"the daemon closed the connection{why}")
             return
         try:
             replies = self._lines.feed(data)
@@ -269,7 +272,12 @@ class Connection:
     def _file_locked(self, reply: dict[str, Any]) -> None:
         rid = reply.get("id")
         if not isinstance(rid, int) or isinstance(rid, bool):
-            return  # id null: the daemon could not read one of our requests
+            # id null: the daemon could not read one of our requests, or it
+            # refuses the connection (too many); keep why for the close.
+            error = reply.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                self._refusal = error["message"]
+            return
         op = self._abandoned.pop(rid, None)
         if op is not None:
             self._note_late_locked(op, reply)

@@ -197,7 +197,11 @@ _COUNTER_HELP = {
     "invalidRequests": "Requests refused as invalid.",
     "internalErrors": "Requests that failed with an internal error.",
     "connectionsAccepted": "Client connections accepted.",
-    "connectionsRefused": "Client connections refused (over max_connections).",
+    "connectionsRefused": (
+        "Client connections refused (over max_connections or max_connections_per_uid, "
+        "no descriptor, or no identity)."
+    ),
+    "connectionsStalled": "Connections closed on an incomplete request line.",
 }
 _GAUGE_HELP = {
     "uptimeMs": "Time since the daemon started.",

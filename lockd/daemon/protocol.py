@@ -380,3 +380,8 @@ class LineSplitter:
         if self.too_long:
             buf.clear()
         return lines
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete line held, waiting for its newline."""
+        return len(self._buffer)

@@ -145,6 +145,9 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
     limits = Limits(
         max_connections=max_connections,
         max_line_bytes=settings.max_line_bytes,
+        max_connections_per_uid=settings.max_connections_per_uid,
+        partial_line_timeout=settings.partial_line_timeout_ms / 1000,
+        max_buffered_bytes=settings.max_buffered_bytes,
     )
     server = LockServer(service, identity, limits, reload_rules=policy.reload)
     inherited = systemd.listen_fds()

@@ -14,6 +14,7 @@ the engine's earliest deadline; every commit moves that deadline if needed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -42,7 +43,13 @@ from lockd.daemon.protocol import (
     parse_request,
 )
 from lockd.daemon.service import AcquireStep, LockService, Reply, WaitForRoom, shutting_down
-from lockd.identity import Caller, IdentityConfig, IdentityUnavailable, identify
+from lockd.identity import (
+    Caller,
+    IdentityConfig,
+    IdentityUnavailable,
+    identify,
+    peer_credentials,
+)
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.server")
@@ -77,6 +84,13 @@ class _Wait:
     cancelled: bool = False
 
 
+#: Refused connections kept open for a moment at once (more are closed at once).
+MAX_LINGERING = 64
+#: What :meth:`LockServer._admit` returns for a connection no uid count holds
+#: (an owner's, or one whose peer credentials could not be read).
+NOT_COUNTED = -1
+
+
 @dataclass
 class Limits:
     """What one connection may take of the server (the pending-acquire limit
@@ -84,6 +98,17 @@ class Limits:
 
     max_connections: int = 1024
     max_line_bytes: int = 65536
+    #: connections one uid may hold at once (owners are not counted).
+    max_connections_per_uid: int = 64
+    #: seconds a connection may sit on an incomplete request line.
+    partial_line_timeout: float = 10.0
+    #: incomplete request lines held for all connections together, in bytes.
+    max_buffered_bytes: int = 16 * 1024 * 1024
+
+    @property
+    def owner_reserve(self) -> int:
+        """Slots of ``max_connections`` only owners may take: root always gets in."""
+        return min(16, self.max_connections // 4)
 
 
 class LockServer:
@@ -104,6 +129,12 @@ class LockServer:
         self._conn_ids = 0
         self.connections: dict[int, Connection] = {}
         self._open_connections = 0
+        #: open connections per uid (owners are not counted).
+        self._per_uid: dict[int, int] = {}
+        #: bytes of incomplete request lines held, all connections together.
+        self._buffered = 0
+        #: refused connections waiting a moment before they are closed.
+        self._lingering = 0
         self._events: dict[int, trio.Event] = {}
         self._timer_scope: trio.CancelScope | None = None
         #: the engine deadline (boot ms) the timer scope was last pointed at.
@@ -304,17 +335,86 @@ class LockServer:
                 raise
             # Counted here, not when the connection's task first runs, so a
             # burst of connects cannot overshoot the limit.
-            if self._open_connections >= self.limits.max_connections:
-                self.service.stats.count("connectionsRefused")
-                self._warnings.warn(
-                    "connection_refused", "max_connections", limit=self.limits.max_connections
-                )
-                sock.close()
+            uid = self._admit(sock)
+            if uid is None:
+                if self._lingering < MAX_LINGERING:
+                    self._lingering += 1
+                    nursery.start_soon(self._linger_and_close, sock)
+                else:
+                    sock.close()
                 continue
             self._open_connections += 1
-            nursery.start_soon(self._serve_connection, sock)
+            nursery.start_soon(self._serve_connection, sock, uid)
 
-    async def _serve_connection(self, sock: stdsocket.socket) -> None:
+    async def _linger_and_close(self, sock: stdsocket.socket) -> None:
+        """Close a refused connection once the client has sent (or after a second).
+
+        Closed at once, the client's first request would fail with EPIPE
+        before it could read the line that says why it was refused.
+        """
+        try:
+            with trio.move_on_after(1.0):
+                with contextlib.suppress(OSError):
+                    await sockio.recv_some(sock)
+        finally:
+            self._lingering -= 1
+            sock.close()
+
+    def _admit(self, sock: stdsocket.socket) -> int | None:
+        """Count a new connection against the limits; its uid, or None when refused.
+
+        One uid may hold ``max_connections_per_uid`` connections, and the last
+        ``owner_reserve`` slots are for owners (root and the daemon's user),
+        so one member holding idle connections never shuts out everyone
+        else, root included. A refused client gets one line saying why
+        (``RATE_LIMITED``, ``id`` null) before the connection closes.
+        """
+        limits = self.limits
+        try:
+            uid: int | None = peer_credentials(sock).uid
+        except OSError:
+            uid = None  # the identity step will refuse it
+        owner = uid is not None and uid in (0, self.identity.daemon_uid)
+        ceiling = limits.max_connections if owner else limits.max_connections - limits.owner_reserve
+        if self._open_connections >= ceiling:
+            why, limit = "max_connections", limits.max_connections
+        elif uid is not None and not owner:
+            if self._per_uid.get(uid, 0) < limits.max_connections_per_uid:
+                self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+                return uid
+            why, limit = "max_connections_per_uid", limits.max_connections_per_uid
+        else:
+            return NOT_COUNTED
+        self.service.stats.count("connectionsRefused")
+        self._warnings.warn("connection_refused", why, uid=uid, limit=limit)
+        who = "the daemon" if why == "max_connections" else f"uid {uid}"
+        refusal = encode_error(
+            None,
+            "RATE_LIMITED",
+            f"too many connections to {who} ({why} = {limit}); close some and retry",
+            {"limit": limit, "reason": why},
+        )
+        with contextlib.suppress(OSError):
+            sock.send(refusal)
+            sock.shutdown(stdsocket.SHUT_WR)
+        return None
+
+    def _release_uid(self, uid: int) -> None:
+        if uid == NOT_COUNTED:
+            return
+        count = self._per_uid.get(uid, 0) - 1
+        if count > 0:
+            self._per_uid[uid] = count
+        else:
+            self._per_uid.pop(uid, None)
+
+    async def _serve_connection(self, sock: stdsocket.socket, uid: int) -> None:
+        try:
+            await self._serve_counted(sock)
+        finally:
+            self._release_uid(uid)
+
+    async def _serve_counted(self, sock: stdsocket.socket) -> None:
         try:
             caller = self._resolve(sock)
         except IdentityUnavailable as exc:
@@ -360,15 +460,41 @@ class LockServer:
 
     async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
         splitter = LineSplitter(self.limits.max_line_bytes)
+        try:
+            await self._read_lines(conn, nursery, splitter)
+        finally:
+            self._buffered -= splitter.pending
+
+    async def _read_lines(
+        self, conn: Connection, nursery: trio.Nursery, splitter: LineSplitter
+    ) -> None:
+        """Read and answer lines; a partial line is bounded in time and in total bytes."""
+        limits = self.limits
         while True:
+            data: bytes | None = None
             try:
-                data = await sockio.recv_some(conn.sock)
+                if splitter.pending:
+                    # Half a request: the rest must come soon, or the bytes
+                    # (and the slot) go back. Idle between lines is fine.
+                    with trio.move_on_after(limits.partial_line_timeout):
+                        data = await sockio.recv_some(conn.sock)
+                    if data is None:
+                        await self._close_stalled(conn, "partial_line_timeout")
+                        return
+                else:
+                    data = await sockio.recv_some(conn.sock)
             except (trio.ClosedResourceError, OSError):
                 return
             if not data:
                 return
-            for line in splitter.feed(data):
+            before = splitter.pending
+            lines = splitter.feed(data)
+            self._buffered += splitter.pending - before
+            for line in lines:
                 await self._handle_line(conn, line, nursery)
+            if self._buffered > limits.max_buffered_bytes and splitter.pending:
+                await self._close_stalled(conn, "max_buffered_bytes")
+                return
             if splitter.too_long:
                 self.service.stats.count("invalidRequests")
                 limit = self.limits.max_line_bytes
@@ -382,6 +508,22 @@ class LockServer:
                     ),
                 )
                 return
+
+    async def _close_stalled(self, conn: Connection, why: str) -> None:
+        """Say why, then end a connection whose incomplete line costs too much."""
+        self.service.stats.count("connectionsStalled")
+        self._warnings.warn("connection_closed", why, uid=conn.caller.uid)
+        limits = self.limits
+        if why == "partial_line_timeout":
+            message = (
+                f"request line incomplete for {limits.partial_line_timeout:g} s; "
+                "closing the connection"
+            )
+            details: dict[str, Any] = {"field": None, "reason": why}
+        else:
+            message = "too many bytes of incomplete request lines held; closing the connection"
+            details = {"field": None, "reason": why, "limit": limits.max_buffered_bytes}
+        await self._send(conn, encode_error(None, "INVALID_REQUEST", message, details))
 
     async def _send(self, conn: Connection, data: bytes) -> bool:
         """Write one reply; False when the peer is gone."""

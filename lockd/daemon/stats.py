@@ -25,6 +25,7 @@ COUNTERS = (
     "internalErrors",
     "connectionsAccepted",
     "connectionsRefused",
+    "connectionsStalled",
 )
 
 

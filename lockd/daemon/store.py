@@ -377,19 +377,19 @@ class Store:
             self._wal_known = True
 
     def _move_mark(self, fence: int) -> None:
-        """Make what the database holds durable, then reserve the next block of fences."""
+        """Make what the database holds durable, then reserve the next block of fences.
+
+        A checkpoint fsyncs the WAL and the database file through SQLite.
+        (Opening and closing a file descriptor of our own on them would drop
+        SQLite's POSIX locks, and with them the exclusive lock that keeps a
+        second daemon out.)
+        """
         assert self.mark is not None
         try:
-            for path in (self.path, self._wal):
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    continue
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
             self.mark.write(fence + BLOCK, max(self.mark.floor, self.committed_fence))
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"{self.path}: {exc}") from exc
         except OSError as exc:
             raise StorageUnavailable(
                 f"{self.mark.path}: cannot move the fence mark: {exc.strerror or exc}"
