@@ -41,7 +41,7 @@ _PEERCRED = struct.Struct("3i")
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 _INT = struct.Struct("i")
 #: Descriptors the passwd/group lookups may hold at once (NSS files, nscd).
-_LOOKUP_FDS = 8
+_LOOKUP_FDS = 4
 # A systemd unit name as it appears as a path component of /proc/PID/cgroup.
 _UNIT_RE = re.compile(r"^[^/]+\.(service|scope)$")
 
