@@ -178,6 +178,19 @@ def fake_daemon(user: User, path: Path, log: Path) -> Iterator[subprocess.Popen[
         proc.wait(10)
 
 
+@contextlib.contextmanager
+def runtime_dir_made_by(mallory: User, victim: User, sub: str = "") -> Iterator[Path]:
+    """``/tmp/runtime-<victim uid>[/sub]``, created by mallory first (removed afterwards)."""
+    runtime = Path(f"/tmp/runtime-{victim.uid}")
+    assert not runtime.exists()
+    try:
+        run = run_as(mallory, f"import os; os.makedirs({str(runtime / sub)!r}, mode=0o777)")
+        assert run.returncode == 0, run.stderr
+        yield runtime
+    finally:
+        subprocess.run(["rm", "-rf", str(runtime)], check=True)
+
+
 def victim_result(victim: User, **env: str) -> dict[str, Any]:
     run = run_as(victim, VICTIM_CLIENT, env=user_env(**env))
     assert run.returncode == 0, run.stderr
@@ -192,17 +205,13 @@ def test_client_refuses_a_fake_daemon_in_a_runtime_dir_someone_else_made(
     victim: User, mallory: User, short_tmp: Path
 ) -> None:
     """XDG_RUNTIME_DIR unset: mallory pre-creates /tmp/runtime-<victim uid>/ and serves there."""
-    runtime = Path(f"/tmp/runtime-{victim.uid}")
-    assert not runtime.exists()
     log = short_tmp / "fake.log"
     os.chmod(short_tmp, 0o777)  # mallory's fake daemon writes what it was told here
-    try:
-        run = run_as(mallory, f"import os; os.makedirs({str(runtime / 'lockd')!r}, mode=0o777)")
-        assert run.returncode == 0, run.stderr
-        with fake_daemon(mallory, runtime / "lockd" / "lockd.sock", log):
-            out = victim_result(victim)
-    finally:
-        subprocess.run(["rm", "-rf", str(runtime)], check=True)
+    with (
+        runtime_dir_made_by(mallory, victim, "lockd") as runtime,
+        fake_daemon(mallory, runtime / "lockd" / "lockd.sock", log),
+    ):
+        out = victim_result(victim)
     assert "handle" not in out, f"the victim believed a fake daemon: {out}"
     assert out["error"]["kind"] == "UntrustedDaemonError"
     assert out["error"]["code"] == "DAEMON_UNTRUSTED"
@@ -245,8 +254,9 @@ def test_client_trusts_root_daemon_and_says_why_it_refuses(
 
 def _serve_cli(args: list[str]) -> Callable[[], dict[str, Any]]:
     def work() -> dict[str, Any]:
-        env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "LOCKD_SOCKET")}
-        result = CliRunner().invoke(main, ["serve", *args], prog_name="lockd", env=env)
+        for name in ("XDG_RUNTIME_DIR", "LOCKD_SOCKET"):  # a forked child: its own environ
+            os.environ.pop(name, None)
+        result = CliRunner().invoke(main, ["serve", *args], prog_name="lockd")
         return {
             "code": result.exit_code,
             "stderr": result.stderr,
@@ -261,22 +271,15 @@ def test_serve_refuses_a_runtime_dir_someone_else_made(
     victim: User, mallory: User, short_tmp: Path
 ) -> None:
     """`lockd serve` as the victim in mallory's /tmp/runtime-<uid>: "cannot start", why."""
-    runtime = Path(f"/tmp/runtime-{victim.uid}")
-    assert not runtime.exists()
     state = short_tmp / "victim"
     state.mkdir()
     os.chown(state, victim.uid, victim.gid)
     os.chmod(short_tmp, 0o755)
-    try:
-        run = run_as(mallory, f"import os; os.makedirs({str(runtime)!r}, mode=0o777)")
-        assert run.returncode == 0, run.stderr
-        os.environ.pop("XDG_RUNTIME_DIR", None)
+    with runtime_dir_made_by(mallory, victim) as runtime:
         out = fork_as(
             victim,
             _serve_cli(["--db", str(state / "lockd.db"), "--config", str(state / "config")]),
         )
-    finally:
-        subprocess.run(["rm", "-rf", str(runtime)], check=True)
     assert "child_error" not in out, out
     assert out["code"] == 1, out
     assert out["stderr"].strip(), out
