@@ -585,14 +585,19 @@ def measures(r: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
                     f"<= {goal_s} s" if goal_s else "",
                     entry["start_s"] <= goal_s if goal_s else None,
                 ),
-                ("  daemon CPU until then", f"{entry['cpu_s']:.2f} s", "", None),
+                (f"  daemon CPU until then ({n:,})", f"{entry['cpu_s']:.2f} s", "", None),
                 (
-                    "  RSS then (peak)",
+                    f"  RSS then, peak ({n:,})",
                     f"{entry['rss_mb']:.0f} ({entry['peak_rss_mb']:.0f}) MB",
                     f"<= {goal_mb:.0f} MB" if goal_mb else "",
                     entry["rss_mb"] <= goal_mb if goal_mb else None,
                 ),
-                ("  bytes per lease over 0 leases", f"{entry['bytes_per_lease']:.0f} B", "", None),
+                (
+                    f"  bytes per lease over 0 leases ({n:,})",
+                    f"{entry['bytes_per_lease']:.0f} B",
+                    "",
+                    None,
+                ),
             ]
         if lst := rs.get("list"):
             for name in ("first", "middle"):
