@@ -16,10 +16,13 @@ in another can be subtracted directly.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import itertools
+import json
 import math
 import multiprocessing as mp
 import os
+import platform
 import queue
 import shutil
 import signal
@@ -528,8 +531,8 @@ def store_commit_costs(count: int, synchronous: str = "NORMAL") -> dict[str, Any
         for fence in range(1, count + 1):
             key = f"bench:{fence % 64}"
             lease = Lease(key, new_handle_id(), fence, None, "user:bench", 30_000, fence, None)
-            grant = Changes(rows={key: lease}, fence=fence)
-            release = Changes(rows={key: None})
+            grant = Changes(rows={(key, 0): lease}, fence=fence)
+            release = Changes(rows={(key, 0): None})
             t0 = time.perf_counter_ns()
             store.apply(grant)
             t1 = time.perf_counter_ns()
@@ -554,3 +557,44 @@ def store_commit_costs(count: int, synchronous: str = "NORMAL") -> dict[str, Any
         "slow_commits": slow,
         "slow_every": len(both) / slow if slow else math.nan,
     }
+
+
+# ----------------------------------------------------------------- results file
+
+
+def no_nan(value: Any) -> Any:
+    """NaN (a missing measurement) becomes null: strict JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [no_nan(v) for v in value]
+    return value
+
+
+def run_meta(out: Path, name: str, plan_name: str) -> dict[str, Any]:
+    """The ``meta`` block of a results file: the command, the box, the load at the start.
+
+    The file is ``out/<UTC time>-<name>.json`` (``out`` is created).
+    """
+    started = dt.datetime.now(dt.UTC)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{started.strftime('%Y%m%dT%H%M%SZ')}-{name}.json"
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "plan": plan_name,
+        "started": started.isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "json": str(json_path),
+    }
+
+
+def save_run(results: dict[str, Any], started_monotonic: float) -> None:
+    """Close ``results["meta"]`` (seconds taken, load at the end) and write the file."""
+    meta = results["meta"]
+    meta["seconds"] = round(time.monotonic() - started_monotonic, 1)
+    meta["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    Path(meta["json"]).write_text(json.dumps(no_nan(results), indent=2, default=str) + "\n")

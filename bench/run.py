@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import json
 import math
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -46,7 +42,9 @@ from common import (
     pairs_loop,
     proc_cpu_s,
     ratio,
+    run_meta,
     run_workers,
+    save_run,
     store_commit_costs,
     table,
 )
@@ -415,17 +413,6 @@ def _report_store(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def _no_nan(value: Any) -> Any:
-    """NaN (a missing measurement) becomes null: strict JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_no_nan(v) for v in value]
-    return value
-
-
 def _git_rev() -> str:
     try:
         rev = subprocess.run(
@@ -505,20 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     plan_name = "quick" if args.quick else "full"
     plan = PLANS[plan_name]
-    started = dt.datetime.now(dt.UTC)
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{started.strftime('%Y%m%dT%H%M%SZ')}-{plan_name}.json"
     results: dict[str, Any] = {
-        "meta": {
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "plan": plan_name,
-            "started": started.isoformat(timespec="seconds"),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "git": _git_rev(),
-            "json": str(json_path),
-        },
+        "meta": {**run_meta(args.out, plan_name, plan_name), "git": _git_rev()},
         "plan": plan,
         "skipped": {},
     }
@@ -531,9 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             store_commit_costs(plan["store_commits"], "NORMAL"),
             store_commit_costs(plan["store_commits"] // 4, "FULL"),
         ]
-    results["meta"]["seconds"] = round(time.monotonic() - t0, 1)
-    results["meta"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    json_path.write_text(json.dumps(_no_nan(results), indent=2, default=str) + "\n")
+    save_run(results, t0)
     print(report(results))
     log(f"done in {results['meta']['seconds']} s")
     return 0

@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import itertools
 import json
 import math
 import os
-import platform
 import secrets
 import selectors
 import shutil
@@ -61,8 +59,17 @@ sys.path.insert(
     0, os.environ.get("LOCKD_SCALE_TREE") or str(Path(__file__).resolve().parent.parent)
 )
 
-from common import LockdDaemon, fmt_num, median, percentile, proc_cpu_s, table
-from run import _git_rev, _no_nan, log
+from common import (
+    LockdDaemon,
+    fmt_num,
+    median,
+    percentile,
+    proc_cpu_s,
+    run_meta,
+    save_run,
+    table,
+)
+from run import _git_rev, log
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("expiry", "restart", "list", "queue")
@@ -735,20 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("expiry_leases", "restart_sizes", "queue_waiters"):
         if getattr(args, name) is not None:
             plan[name] = getattr(args, name)
-    started = dt.datetime.now(dt.UTC)
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{started.strftime('%Y%m%dT%H%M%SZ')}-scale-{plan_name}.json"
     results: dict[str, Any] = {
-        "meta": {
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "plan": plan_name,
-            "started": started.isoformat(timespec="seconds"),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "revisions": {},
-            "json": str(json_path),
-        },
+        "meta": {**run_meta(args.out, f"scale-{plan_name}", plan_name), "revisions": {}},
         "plan": plan,
         "runs": {},
     }
@@ -777,9 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             if "queue" in only:
                 log(f"[{label}] queue")
                 runs[label]["queue"] = bench_queue(tree, plan["queue_waiters"])
-    results["meta"]["seconds"] = round(time.monotonic() - t0, 1)
-    results["meta"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    json_path.write_text(json.dumps(_no_nan(results), indent=2, default=str) + "\n")
+    save_run(results, t0)
     print(report(results))
     log(f"done in {results['meta']['seconds']} s")
     return 0
