@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import stat
@@ -38,7 +39,15 @@ from lockd.cli import main
 from lockd.daemon import serve as _serve_module  # imported while root, for forked children
 
 from .conftest import DaemonProcess
-from .helpers_users import Accounts, User, missing_prerequisite, share_socket, wait_for
+from .helpers_users import (
+    Accounts,
+    Agent,
+    AgentError,
+    User,
+    missing_prerequisite,
+    share_socket,
+    wait_for,
+)
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 CLIENT_DIR = str(Path(__file__).resolve().parent.parent / "client")
@@ -511,6 +520,66 @@ def test_handle_in_argv_still_works_but_warns(daemon: DaemonProcess) -> None:
 
 def _lockd() -> list[str]:
     return [sys.executable, "-m", "lockd"]
+
+
+# ------------------------------------------------- item 6: failed lookups
+
+
+def _open_fds(pid: int) -> set[int]:
+    return {int(name) for name in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_an_admin_is_never_taken_for_a_member_when_lookups_fail(
+    daemon_paths: DaemonProcess, accounts: Accounts
+) -> None:
+    """The daemon has one descriptor left: it goes to the admin's connection, none to
+    the passwd lookup. Before, ``getpwuid`` failed like "no such user" and the admin
+    became ``user:<uid>``, a member with a fresh rate-limit bucket."""
+    group = accounts.group()
+    admin = accounts.user(groups=(group,))
+    daemon_paths.write_config(f'admin_groups = ["{group}"]\n')
+    daemon_paths.start()
+    share_socket(daemon_paths.socket)
+    assert daemon_paths.proc is not None
+    pid = daemon_paths.proc.pid
+    with LockClient(str(daemon_paths.socket)) as up:  # serving, not just bound
+        assert up.hello()["role"] == "owner"
+    fillers: list[socket.socket] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        # Fill the holes below the highest descriptor, so that one more
+        # allowed descriptor number is exactly one free descriptor.
+        while True:
+            fds = _open_fds(pid)
+            time.sleep(0.2)  # closes the daemon has yet to do would open holes later
+            if fds == _open_fds(pid) and len(fds) == max(fds) + 1:
+                break
+            filler = socket.socket(socket.AF_UNIX)
+            filler.connect(str(daemon_paths.socket))
+            filler.sendall(b'{"id": 1, "op": "hello"}\n')
+            assert b'"protocol"' in filler.recv(65536)
+            fillers.append(filler)
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE, (max(fds) + 2, hard))
+        with Agent(admin, daemon_paths.socket) as agent:
+            agent.send("hello")
+            try:
+                hello = agent.receive()
+            except AgentError as exc:
+                refused: AgentError | None = exc
+            else:
+                refused = None
+            assert refused is not None, f"served with no descriptor for the lookups: {hello}"
+            assert daemon_paths.proc.poll() is None, daemon_paths.read_log()
+            assert refused.kind == "DaemonUnavailableError", refused
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            hello = agent.call("hello")
+            assert (hello["principal"], hello["role"]) == (f"user:{admin.name}", "admin")
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        for filler in fillers:
+            filler.close()
+        daemon_paths.terminate()
+    assert "reason=no_file_descriptors" in daemon_paths.read_log()
 
 
 # ------------------------------------------------- item 7: pid reuse
