@@ -369,23 +369,19 @@ def test_list_is_an_aligned_table(shared: DaemonProcess) -> None:
     result = run_cli(shared, "locks", "list", "--prefix", "app:")
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert re.split(r"\s{2,}", lines[0]) == [
-        "KEY",
-        "HELD BY",
-        "OWNER",
-        "FENCE",
-        "EXPIRES IN",
-        "WAITERS",
-    ]
+    headers = ["KEY", "MODE", "HELD BY", "OWNER", "PID", "PROCESS", "FENCE", "EXPIRES IN"]
+    assert re.split(r"\s{2,}", lines[0]) == [*headers, "WAITERS"]
     assert len(lines) == 3  # "other" is not under the prefix
-    columns = [lines[0].index(h) for h in ("HELD BY", "OWNER", "FENCE", "EXPIRES IN", "WAITERS")]
+    columns = [lines[0].index(h) for h in (*headers[1:], "WAITERS")]
     for line in lines[1:]:
         assert not line.endswith(" ")
         for col in columns:
             assert line[col - 2 : col] == "  " and line[col] != " ", (line, col)
     rows = {re.split(r"\s{2,}", line)[0]: re.split(r"\s{2,}", line) for line in lines[1:]}
-    assert rows["app:alpha"][2] == "run-1" and rows["app:alpha"][4].startswith("in 4m")
-    assert rows["app:b"][2] == "-" and rows["app:b"][5] == "0"
+    assert rows["app:alpha"][1] == "exclusive" and rows["app:alpha"][3] == "run-1"
+    assert rows["app:alpha"][4] == str(os.getpid())  # the CLI ran in this process
+    assert rows["app:alpha"][7].startswith("in 4m")
+    assert rows["app:b"][3] == "-" and rows["app:b"][8] == "0"  # no owner; no waiters
 
     empty = run_cli(shared, "locks", "list", "--prefix", "nothing-here:")
     assert empty.exit_code == 0 and "no locks held under 'nothing-here:'" in empty.stdout

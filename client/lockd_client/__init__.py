@@ -48,15 +48,18 @@ from ._errors import (
     UntrustedDaemonError,
 )
 from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
-from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
+from ._requests import MAX_LIMIT
+from ._results import BreakResult, Handle, Holder, LockStatus, ReleaseResult, RenewResult
 
 __all__ = [
+    "MAX_LIMIT",
     "SOCKET_ENV",
     "BreakResult",
     "CancelledError",
     "DaemonUnavailableError",
     "Handle",
     "HandleRef",
+    "Holder",
     "InternalError",
     "InvalidRequestError",
     "LockAccessDeniedError",

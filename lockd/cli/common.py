@@ -36,6 +36,7 @@ from typing import IO, Any, NoReturn, ParamSpec, TypeVar
 
 import click
 from lockd_client import (
+    MAX_LIMIT,
     DaemonUnavailableError,
     InternalError,
     InvalidRequestError,
@@ -406,6 +407,33 @@ def socket_option(func: Callable[P, R]) -> Callable[P, R]:
         metavar="PATH",
         help="Daemon socket. Default: $LOCKD_SOCKET, else the user socket "
         "($XDG_RUNTIME_DIR/lockd/lockd.sock).",
+    )(func)
+
+
+def _check_limit(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value > 1 and ctx.params.get("shared"):
+        raise click.BadParameter("--shared takes no --limit (a semaphore's slots are exclusive)")
+    return value
+
+
+def shared_options(func: Callable[P, R]) -> Callable[P, R]:
+    """``--shared`` and ``--limit N`` (SPEC §10); passed as ``shared`` and ``limit``."""
+    func = click.option(
+        "--limit",
+        type=click.IntRange(1, MAX_LIMIT),
+        default=1,
+        show_default=True,
+        metavar="N",
+        callback=_check_limit,
+        help="A semaphore: up to N holders at once, each in its own slot "
+        "(like consul lock -n N). Every holder and waiter of the key names the same N.",
+    )(func)
+    return click.option(
+        "--shared",
+        is_flag=True,
+        is_eager=True,  # read before --limit, which checks it
+        help="A shared (reader) hold: any number of shared holders together, "
+        "never with an exclusive one (like flock -s).",
     )(func)
 
 

@@ -47,8 +47,11 @@ from lockd.cli.common import (
     open_client,
     print_json,
     render_fields,
+    render_table,
+    shared_options,
     socket_option,
 )
+from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
 
 
@@ -80,10 +83,9 @@ def locks() -> None:
 
 
 def _holder_phrase(status: LockStatus) -> str:
-    """``held by user:alice (owner run-1) for 42s more``."""
-    owner = f" (owner {status.owner})" if status.owner else ""
+    """``held by user:alice (owner run-1, pid 4242 backup.sh) for 42s more``."""
     left = f" for {format_ms(status.expires_in_ms)} more" if status.expires_in_ms else ""
-    return f"held by {status.held_by}{owner}{left}"
+    return f"held by {who_holds(status)}{left}"
 
 
 def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
@@ -99,6 +101,10 @@ def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
     if not status.held:
         return "", details
     details["holder"] = {k: status.raw.get(k) for k in _HOLDER_FIELDS if k in status.raw}
+    if status.holder_count > 1:
+        details["holderCount"] = status.holder_count
+        details["mode"] = status.mode
+        details["limit"] = status.limit
     return f": {_holder_phrase(status)}", details
 
 
@@ -106,7 +112,7 @@ def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
 _HOLDER_FIELDS = ("heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process")
 
 
-LIST_COLUMNS = ("KEY", "HELD BY", "OWNER", "FENCE", "EXPIRES IN", "WAITERS")
+LIST_COLUMNS = ("KEY", "MODE", *HOLDER_COLUMNS, "EXPIRES IN", "WAITERS")
 #: locks asked for per ``list`` request (the daemon's default page).
 LIST_PAGE = 1000
 
@@ -178,16 +184,49 @@ def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
     table = TableWriter(LIST_COLUMNS)
     shown = 0
     for locks, _ in pages:
-        rows = [
-            (s.key, s.held_by, s.owner, s.fence, format_relative(s.expires_in_ms), s.waiters)
-            for s in locks
-        ]
+        rows = [row for s in locks for row in _list_rows(s)]
         if rows:
             click.echo("\n".join(table.lines(rows)))
         shown += len(rows)
     if not shown:
         under = f" under {prefix!r}" if prefix else ""
         click.echo(f"no locks held{under}")
+
+
+def _list_rows(status: LockStatus) -> list[tuple[object, ...]]:
+    """A key's rows in ``locks list``: one per holder, the key and mode on the first."""
+    holders = status.holders or ()
+    if not holders:  # held (a list entry), but the daemon named no holder
+        return [
+            (
+                status.key,
+                mode_text(status),
+                status.held_by,
+                status.owner,
+                status.pid,
+                status.process,
+                status.fence,
+                format_relative(status.expires_in_ms),
+                status.waiters,
+            )
+        ]
+    rows: list[tuple[object, ...]] = []
+    for i, holder in enumerate(holders):
+        first = i == 0
+        rows.append(
+            (
+                status.key if first else "",
+                mode_text(status) if first else "",
+                *holder_cells(holder),
+                format_relative(holder.expires_in_ms),
+                status.waiters if first else "",
+            )
+        )
+    if status.holder_count > len(holders):
+        rows.append(
+            ("", "", f"... {status.holder_count - len(holders)} more", "", "", "", "", "", "")
+        )
+    return rows
 
 
 @locks.command()
@@ -207,19 +246,30 @@ def status(key: str, socket_path: str | None, as_json: bool) -> None:
         if st.held
         else None
     )
+    held = "no"
+    if st.held:
+        held = "yes" if st.holder_count <= 1 else f"yes, by {st.holder_count} holders"
     click.echo(
         render_fields(
             [
                 ("Key", st.key),
-                ("Held", "yes" if st.held else "no"),
+                ("Held", held),
+                ("Mode", mode_text(st)),
                 ("Held by", st.held_by),
                 ("Owner", st.owner),
+                ("Pid", st.pid),
+                ("Process", st.process),
+                *([("Node", st.node)] if st.node else []),
                 ("Fence", st.fence),
                 ("Expires", expires),
                 ("Waiters", st.waiters),
             ]
         )
     )
+    if st.holder_count > 1:  # the fields above are the oldest grant; here is everyone
+        rows = [(*holder_cells(h), format_relative(h.expires_in_ms)) for h in st.holders]
+        table = render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows)
+        click.echo("Holders:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
 
 
 @locks.command(short_help="Take KEY; print the handle id alone.")
@@ -232,6 +282,7 @@ def status(key: str, socket_path: str | None, as_json: bool) -> None:
     metavar="DURATION",
     help="Wait up to this long in the daemon's queue (default: one attempt, no wait).",
 )
+@shared_options
 @socket_option
 @json_option
 @client_command
@@ -240,6 +291,8 @@ def acquire(
     ttl: int,
     owner: str | None,
     wait: int | None,
+    shared: bool,
+    limit: int,
     socket_path: str | None,
     as_json: bool,
 ) -> None:
@@ -250,16 +303,27 @@ def acquire(
         ...
         printf '%s\n' "$H" | lockd locks release backup --handle -
 
-    The lease outlives this command: release it, or it ends after --ttl.
+    --shared takes a shared (reader) hold, --limit N one of N slots of a
+    semaphore. The lease outlives this command: release it, or it ends after
+    --ttl.
     Busy (or --wait timed out): exit 1. A wait that meets a daemon restart
     waits on in the new daemon's queue, for what is left of --wait.
     """
     with open_client(socket_path) as client:
         if wait is None:
-            handle = client.try_acquire(key, ttl=ttl / 1000, owner=owner)
+            handle = client.try_acquire(
+                key, ttl=ttl / 1000, owner=owner, shared=shared, limit=limit
+            )
         else:
             try:
-                handle = client.acquire(key, ttl=ttl / 1000, timeout=wait / 1000, owner=owner)
+                handle = client.acquire(
+                    key,
+                    ttl=ttl / 1000,
+                    timeout=wait / 1000,
+                    owner=owner,
+                    shared=shared,
+                    limit=limit,
+                )
             except LockTimeoutError as exc:
                 text, details = _busy(client, key)
                 fail(

@@ -13,7 +13,7 @@ import os
 
 import click
 
-from lockd.cli.common import Duration
+from lockd.cli.common import Duration, shared_options
 from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
 from lockd.run.options import OnLost, Reporter, RunOptions
 
@@ -93,6 +93,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
     help="Name of the work (a run id). A lockd run with the same owner, as the same "
     "user, takes the key over; the earlier holder then loses its lease.",
 )
+@shared_options
 @click.option(
     "--on-lost",
     type=click.Choice([m.value for m in OnLost]),
@@ -145,6 +146,8 @@ def run(
     ttl_ms: int,
     wait_ms: int | None,
     owner: str | None,
+    shared: bool,
+    limit: int,
     on_lost: str,
     grace_ms: int,
     conflict_exit_code: int,
@@ -175,6 +178,8 @@ def run(
         ttl_ms=ttl_ms,
         wait_ms=wait_ms,
         owner=owner,
+        shared=shared,
+        limit=limit,
         on_lost=OnLost(on_lost),
         grace_ms=grace_ms,
         conflict_exit_code=conflict_exit_code,

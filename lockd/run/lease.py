@@ -26,6 +26,7 @@ from lockd_client import (
     ShuttingDownError,
 )
 
+from lockd.describe import who_holds
 from lockd.exitcodes import (
     EXIT_DENIED,
     EXIT_INTERRUPTED,
@@ -70,10 +71,23 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Lease 
     sent = time.monotonic()
     try:
         if opts.wait_ms is None:
-            handle = client.try_acquire(opts.key, ttl, owner=opts.owner, release_on_close=True)
+            handle = client.try_acquire(
+                opts.key,
+                ttl,
+                owner=opts.owner,
+                release_on_close=True,
+                shared=opts.shared,
+                limit=opts.limit,
+            )
         else:
             handle = client.acquire(
-                opts.key, ttl, opts.wait_ms / 1000, owner=opts.owner, release_on_close=True
+                opts.key,
+                ttl,
+                opts.wait_ms / 1000,
+                owner=opts.owner,
+                release_on_close=True,
+                shared=opts.shared,
+                limit=opts.limit,
             )
     except LockTimeoutError:
         wait = format_ms(opts.wait_ms or 0)
@@ -133,18 +147,17 @@ def _report_error(report: Reporter, exc: LockdError, key: str) -> int:
 
 
 def _holder_hint(client: LockClient, key: str) -> str:
-    """`` (held by user:alice, owner run-1)`` for the busy message; empty if unknown."""
+    """`` (held by user:alice (owner run-1, pid 4242 backup.sh))`` for the busy message.
+
+    Every holder of a shared key or a full semaphore is named (up to three);
+    empty if unknown.
+    """
     client.request_timeout = _STATUS_TIMEOUT
     try:
         status = client.status(key)
     except LockdError:
         return ""
-    if not status.held:
-        return ""
-    parts = [f"held by {status.held_by}"] if status.held_by else []
-    if status.owner:
-        parts.append(f"owner {status.owner}")
-    return f" ({', '.join(parts)})" if parts else ""
+    return f" (held by {who_holds(status)})" if status.held else ""
 
 
 # -- keeping the lease ----------------------------------------------------------

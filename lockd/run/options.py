@@ -36,6 +36,8 @@ class RunOptions:
     ttl_ms: int = 60_000
     wait_ms: int | None = None  # None: a single tryAcquire
     owner: str | None = None
+    shared: bool = False  # a shared (reader) hold, like flock -s
+    limit: int = 1  # > 1: one of ``limit`` slots of a semaphore, like consul lock -n
     on_lost: OnLost = OnLost.TERM
     grace_ms: int = 10_000
     conflict_exit_code: int = EXIT_BUSY

@@ -1,0 +1,54 @@
+"""How the CLI and ``lockd run`` name who holds a key, in one line or a table
+(SPEC §9, §10): principal, owner, process id and name, as lslocks does for
+flock; every holder of a shared key or semaphore. No click here: ``lockd
+run`` uses it too.
+"""
+
+from __future__ import annotations
+
+from lockd_client import Holder, LockStatus
+
+__all__ = ["HOLDER_COLUMNS", "holder_cells", "mode_text", "who_holds"]
+
+#: The columns of one holder in ``locks list`` and ``locks status``.
+HOLDER_COLUMNS = ("HELD BY", "OWNER", "PID", "PROCESS", "FENCE")
+
+
+def mode_text(status: LockStatus) -> str | None:
+    """``exclusive``, ``shared`` or ``N slots`` (a semaphore); None when free."""
+    if not status.held:
+        return None
+    if status.limit is not None and status.limit > 1:
+        return f"{status.limit} slots"
+    return status.mode or "exclusive"
+
+
+def _one(holder: Holder) -> str:
+    """``user:alice (owner run-7, pid 1234 python3)``."""
+    extra = []
+    if holder.owner:
+        extra.append(f"owner {holder.owner}")
+    if holder.pid is not None:
+        extra.append(f"pid {holder.pid}" + (f" {holder.process}" if holder.process else ""))
+    if holder.node:
+        extra.append(f"node {holder.node}")
+    name = holder.held_by or "?"
+    return f"{name} ({', '.join(extra)})" if extra else name
+
+
+def who_holds(status: LockStatus, most: int = 3) -> str:
+    """Every holder in one phrase, the oldest first; at most ``most`` named."""
+    holders = status.holders
+    if not holders:
+        return status.held_by or "?"
+    named = ", ".join(_one(h) for h in holders[:most])
+    count = max(status.holder_count, len(holders))
+    more = f" and {count - most} more" if count > most else ""
+    if count == 1:
+        return named
+    return f"{count} holders ({mode_text(status)}): {named}{more}"
+
+
+def holder_cells(holder: Holder) -> tuple[object, ...]:
+    """One holder's cells under :data:`HOLDER_COLUMNS`."""
+    return (holder.held_by, holder.owner, holder.pid, holder.process, holder.fence)
