@@ -177,12 +177,10 @@ def echo_error(message: str, code: str, details: dict[str, Any] | None = None) -
         click.echo(f"lockd: {message}", err=True)
 
 
-def warn(message: str, code: str) -> None:
-    """A warning on stderr; under ``--json`` a ``{"warning": {code, message}}`` line."""
-    if json_errors():
-        body = {"warning": {"code": code, "message": message}}
-        click.echo(json.dumps(body, ensure_ascii=False, separators=(",", ":")), err=True)
-    else:
+def warn(message: str) -> None:
+    """``lockd: warning: message`` on stderr; nothing under ``--json``, whose
+    stderr is kept for the one error document of a failure (SPEC §9)."""
+    if not json_errors():
         click.echo(f"lockd: warning: {message}", err=True)
 
 
@@ -376,7 +374,7 @@ class Duration(click.ParamType):
             # flock's -w and timeout(1) count seconds: say what we read it as.
             name = param.opts[0] if param is not None and param.opts else "the duration"
             text = value.strip()
-            warn(f"{name} {text} is {text} ms; write {text}s for seconds", "BARE_NUMBER_IS_MS")
+            warn(f"{name} {text} is {text} ms; write {text}s for seconds")
         return ms
 
 

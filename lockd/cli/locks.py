@@ -50,6 +50,7 @@ from lockd.cli.common import (
     render_table,
     shared_options,
     socket_option,
+    warn,
 )
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
@@ -354,7 +355,7 @@ HANDLE = click.option(
 )
 
 
-def _handle_from(handle_id: str | None, as_json: bool) -> str:
+def _handle_from(handle_id: str | None) -> str:
     """The handle id from stdin (``-``), ``$LOCKD_HANDLE`` or the argument.
 
     An argument gets a warning on stderr, except under ``--json``, whose
@@ -371,11 +372,10 @@ def _handle_from(handle_id: str | None, as_json: bool) -> str:
         handle_id = sys.stdin.readline().strip()
         if not handle_id:
             fail("--handle -: no handle id on stdin", EXIT_USAGE, code=USAGE)
-    elif not as_json and ctx.get_parameter_source("handle_id") == ParameterSource.COMMANDLINE:
-        click.echo(
-            "lockd: warning: a handle id given as an argument is visible to every user "
-            f"of this host (ps, /proc/PID/cmdline); use --handle - (stdin) or {HANDLE_ENV}",
-            err=True,
+    elif ctx.get_parameter_source("handle_id") == ParameterSource.COMMANDLINE:
+        warn(
+            "a handle id given as an argument is visible to every user of this host"
+            f" (ps, /proc/PID/cmdline); use --handle - (stdin) or {HANDLE_ENV}"
         )
     return handle_id
 
@@ -396,7 +396,7 @@ def renew(
         printf '%s\n' "$H" | lockd locks renew backup --handle - --ttl 10m
         LOCKD_HANDLE=$H lockd locks renew backup --ttl 10m
     """
-    handle_id = _handle_from(handle_id, as_json)
+    handle_id = _handle_from(handle_id)
     with open_client(socket_path) as client:
         result = client.renew((key, handle_id), ttl=ttl / 1000)
     if as_json:
@@ -426,7 +426,7 @@ def release(key: str, handle_id: str | None, socket_path: str | None, as_json: b
         printf '%s\n' "$H" | lockd locks release backup --handle -
         LOCKD_HANDLE=$H lockd locks release backup
     """
-    handle_id = _handle_from(handle_id, as_json)
+    handle_id = _handle_from(handle_id)
     with open_client(socket_path) as client:
         result = client.release((key, handle_id))
     if as_json:
