@@ -167,12 +167,23 @@ def peer_unit(sock: socket.socket, cred: PeerCred) -> str | None:
         return None  # ESRCH and the like: the peer is gone
     try:
         unit = systemd_unit_of(cred.pid)
-        signal.pidfd_send_signal(pidfd, 0)
-    except OSError:  # ProcessLookupError: the peer exited, its pid may be anyone's now
-        return None
+        return unit if _alive(pidfd) else None
     finally:
         os.close(pidfd)
-    return unit
+
+
+def _alive(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` still runs (so its pid was not reused)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except PermissionError:
+        # EPERM, as from kill(2): it lives but is not ours to signal -- always
+        # so for the system daemon, which runs as the user lockd without
+        # CAP_KILL. A process that is gone answers ESRCH before any such check.
+        return True
+    except OSError:  # ProcessLookupError: it exited, its pid may be anyone's now
+        return False
+    return True
 
 
 def _unit_if_uid_matches(cred: PeerCred) -> str | None:

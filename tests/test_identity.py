@@ -7,8 +7,14 @@ text shaped like real ``/proc/PID/cgroup`` files (v1 and v2).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +235,80 @@ def test_login_groups_include_the_primary_group_and_the_peer_gid() -> None:
     groups = login_groups("root", 0, 0)
     assert "root" in groups
     assert login_groups(None, 54321, 54321) == frozenset({"54321"})
+
+
+# --------------------------------------------------------------------------
+# peer_unit as the system daemon runs it: an unprivileged uid, peers of others
+
+_PEER_UNIT_CHILD = textwrap.dedent(
+    """
+    import errno, json, os, socket, sys
+    from lockd import identity
+    # The cgroup read is not under test: pretend every peer runs in a unit.
+    identity.systemd_unit_of = lambda pid: "probe.service"
+    listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listen.bind(sys.argv[1])
+    listen.listen(1)
+    os.setgid(65534)
+    os.setuid(65534)  # like the user lockd: no CAP_KILL over the peers
+    print("ready", flush=True)
+    sys.stdin.readline()  # the peer has connected (and maybe exited)
+    conn, _ = listen.accept()
+    try:
+        conn.getsockopt(socket.SOL_SOCKET, identity._SO_PEERPIDFD, 4)
+    except OSError as exc:
+        if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+            print(json.dumps("no SO_PEERPIDFD"), flush=True)
+            sys.exit()
+    print(json.dumps(identity.peer_unit(conn, identity.peer_credentials(conn))), flush=True)
+    """
+)
+
+
+def _peer_unit_seen_by_nobody(path: Path, connect: Callable[[], object]) -> object:
+    """What an unprivileged daemon's peer_unit says about a peer that ``connect`` makes."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PEER_UNIT_CHILD, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        keep = connect()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        result = json.loads(proc.stdout.readline())
+        del keep
+        if result == "no SO_PEERPIDFD":
+            pytest.skip("kernel without SO_PEERPIDFD (before 6.5): the uid check is used")
+        return result
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the daemon side as nobody")
+def test_peer_unit_of_a_living_peer_the_daemon_may_not_signal(short_tmp: Path) -> None:
+    """pidfd_send_signal(0) answers EPERM for another user's live process: still the unit."""
+    path = short_tmp / "peer.sock"
+
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(path))  # as root: nobody may not signal us
+        return sock
+
+    assert _peer_unit_seen_by_nobody(path, connect) == "probe.service"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the daemon side as nobody")
+def test_peer_unit_of_a_peer_that_exited_is_none(short_tmp: Path) -> None:
+    """A peer gone before the check (its pid free for reuse) is never given a unit."""
+    path = short_tmp / "peer.sock"
+
+    def connect() -> None:
+        script = f"import socket; socket.socket(socket.AF_UNIX).connect({str(path)!r})"
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+
+    assert _peer_unit_seen_by_nobody(path, connect) is None
