@@ -320,6 +320,8 @@ class LockdDaemon:
     start_timeout: float = 20.0
     #: a checkout whose lockd to run instead of the one this bench imports.
     tree: Path | None = None
+    #: the name it goes by in the tables (``lockd@REV`` for an earlier one).
+    label: str = "lockd"
     root: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
 
@@ -394,7 +396,7 @@ class LockdDaemon:
             self.stop()
 
     def spec(self) -> LockerSpec:
-        return LockerSpec("lockd", LockdLocker, (str(self.socket),))
+        return LockerSpec(self.label, LockdLocker, (str(self.socket),))
 
 
 # ------------------------------------------------------------------ reporting

@@ -23,8 +23,9 @@ import contextlib
 import math
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -450,8 +451,37 @@ def _enter(
     return got
 
 
+@contextlib.contextmanager
+def _earlier_lockd(rev: str | None) -> Iterator[LockerSpec | None]:
+    """``--compare REV``: that revision's lockd, from a temporary git worktree."""
+    if rev is None:
+        yield None
+        return
+    tree = Path(tempfile.mkdtemp(prefix="lockd-bench-rev-", dir="/tmp"))
+    repo = HERE.parent
+    subprocess.run(
+        ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), rev],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        with LockdDaemon(tree=tree, label=f"lockd@{rev}").running() as daemon:
+            log(f"lockd@{rev} serving on {daemon.socket} (pid {daemon.pid})")
+            yield daemon.spec()
+    finally:
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
+            check=False,
+            capture_output=True,
+        )
+
+
 def _bench_systems(
-    only: set[str], plan: dict[str, Any], cprofile: Path | None, results: dict[str, Any]
+    only: set[str],
+    plan: dict[str, Any],
+    cprofile: Path | None,
+    results: dict[str, Any],
+    compare: str | None = None,
 ) -> None:
     """Sections a, b, c: start lockd and the baselines, run, stop them all."""
     skipped: dict[str, dict[str, str]] = results["skipped"]
@@ -460,12 +490,13 @@ def _bench_systems(
         daemon = stack.enter_context(LockdDaemon(cprofile=cprofile).running())
         log(f"lockd serving on {daemon.socket} (pid {daemon.pid})")
         lockd = daemon.spec()
+        earlier = stack.enter_context(_earlier_lockd(compare))
         flock = _enter(stack, flock_baseline, "flock", sections, skipped)
         pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
         redis = None
         if "a" in only:
             redis = _enter(stack, redis_baseline, "redis", {"a"}, skipped)
-        peers = [s for s in (flock, pg) if s is not None]
+        peers = [s for s in (earlier, flock, pg) if s is not None]
         if "a" in only:
             results["a"] = bench_single([lockd, *peers] + ([redis] if redis else []), plan, daemon)
         if "b" in only:
@@ -486,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run the daemon under cProfile and write its stats to this file",
     )
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON")
+    parser.add_argument(
+        "--compare",
+        metavar="REV",
+        help="also run the lockd of git revision REV as a same-run peer (before/after a change)",
+    )
     args = parser.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if unknown := only - set(SECTIONS):
@@ -499,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.monotonic()
     if only & {"a", "b", "c"}:
-        _bench_systems(only, plan, args.cprofile, results)
+        _bench_systems(only, plan, args.cprofile, results, args.compare)
     if "store" in only:
         log("store: timing Store.apply commits")
         results["store"] = [

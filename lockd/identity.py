@@ -70,6 +70,9 @@ class Caller:
     pid: int
     #: Unix group names: login groups plus the peer gid.
     groups: frozenset[str]
+    #: the process name (/proc/PID/comm) when the connection was accepted;
+    #: shown with the holder's pid in status, as lslocks does for flock.
+    process: str | None = None
 
     @property
     def principal(self) -> str:
@@ -281,3 +284,12 @@ def identify(sock: socket.socket, config: IdentityConfig) -> Caller:
     cred = peer_credentials(sock)
     ensure_lookup_room()
     return resolve_caller(cred, config, unit_of=lambda _pid: peer_unit(sock, cred))
+
+
+def process_name(pid: int) -> str | None:
+    """The kernel's name for ``pid`` (/proc/PID/comm), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().rstrip("\n") or None
+    except OSError:
+        return None

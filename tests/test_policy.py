@@ -625,3 +625,33 @@ def test_decide_cost_p50_when_remembered(tmp_path: Path) -> None:
         samples.append(time.perf_counter_ns() - t)
     print(f"\ndecide() remembered verdict: p50 {statistics.median(samples) / 1000:.1f} us")
     assert policy.decide(who, "acquire", "user:alice:job").allowed
+
+
+# --------------------------------------------------------------------------- SPEC 10
+
+
+def test_rules_see_record_mode_and_limit(tmp_path: Path) -> None:
+    policy = policy_with(
+        tmp_path,
+        acquire="record.mode == 'shared' || record.limit <= 3",
+        renew="record.mode == 'shared'",
+    )
+    assert policy.decide(MEMBER, "acquire", "k", "shared", 1).allowed
+    assert policy.decide(MEMBER, "acquire", "k", "exclusive", 3).allowed
+    assert not policy.decide(MEMBER, "acquire", "k", "exclusive", 4).allowed
+    # Without mode and limit the rule sees a plain exclusive hold.
+    assert policy.decide(MEMBER, "acquire", "k").allowed
+    assert not policy.decide(MEMBER, "renew", "k").allowed
+    assert policy.decide(MEMBER, "renew", "k", "shared", 1).allowed
+
+
+def test_remembered_verdicts_tell_modes_and_limits_apart(tmp_path: Path) -> None:
+    policy = policy_with(tmp_path, acquire="record.limit == 1")
+    assert policy.decide(MEMBER, "acquire", "k", "exclusive", 1).allowed
+    assert not policy.decide(MEMBER, "acquire", "k", "exclusive", 2).allowed
+    assert policy.decide(MEMBER, "acquire", "k", "exclusive", 1).allowed
+
+
+def test_an_unknown_record_field_is_a_load_error(tmp_path: Path) -> None:
+    err = load_error(tmp_path, rule_text(acquire="record.modes == 'shared'"))
+    assert "record has no field 'modes'" in err.message

@@ -509,3 +509,38 @@ def test_arbitrary_json_only_raises_protocol_error(obj: object) -> None:
 def test_unknown_fields_are_named_for_every_op(op: str, name: str) -> None:
     exc = refused({"id": 9, "op": op, name: 1})
     assert exc.code == "INVALID_REQUEST" and exc.details["field"] == name and exc.request_id == 9
+
+
+# ------------------------------------------------- shared holds and semaphores
+
+
+def test_mode_and_limit_default_to_a_plain_exclusive_hold() -> None:
+    request = parse_request(line(acquire()))
+    assert isinstance(request, Acquire) and (request.mode, request.limit) == ("exclusive", 1)
+    request = parse_request(line(acquire(mode=None, limit=None)))
+    assert isinstance(request, Acquire) and (request.mode, request.limit) == ("exclusive", 1)
+
+
+@pytest.mark.parametrize("op", ["acquire", "tryAcquire"])
+def test_mode_and_limit_are_read_on_both_acquires(op: str) -> None:
+    args = {"key": "k", "ttlMs": 5, **({"timeoutMs": 0} if op == "acquire" else {})}
+    request = parse_request(line({"id": 1, "op": op, **args, "mode": "shared"}))
+    assert isinstance(request, Acquire) and request.mode == "shared" and request.limit == 1
+    request = parse_request(line({"id": 1, "op": op, **args, "limit": 1000}))
+    assert isinstance(request, Acquire) and request.limit == 1000
+
+
+@pytest.mark.parametrize("mode", ["Shared", "read", "", 1, True, ["shared"]])
+def test_an_unknown_mode_names_the_mode_field(mode: object) -> None:
+    assert_invalid(acquire(mode=mode), "mode")
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1001, 2.0, True, "3"])
+def test_a_limit_out_of_range_names_the_limit_field(limit: object) -> None:
+    assert_invalid(acquire(limit=limit), "limit")
+
+
+def test_shared_with_a_limit_above_one_names_the_limit_field() -> None:
+    assert_invalid(acquire(mode="shared", limit=2), "limit")
+    request = parse_request(line(acquire(mode="shared", limit=1)))
+    assert isinstance(request, Acquire) and request.mode == "shared"

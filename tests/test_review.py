@@ -61,7 +61,9 @@ class _Allow:
 class OpenPolicy:
     """Every caller may do everything: the policy is not under review here."""
 
-    def decide(self, caller: Caller, op: str, key: str) -> _Allow:
+    def decide(
+        self, caller: Caller, op: str, key: str, mode: str = "exclusive", limit: int = 1
+    ) -> _Allow:
         return _Allow()
 
     def rules_result(self) -> dict[str, Any]:

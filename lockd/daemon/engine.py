@@ -41,14 +41,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from sortedcontainers import SortedList
 
 from lockd.daemon import holds
 from lockd.daemon.holds import EXCLUSIVE, SHARED, Refused
+from lockd.daemon.undo import UndoLog
 
 __all__ = [
     "EXCLUSIVE",
@@ -64,6 +64,7 @@ __all__ = [
     "LockEngine",
     "Parked",
     "Refused",
+    "RowId",
     "TimedOut",
     "Waiter",
     "new_handle_id",
@@ -95,8 +96,9 @@ class Lease:
     ``slot`` numbers the holders of a key (0 for an exclusive hold); the
     store keeps one row per (key, slot), so a hand-off or a re-take
     overwrites one row. ``pid`` and ``process`` are the holder's process as
-    the daemon saw it at the grant. ``prev``/``next`` link the key's holders
-    in grant order.
+    the daemon saw it. ``prev``/``next`` link the key's holders in grant
+    order. ``conn`` is the connection the lease is bound to
+    (``releaseOnClose``), or None.
     """
 
     __slots__ = (
@@ -133,20 +135,14 @@ class Lease:
         pid: int | None = None,
         process: str | None = None,
     ) -> None:
-        self.key = key
-        self.handle = handle
-        self.fence = fence
-        self.owner = owner
-        self.principal = principal
-        self.ttl_ms = ttl_ms
-        self.expires_at = expires_at
-        #: id of the connection the lease is bound to (``releaseOnClose``), or None.
-        self.conn = conn
-        self.mode = mode
-        self.limit = limit
-        self.slot = slot
-        self.pid = pid
-        self.process = process
+        self.key, self.handle, self.fence, self.owner = key, handle, fence, owner
+        self.principal, self.ttl_ms, self.expires_at, self.conn = (
+            principal,
+            ttl_ms,
+            expires_at,
+            conn,
+        )
+        self.mode, self.limit, self.slot, self.pid, self.process = mode, limit, slot, pid, process
         self.prev: Lease | None = None
         self.next: Lease | None = None
 
@@ -159,7 +155,11 @@ class Lease:
 
 
 class Waiter:
-    """A parked blocking acquire. The engine fills ``lease`` or ``timed_out``."""
+    """One acquire request: what it asks for, and once parked, its place in the queue.
+
+    The engine fills ``lease`` (granted) or ``timed_out``; ``cancelled`` when
+    the caller gave up. ``prev``/``next`` link the key's queue in arrival order.
+    """
 
     __slots__ = (
         "cancelled",
@@ -196,18 +196,15 @@ class Waiter:
         pid: int | None = None,
         process: str | None = None,
     ) -> None:
-        self.id = id
-        self.key = key
-        self.principal = principal
-        self.owner = owner
-        self.ttl_ms = ttl_ms
-        self.conn = conn
-        self.release_on_close = release_on_close
-        self.deadline = deadline
-        self.mode = mode
-        self.limit = limit
-        self.pid = pid
-        self.process = process
+        self.id, self.key, self.principal, self.owner = id, key, principal, owner
+        self.ttl_ms, self.conn, self.release_on_close = ttl_ms, conn, release_on_close
+        self.deadline, self.mode, self.limit, self.pid, self.process = (
+            deadline,
+            mode,
+            limit,
+            pid,
+            process,
+        )
         self.lease: Lease | None = None
         self.timed_out = False
         self.cancelled = False
@@ -330,12 +327,6 @@ class _KeyState:
         self.q_len = 0
 
 
-_MISSING: Any = object()
-# Undo log entry kinds.
-_ATTR, _ITEM, _SET_ADD, _SET_DISCARD, _LIST_APPEND, _LIST_POP = range(6)
-_UndoEntry = tuple[int, Any, Any, Any]
-
-
 class LockEngine:
     """All keys, leases, waiters and the fence counter of one daemon."""
 
@@ -364,9 +355,11 @@ class LockEngine:
         self._owned: dict[tuple[str, str, str], Lease] = {}
         self._waiter_ids = itertools.count(1)
         self._changes = Changes()
-        #: the running request's undo log (None outside a request).
-        self._undo: list[_UndoEntry] | None = None
+        #: what the running request changed (see rollback()).
+        self._undo = UndoLog()
         self._undo_mark: tuple[int, int, int, int, int | None, int] = (0, 0, 0, 0, None, 0)
+        #: the one key the running request may change.
+        self._request_key = ""
         #: set when a bounded :meth:`advance` left due deadlines unapplied;
         #: requests then settle their own key first (:meth:`_settle`).
         self._behind = False
@@ -447,7 +440,7 @@ class LockEngine:
     def drain(self) -> Changes:
         """Hand over the effects gathered so far (they were committed)."""
         changes, self._changes = self._changes, Changes()
-        self._undo = None
+        self._undo.stop()
         return changes
 
     def pending(self) -> Changes:
@@ -462,49 +455,22 @@ class LockEngine:
         before it stay pending. Handed-out fences are not taken back (a
         skipped fence is harmless, a reused one is not).
         """
-        undo = self._undo
-        if undo is None:
+        if not self._undo.recording:
             return
-        self._undo = None
-        touched_leases: list[Lease] = []
-        touched_waiters: list[Waiter] = []
-        for kind, target, name, old in reversed(undo):
-            if kind == _ATTR:
-                setattr(target, name, old)
-                if isinstance(target, Lease):
-                    touched_leases.append(target)
-            elif kind == _ITEM:
-                if old is _MISSING:
-                    target.pop(name, None)
-                else:
-                    target[name] = old
-                if target is self._keys:
-                    self._index_key(name)
-                    if isinstance(old, Lease):
-                        touched_leases.append(old)
-                    elif isinstance(old, Waiter):
-                        touched_waiters.append(old)
-            elif kind == _SET_ADD:
-                target.discard(name)
-            elif kind == _SET_DISCARD:
-                target.add(name)
-            elif kind == _LIST_APPEND:
-                target.pop()
-            else:
-                target.append(name)
+        restored = self._undo.rollback()
         resolved, expired, grants, retakes, fence, lease_count = self._undo_mark
         changes = self._changes
         del changes.resolved[resolved:]
         del changes.expired[expired:]
         changes.grants, changes.retakes, changes.fence = grants, retakes, fence
         self._lease_count = lease_count
+        self._index_key(self._request_key)
         # Heap entries are deleted lazily and may be gone for what came back.
-        for lease in touched_leases:
-            if self._holds(lease):
-                self._push_lease(lease)
-        for waiter in touched_waiters:
-            if self._waiters.get(waiter.id) is waiter:
-                heapq.heappush(self._waiter_heap, (waiter.deadline, waiter.id))
+        for obj in restored:
+            if isinstance(obj, Lease) and self._holds(obj):
+                self._push_lease(obj)
+            elif isinstance(obj, Waiter) and self._waiters.get(obj.id) is obj:
+                heapq.heappush(self._waiter_heap, (obj.deadline, obj.id))
 
     def next_deadline(self) -> int | None:
         """The earliest lease expiry or waiter deadline still pending."""
@@ -551,13 +517,13 @@ class LockEngine:
 
         ``wait_ms=None`` is a tryAcquire: a key that cannot be taken now
         answers :class:`Busy`. A request that contradicts the key answers
-        :class:`Refused` and changes nothing.
+        :class:`Refused` and changes nothing. The order of the decision is
+        the one :mod:`lockd.daemon.holds` describes.
         """
         if mode not in holds.MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self._catch_up(now, key)
-        self._begin()
-        bound = conn if release_on_close else None
+        self._begin(key)
         state = self._keys.get(key)
         held = self._owned.get((key, principal, owner)) if owner is not None else None
         refused = holds.refusal(
@@ -569,10 +535,13 @@ class LockEngine:
         )
         if refused is not None:
             return refused
+        claim = Waiter(
+            0, key, principal, owner, ttl_ms, conn, release_on_close, 0, mode, limit, pid, process
+        )
         if state is None:
-            return self._grant_fresh(
-                now, key, ttl_ms, principal, owner, bound, mode, limit, pid, process
-            )
+            return self._grant_fresh(now, claim)
+        # A request changes only its own key: keep the key's state whole once.
+        self._undo.keep(state)
         if held is not None:
             self._changes.retakes += 1
         elif not holds.may_take_now(
@@ -583,53 +552,40 @@ class LockEngine:
                 return Busy(state.first)
             if wait_ms <= 0:
                 return TimedOut()
-            return Parked(
-                self._enqueue(
-                    state,
-                    now + wait_ms,
-                    key,
-                    ttl_ms,
-                    principal,
-                    owner,
-                    conn,
-                    release_on_close,
-                    mode,
-                    limit,
-                    pid,
-                    process,
-                )
-            )
-        return self._grant(
-            now, state, key, ttl_ms, principal, owner, bound, mode, limit, pid, process
-        )
+            claim.id, claim.deadline = next(self._waiter_ids), now + wait_ms
+            self._enqueue(state, claim)
+            return Parked(claim)
+        return self._grant(now, state, claim)
 
     def renew(self, now: int, key: str, handle: str, ttl_ms: int) -> Lease | None:
         """Extend the lease if ``handle`` still holds ``key``; None means lost."""
         self._catch_up(now, key)
-        self._begin()
+        self._begin(key)
         lease = self._find(key, handle)
         if lease is None:
             return None
-        self._set(lease, "ttl_ms", ttl_ms)
-        self._set(lease, "expires_at", now + ttl_ms)
+        self._undo.set_attr(lease, "ttl_ms", ttl_ms)
+        self._undo.set_attr(lease, "expires_at", now + ttl_ms)
         self._push_lease(lease)
-        self._dset(self._changes.rows, (key, lease.slot), lease)
+        self._undo.put(self._changes.rows, (key, lease.slot), lease)
         return lease
 
     def release(self, now: int, key: str, handle: str) -> bool:
         """End the hold of ``handle`` on ``key``; the queue is served from its head."""
         self._catch_up(now, key)
-        self._begin()
+        self._begin(key)
         lease = self._find(key, handle)
         if lease is None:
             return False
-        self._end_hold(now, self._keys[key], lease)
+        state = self._keys[key]
+        self._undo.keep(state)
+        self._end_hold(now, state, lease)
         return True
 
     def break_lock(self, now: int, key: str) -> list[Lease]:
         """End every hold of ``key``; returns them, oldest first (empty: was free)."""
         self._catch_up(now, key)
-        self._begin()
+        self._begin(key)
         state = self._keys.get(key)
         if state is None:
             return []
@@ -637,11 +593,11 @@ class LockEngine:
         if state.q_len == 0:
             self._drop_key(key, state)
             return broken
+        self._undo.keep(state)
         for lease in broken:
             self._detach(state, lease)
-            self._dset(self._changes.rows, (key, lease.slot), None)
-        self._set(state, "next_slot", 0)
-        self._set(state, "free_slots", None)
+            self._undo.put(self._changes.rows, (key, lease.slot), None)
+        state.next_slot, state.free_slots = 0, None
         self._serve_queue(now, state)
         return broken
 
@@ -653,7 +609,7 @@ class LockEngine:
         queue *before* time moves on, so a lease that ran out meanwhile goes
         to the next waiter, not to this one that is no longer listening.
         """
-        self._undo = None  # a fact, not a request: never rolled back
+        self._undo.stop()  # a fact, not a request: never rolled back
         if not waiter.resolved:
             waiter.cancelled = True
             self._leave_queue(now, waiter)
@@ -667,12 +623,19 @@ class LockEngine:
         would across a crash. Waiters leave first, for the reason given in
         :meth:`cancel_waiter`.
         """
-        self._undo = None  # a fact, not a request: never rolled back
-        for waiter_id in list(self._conn_waiters.get(conn, ())):
-            waiter = self._waiters.get(waiter_id)
-            if waiter is not None:
-                waiter.cancelled = True
-                self._leave_queue(now, waiter)
+        self._undo.stop()  # a fact, not a request: never rolled back
+        # Every waiter of the connection leaves before any queue is served,
+        # so none of them is granted on the way out.
+        heads_left: dict[str, _KeyState] = {}
+        for waiter_id in sorted(self._conn_waiters.get(conn, ())):
+            waiter = self._waiters[waiter_id]
+            waiter.cancelled = True
+            state = self._keys[waiter.key]
+            if state.q_first is waiter:
+                heads_left[waiter.key] = state
+            self._dequeue(state, waiter)
+        for state in heads_left.values():
+            self._serve_queue(now, state)
         self._catch_up(now, None)
         released = []
         for lease in sorted(self._conn_leases.pop(conn, ()), key=lambda held: held.fence):
@@ -686,6 +649,10 @@ class LockEngine:
             else:
                 lease.conn = None
         return released
+
+    def find(self, key: str, handle: str) -> Lease | None:
+        """The hold of ``handle`` on ``key`` as the engine has it (no time passes)."""
+        return self._find(key, handle)
 
     def status(self, now: int, key: str) -> KeyStatus:
         self._catch_up(now, key)
@@ -730,7 +697,7 @@ class LockEngine:
         del keys[limit:]
         return ListPage([self._status(k, self._keys[k]) for k in keys], keys[-1] if more else None)
 
-    # ---------------------------------------------------- holders and waiters
+    # ---------------------------------------------------------------- holders
 
     def _status(self, key: str, state: _KeyState | None) -> KeyStatus:
         if state is None:
@@ -739,7 +706,7 @@ class LockEngine:
         return KeyStatus(key, state.mode, state.limit, state.count, listed, state.q_len)
 
     @staticmethod
-    def _holders(state: _KeyState) -> Iterable[Lease]:
+    def _holders(state: _KeyState) -> Iterator[Lease]:
         lease = state.first
         while lease is not None:
             yield lease
@@ -758,166 +725,130 @@ class LockEngine:
         """Is ``lease`` a current hold (not released, expired, broken or re-taken)?"""
         return self._find(lease.key, lease.handle) is lease
 
-    def _grant_fresh(
-        self,
-        now: int,
-        key: str,
-        ttl_ms: int,
-        principal: str,
-        owner: str | None,
-        bound: int | None,
-        mode: str,
-        limit: int,
-        pid: int | None,
-        process: str | None,
-    ) -> Lease:
-        """The common case, a key nobody holds: one new state, one undo entry."""
+    def _new_lease(self, now: int, claim: Waiter, slot: int) -> Lease:
         self._fence += 1
-        lease = Lease(
-            key,
+        return Lease(
+            claim.key,
             self._new_handle(),
             self._fence,
-            owner,
-            principal,
-            ttl_ms,
-            now + ttl_ms,
-            bound,
-            mode,
-            limit,
-            0,
-            pid,
-            process,
+            claim.owner,
+            claim.principal,
+            claim.ttl_ms,
+            now + claim.ttl_ms,
+            claim.conn if claim.release_on_close else None,
+            claim.mode,
+            claim.limit,
+            slot,
+            claim.pid,
+            claim.process,
         )
-        state = _KeyState(mode, limit)
+
+    def _grant_fresh(self, now: int, claim: Waiter) -> Lease:
+        """The common case, a key nobody holds: one new state, one undo entry."""
+        lease = self._new_lease(now, claim, 0)
+        state = _KeyState(claim.mode, claim.limit)
         state.count, state.first, state.last, state.next_slot = 1, lease, lease, 1
-        self._dset(self._keys, key, state)
-        self._sorted_keys.add(key)
+        self._undo.put(self._keys, claim.key, state)
+        self._sorted_keys.add(claim.key)
         self._lease_count += 1
-        self._index(lease)
         self._granted(lease)
         return lease
 
-    def _grant(
-        self,
-        now: int,
-        state: _KeyState,
-        key: str,
-        ttl_ms: int,
-        principal: str,
-        owner: str | None,
-        bound: int | None,
-        mode: str,
-        limit: int,
-        pid: int | None,
-        process: str | None,
-    ) -> Lease:
+    def _grant(self, now: int, state: _KeyState, claim: Waiter) -> Lease:
         """A new hold on a tracked key; a hold of the same principal and owner is taken back."""
-        self._fence += 1
-        replaced = self._owned.get((key, principal, owner)) if owner is not None else None
+        owner = claim.owner
+        replaced = self._owned.get((claim.key, claim.principal, owner)) if owner else None
         if replaced is not None:
             self._detach(state, replaced)
             slot = replaced.slot
         else:
             slot = self._take_slot(state)
-        lease = Lease(
-            key,
-            self._new_handle(),
-            self._fence,
-            owner,
-            principal,
-            ttl_ms,
-            now + ttl_ms,
-            bound,
-            mode,
-            limit,
-            slot,
-            pid,
-            process,
-        )
+        lease = self._new_lease(now, claim, slot)
         self._link(state, lease)
-        self._index(lease)
         self._granted(lease)
         return lease
 
     def _granted(self, lease: Lease) -> None:
+        self._index(lease)
         self._push_lease(lease)
-        self._dset(self._changes.rows, (lease.key, lease.slot), lease)
+        self._undo.put(self._changes.rows, (lease.key, lease.slot), lease)
         self._changes.fence = self._fence
         self._changes.grants += 1
 
     def _link(self, state: _KeyState, lease: Lease) -> None:
-        """Append ``lease`` to the key's holders (it is the newest grant)."""
+        """Append a new ``lease`` to the key's holders (it is the newest grant)."""
         last = state.last
         if last is None:
-            self._set(state, "first", lease)
-            self._set(state, "mode", lease.mode)
-            self._set(state, "limit", lease.limit)
+            state.first, state.mode, state.limit = lease, lease.mode, lease.limit
         else:
-            self._set(last, "next", lease)
+            self._undo.set_attr(last, "next", lease)
             if state.by_handle is None:
-                self._set(state, "by_handle", {last.handle: last})
-        self._set(lease, "prev", last)
-        self._set(lease, "next", None)
-        self._set(state, "last", lease)
-        self._set(state, "count", state.count + 1)
+                state.by_handle = {last.handle: last}
+        lease.prev, lease.next = last, None  # a new lease: nothing to undo on it
+        state.last = lease
+        state.count += 1
         if state.by_handle is not None:
-            self._dset(state.by_handle, lease.handle, lease)
+            self._undo.put(state.by_handle, lease.handle, lease)
         self._lease_count += 1
 
     def _index(self, lease: Lease) -> None:
         """Make the lease findable by its owner and its connection."""
         if lease.owner is not None:
-            self._dset(self._owned, (lease.key, lease.principal, lease.owner), lease)
+            self._undo.put(self._owned, (lease.key, lease.principal, lease.owner), lease)
         if lease.conn is not None:
             leases = self._conn_leases.get(lease.conn)
             if leases is None:
                 leases = set()
-                self._dset(self._conn_leases, lease.conn, leases)
-            self._set_add(leases, lease)
+                self._undo.put(self._conn_leases, lease.conn, leases)
+            self._undo.add_to(leases, lease)
 
     def _detach(self, state: _KeyState, lease: Lease) -> None:
         """Take ``lease`` out of the key's holders and indexes (its slot stays taken)."""
-        prev, nxt = lease.prev, lease.next
-        if prev is None:
-            self._set(state, "first", nxt)
-        else:
-            self._set(prev, "next", nxt)
-        if nxt is None:
-            self._set(state, "last", prev)
-        else:
-            self._set(nxt, "prev", prev)
-        self._set(state, "count", state.count - 1)
+        self._unlink(state, lease, "first", "last")
+        state.count -= 1
         if state.by_handle is not None:
-            self._ddel(state.by_handle, lease.handle)
+            self._undo.delete(state.by_handle, lease.handle)
         self._lease_count -= 1
         self._unindex(lease)
+
+    def _unlink(self, state: _KeyState, node: Lease | Waiter, first: str, last: str) -> None:
+        """Take ``node`` out of one of the key's lists (holders or queue) in O(1).
+
+        The node keeps its own links, so undoing relinks it where it was.
+        """
+        prev, nxt = node.prev, node.next
+        if prev is None:
+            setattr(state, first, nxt)
+        else:
+            self._undo.set_attr(prev, "next", nxt)
+        if nxt is None:
+            setattr(state, last, prev)
+        else:
+            self._undo.set_attr(nxt, "prev", prev)
 
     def _unindex(self, lease: Lease) -> None:
         if lease.owner is not None:
             owned = (lease.key, lease.principal, lease.owner)
             if self._owned.get(owned) is lease:
-                self._ddel(self._owned, owned)
+                self._undo.delete(self._owned, owned)
         if lease.conn is not None:
             leases = self._conn_leases.get(lease.conn)
-            if leases is not None and lease in leases:
-                self._set_discard(leases, lease)
+            if leases is not None:
+                self._undo.discard_from(leases, lease)
 
     def _take_slot(self, state: _KeyState) -> int:
-        free = state.free_slots
-        if free:
-            return self._list_pop(free)
-        slot = state.next_slot
-        self._set(state, "next_slot", slot + 1)
-        return slot
+        if state.free_slots:
+            return int(self._undo.pop_from(state.free_slots))
+        state.next_slot += 1
+        return state.next_slot - 1
 
     def _give_slot(self, state: _KeyState, slot: int) -> None:
         if slot == state.next_slot - 1:
-            self._set(state, "next_slot", slot)
+            state.next_slot = slot
             return
         if state.free_slots is None:
-            self._set(state, "free_slots", [])
-        assert state.free_slots is not None
-        self._list_append(state.free_slots, slot)
+            state.free_slots = []
+        self._undo.append_to(state.free_slots, slot)
 
     def _end_hold(self, now: int, state: _KeyState, lease: Lease, at: int | None = None) -> None:
         """A holder is gone (release, expiry, close): serve the queue, or drop the key.
@@ -930,7 +861,7 @@ class LockEngine:
             return
         self._detach(state, lease)
         self._give_slot(state, lease.slot)
-        self._dset(self._changes.rows, (lease.key, lease.slot), None)
+        self._undo.put(self._changes.rows, (lease.key, lease.slot), None)
         self._serve_queue(now, state, at)
 
     def _drop_key(self, key: str, state: _KeyState) -> None:
@@ -938,12 +869,14 @@ class LockEngine:
 
         The state object itself is left as it was, so undoing is putting it back.
         """
-        self._ddel(self._keys, key)
+        self._undo.delete(self._keys, key)
         self._sorted_keys.discard(key)
         for lease in self._holders(state):
             self._lease_count -= 1
             self._unindex(lease)
-            self._dset(self._changes.rows, (key, lease.slot), None)
+            self._undo.put(self._changes.rows, (key, lease.slot), None)
+
+    # ---------------------------------------------------------------- waiters
 
     def _serve_queue(self, now: int, state: _KeyState, at: int | None = None) -> None:
         """Grant the head of the queue while it fits (SPEC 10: no overtaking).
@@ -957,7 +890,7 @@ class LockEngine:
         timed_out: Waiter | None = None
         while (waiter := state.q_first) is not None:
             if waiter.deadline < dead_before:
-                self._set(waiter, "timed_out", True)
+                self._undo.set_attr(waiter, "timed_out", True)
                 self._changes.resolved.append(waiter)
                 self._dequeue(state, waiter)
                 timed_out = waiter
@@ -965,89 +898,38 @@ class LockEngine:
             if not holds.fits(waiter.mode, state.mode, state.count, state.limit):
                 break
             self._dequeue(state, waiter)
-            bound = waiter.conn if waiter.release_on_close else None
-            lease = self._grant(
-                now,
-                state,
-                waiter.key,
-                waiter.ttl_ms,
-                waiter.principal,
-                waiter.owner,
-                bound,
-                waiter.mode,
-                waiter.limit,
-                waiter.pid,
-                waiter.process,
-            )
-            self._set(waiter, "lease", lease)
+            self._undo.set_attr(waiter, "lease", self._grant(now, state, waiter))
             self._changes.resolved.append(waiter)
         if timed_out is not None and state.count == 0 and state.q_len == 0:
             self._drop_key(timed_out.key, state)  # nobody left to hand the key to
 
-    def _enqueue(
-        self,
-        state: _KeyState,
-        deadline: int,
-        key: str,
-        ttl_ms: int,
-        principal: str,
-        owner: str | None,
-        conn: int,
-        release_on_close: bool,
-        mode: str,
-        limit: int,
-        pid: int | None,
-        process: str | None,
-    ) -> Waiter:
-        waiter = Waiter(
-            next(self._waiter_ids),
-            key,
-            principal,
-            owner,
-            ttl_ms,
-            conn,
-            release_on_close,
-            deadline,
-            mode,
-            limit,
-            pid,
-            process,
-        )
+    def _enqueue(self, state: _KeyState, waiter: Waiter) -> None:
         last = state.q_last
         waiter.prev = last
         if last is None:
-            self._set(state, "q_first", waiter)
+            state.q_first = waiter
         else:
-            self._set(last, "next", waiter)
-        self._set(state, "q_last", waiter)
-        self._set(state, "q_len", state.q_len + 1)
-        self._dset(self._waiters, waiter.id, waiter)
-        ids = self._conn_waiters.get(conn)
+            self._undo.set_attr(last, "next", waiter)
+        state.q_last = waiter
+        state.q_len += 1
+        self._undo.put(self._waiters, waiter.id, waiter)
+        ids = self._conn_waiters.get(waiter.conn)
         if ids is None:
             ids = set()
-            self._dset(self._conn_waiters, conn, ids)
-        self._set_add(ids, waiter.id)
-        heapq.heappush(self._waiter_heap, (deadline, waiter.id))
-        return waiter
+            self._undo.put(self._conn_waiters, waiter.conn, ids)
+        self._undo.add_to(ids, waiter.id)
+        heapq.heappush(self._waiter_heap, (waiter.deadline, waiter.id))
 
     def _dequeue(self, state: _KeyState, waiter: Waiter) -> None:
         """Unlink ``waiter`` from its key's queue and forget it: O(1) anywhere in the queue."""
-        prev, nxt = waiter.prev, waiter.next
-        if prev is None:
-            self._set(state, "q_first", nxt)
-        else:
-            self._set(prev, "next", nxt)
-        if nxt is None:
-            self._set(state, "q_last", prev)
-        else:
-            self._set(nxt, "prev", prev)
-        self._set(state, "q_len", state.q_len - 1)
-        self._ddel(self._waiters, waiter.id)
+        self._unlink(state, waiter, "q_first", "q_last")
+        state.q_len -= 1
+        self._undo.delete(self._waiters, waiter.id)
         ids = self._conn_waiters.get(waiter.conn)
         if ids is not None:
-            self._set_discard(ids, waiter.id)
+            self._undo.discard_from(ids, waiter.id)
             if not ids:
-                self._ddel(self._conn_waiters, waiter.conn)
+                self._undo.delete(self._conn_waiters, waiter.conn)
 
     def _leave_queue(self, now: int, waiter: Waiter, at: int | None = None) -> None:
         """A waiter left (timeout, cancel); if it was the head, the next may fit now."""
@@ -1086,7 +968,7 @@ class LockEngine:
         expiry still wins. Each event is applied as of its own time (``at``).
         Time passing is a fact: nothing here is recorded for a rollback.
         """
-        self._undo = None
+        self._undo.stop()
         heap, wheap = self._lease_heap, self._waiter_heap
         applied = 0
         caught_up = False
@@ -1154,26 +1036,6 @@ class LockEngine:
             self._waiter_heap = [e for e in self._waiter_heap if e[1] in self._waiters]
             heapq.heapify(self._waiter_heap)
 
-    # ------------------------------------------------------- the undo log
-
-    def _begin(self) -> None:
-        """A request starts: record what it changes until drain() or rollback()."""
-        c = self._changes
-        self._undo = []
-        self._undo_mark = (
-            len(c.resolved),
-            len(c.expired),
-            c.grants,
-            c.retakes,
-            c.fence,
-            self._lease_count,
-        )
-
-    def _set(self, obj: object, name: str, value: object) -> None:
-        if self._undo is not None:
-            self._undo.append((_ATTR, obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
     def _index_key(self, key: str) -> None:
         """Make the sorted index agree with ``_keys`` about ``key`` (after an undo)."""
         if key in self._keys:
@@ -1182,40 +1044,19 @@ class LockEngine:
         else:
             self._sorted_keys.discard(key)
 
-    def _dset(self, d: dict[Any, Any], k: object, value: object) -> None:
-        if self._undo is not None:
-            self._undo.append((_ITEM, d, k, d.get(k, _MISSING)))
-        d[k] = value
-
-    def _ddel(self, d: dict[Any, Any], k: object) -> None:
-        if self._undo is not None:
-            self._undo.append((_ITEM, d, k, d.get(k, _MISSING)))
-        d.pop(k, None)
-
-    def _set_add(self, s: set[Any], item: object) -> None:
-        if item in s:
-            return
-        if self._undo is not None:
-            self._undo.append((_SET_ADD, s, item, None))
-        s.add(item)
-
-    def _set_discard(self, s: set[Any], item: object) -> None:
-        if item not in s:
-            return
-        if self._undo is not None:
-            self._undo.append((_SET_DISCARD, s, item, None))
-        s.discard(item)
-
-    def _list_append(self, items: list[Any], item: object) -> None:
-        if self._undo is not None:
-            self._undo.append((_LIST_APPEND, items, None, None))
-        items.append(item)
-
-    def _list_pop(self, items: list[Any]) -> Any:
-        item = items.pop()
-        if self._undo is not None:
-            self._undo.append((_LIST_POP, items, item, None))
-        return item
+    def _begin(self, key: str) -> None:
+        """A request on ``key`` starts: record what it changes until drain() or rollback()."""
+        c = self._changes
+        self._request_key = key
+        self._undo.begin()
+        self._undo_mark = (
+            len(c.resolved),
+            len(c.expired),
+            c.grants,
+            c.retakes,
+            c.fence,
+            self._lease_count,
+        )
 
     # ------------------------------------------------------------- checking
 

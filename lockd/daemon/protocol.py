@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from lockd.daemon.holds import EXCLUSIVE, MAX_LIMIT, MODES, SHARED
+
 PROTOCOL_VERSION = 1
 MAX_KEY_BYTES = 1024
 MAX_OWNER_CHARS = 256
@@ -86,6 +88,10 @@ class Acquire(Request):
     timeout_ms: int | None
     owner: str | None
     release_on_close: bool
+    #: "exclusive" or "shared" (SPEC 10).
+    mode: str = "exclusive"
+    #: more than 1: a counting semaphore of that many exclusive slots.
+    limit: int = 1
 
 
 @dataclass(frozen=True)
@@ -140,8 +146,14 @@ class Rules(Request):
 # op -> (required fields, optional fields)
 _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "hello": (frozenset(), frozenset()),
-    "acquire": (frozenset({"key", "ttlMs", "timeoutMs"}), frozenset({"owner", "releaseOnClose"})),
-    "tryAcquire": (frozenset({"key", "ttlMs"}), frozenset({"owner", "releaseOnClose"})),
+    "acquire": (
+        frozenset({"key", "ttlMs", "timeoutMs"}),
+        frozenset({"owner", "releaseOnClose", "mode", "limit"}),
+    ),
+    "tryAcquire": (
+        frozenset({"key", "ttlMs"}),
+        frozenset({"owner", "releaseOnClose", "mode", "limit"}),
+    ),
     "renew": (frozenset({"key", "handle", "ttlMs"}), frozenset()),
     "release": (frozenset({"key", "handle"}), frozenset()),
     "status": (frozenset({"key"}), frozenset()),
@@ -274,7 +286,13 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
         roc = f.get("releaseOnClose", False)
         if not isinstance(roc, bool):
             raise invalid("releaseOnClose", "releaseOnClose must be true or false")
-        return Acquire(rid, op, key, ttl, timeout, owner, roc)
+        mode = f.get("mode", EXCLUSIVE)
+        if not isinstance(mode, str) or mode not in MODES:
+            raise invalid("mode", 'mode must be "exclusive" or "shared"')
+        slots = _int(f["limit"], "limit", 1, MAX_LIMIT) if "limit" in f else 1
+        if mode == SHARED and slots > 1:
+            raise invalid("limit", "a shared hold takes no limit above 1")
+        return Acquire(rid, op, key, ttl, timeout, owner, roc, mode, slots)
     if op == "renew":
         return Renew(
             rid,

@@ -15,6 +15,7 @@ the engine's earliest deadline; every commit moves that deadline if needed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import math
@@ -49,6 +50,7 @@ from lockd.identity import (
     IdentityUnavailable,
     identify,
     peer_credentials,
+    process_name,
 )
 from lockd.logfmt import kv
 
@@ -149,7 +151,10 @@ class LockServer:
     # ------------------------------------------------------------ lifecycle
 
     def _resolve_peer(self, sock: stdsocket.socket) -> Caller:
-        return identify(sock, self.identity)
+        caller = identify(sock, self.identity)
+        # The process name is read here, once per connection, so that status
+        # can show who holds a key (SPEC 3) without a /proc read per grant.
+        return dataclasses.replace(caller, process=process_name(caller.pid))
 
     async def serve(
         self,

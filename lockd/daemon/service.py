@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from lockd import __version__
 from lockd.daemon.clock import Clock
 from lockd.daemon.engine import (
+    EXCLUSIVE,
     EXPIRY_CHUNK,
     Busy,
     KeyStatus,
@@ -88,7 +89,9 @@ class Decision(Protocol):
 
 
 class PolicyLike(Protocol):
-    def decide(self, caller: Caller, op: str, key: str) -> Decision: ...
+    def decide(
+        self, caller: Caller, op: str, key: str, mode: str = ..., limit: int = ...
+    ) -> Decision: ...
 
     def rules_result(self) -> dict[str, Any]: ...
 
@@ -277,8 +280,16 @@ class LockService:
             "fence": engine.fence,
         }
 
-    def authorize(self, caller: Caller, op: str, key: str | None = None) -> None:
-        decision = self.policy.decide(caller, op, key or "")
+    def authorize(
+        self,
+        caller: Caller,
+        op: str,
+        key: str | None = None,
+        *,
+        mode: str = EXCLUSIVE,
+        limit: int = 1,
+    ) -> None:
+        decision = self.policy.decide(caller, op, key or "", mode, limit)
         if not decision.allowed:
             self.stats.count("denials")
             log.info(
@@ -335,7 +346,7 @@ class LockService:
 
         ``pending`` is how many of the connection's acquires are waiting now.
         """
-        self.authorize(caller, "acquire", req.key)
+        self.authorize(caller, "acquire", req.key, mode=req.mode, limit=req.limit)
         limit = self.max_pending_per_connection
         if req.timeout_ms and pending >= limit:
             raise ProtocolError(
@@ -427,7 +438,10 @@ class LockService:
             conn=conn,
             release_on_close=req.release_on_close,
             wait_ms=wait_ms,
+            mode=req.mode,
+            limit=req.limit,
             pid=caller.pid,
+            process=caller.process,
         )
         self.commit_request()
         if isinstance(result, Refused):
@@ -480,7 +494,12 @@ class LockService:
         }
 
     def renew(self, caller: Caller, key: str, handle: str, ttl_ms: int) -> dict[str, Any]:
-        self.authorize(caller, "renew", key)
+        # The rule sees the hold's own mode and limit (SPEC 10).
+        hold = self.engine.find(key, handle)
+        if hold is not None:
+            self.authorize(caller, "renew", key, mode=hold.mode, limit=hold.limit)
+        else:
+            self.authorize(caller, "renew", key)
         lease = self.engine.renew(self.clock.boot_ms(), key, handle, ttl_ms)
         self.commit_request()
         if lease is None:

@@ -57,7 +57,9 @@ from lockd.rules.files import RuleSource
 #: Variables a rule sees, with their fields.
 RULE_FIELDS: Mapping[str, frozenset[str]] = {
     "user": frozenset({"userId", "role", "uid", "groups"}),
-    "record": frozenset({"key"}),
+    # mode and limit: what an acquire asks for, or the hold a renew extends
+    # (SPEC 10); "exclusive" and 1 when the request names neither.
+    "record": frozenset({"key", "mode", "limit"}),
 }
 _CEL_MACRO_METHODS = frozenset({"all", "exists", "exists_one", "map", "filter"})
 _CEL_SPECIAL_FUNCTIONS = frozenset({"has", "dyn"})
@@ -254,7 +256,9 @@ def compile_rule(source: RuleSource, path: tuple[str, ...], expr: str) -> Compil
     return CompiledRule(name=path[-1], source=expr, program=program)
 
 
-def rule_activation(caller: Caller, key: str) -> dict[str, Any]:
+def rule_activation(
+    caller: Caller, key: str, mode: str = "exclusive", limit: int = 1
+) -> dict[str, Any]:
     """What a rule sees: ``user`` and ``record`` with the fields of :data:`RULE_FIELDS`."""
     return {
         "user": celpy.json_to_cel(
@@ -265,7 +269,7 @@ def rule_activation(caller: Caller, key: str) -> dict[str, Any]:
                 "groups": sorted(caller.groups),
             }
         ),
-        "record": celpy.json_to_cel({"key": key}),
+        "record": celpy.json_to_cel({"key": key, "mode": mode, "limit": limit}),
     }
 
 

@@ -250,8 +250,14 @@ class Policy:
             "loadedAt": self.loaded_at,
         }
 
-    def decide(self, caller: Caller, op: str, key: str) -> Decision:
-        """SPEC §5 decision order; see the module docstring."""
+    def decide(
+        self, caller: Caller, op: str, key: str, mode: str = "exclusive", limit: int = 1
+    ) -> Decision:
+        """SPEC §5 decision order; see the module docstring.
+
+        ``mode`` and ``limit`` are what the rule sees as ``record.mode`` and
+        ``record.limit`` (SPEC 10).
+        """
         role = caller.role
         if op in OPEN_OPS:
             return Decision(True, f"{op} is open to every caller")
@@ -273,23 +279,34 @@ class Policy:
         rule = self._rules.get(rule_name)
         if rule is None:
             return Decision(False, f"rule set {self.name!r} names no {rule_name!r} rule: denied")
-        cache_key = (rule.name, caller.name, caller.role, caller.uid, caller.groups, key)
+        cache_key = (
+            rule.name,
+            caller.name,
+            caller.role,
+            caller.uid,
+            caller.groups,
+            key,
+            mode,
+            limit,
+        )
         verdict = self._verdicts.get(cache_key)
         if verdict is not None:
             self._verdicts.move_to_end(cache_key)
             return verdict
-        verdict = self._evaluate(rule, caller, key)
+        verdict = self._evaluate(rule, caller, key, mode, limit)
         self._verdicts[cache_key] = verdict
         if len(self._verdicts) > VERDICT_CACHE_SIZE:
             self._verdicts.popitem(last=False)
         return verdict
 
-    def _evaluate(self, rule: CompiledRule, caller: Caller, key: str) -> Decision:
+    def _evaluate(
+        self, rule: CompiledRule, caller: Caller, key: str, mode: str, limit: int
+    ) -> Decision:
         where = f"rule {rule.name} in {self.file}"
         slow = (rule.name, caller.principal)
         if slow in self._over_budget:
             return Decision(False, f"{where} ran over its budget for this caller: denied")
-        activation = rule_activation(caller, key)
+        activation = rule_activation(caller, key, mode, limit)
         try:
             result = run_rule(rule, activation, caller.groups, self.budget)
         except RuleOverBudget:
@@ -466,5 +483,7 @@ class PolicyManager:
         """The result of the ``rules`` op (SPEC §3)."""
         return {"policy": self._policy.info, "lastError": self.last_error}
 
-    def decide(self, caller: Caller, op: str, key: str) -> Decision:
-        return self._policy.decide(caller, op, key)
+    def decide(
+        self, caller: Caller, op: str, key: str, mode: str = "exclusive", limit: int = 1
+    ) -> Decision:
+        return self._policy.decide(caller, op, key, mode, limit)
