@@ -49,6 +49,9 @@ def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) 
         handle = client.acquire("j:lost", ttl=60, timeout=1)
         assert client.break_lock("j:lost", "test").broken
     nowhere = {**os.environ, "LOCKD_SOCKET": str(short_tmp / "none.sock")}
+    open_dir = short_tmp / "open"  # anyone could swap a socket here: not trusted
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
     bad_rules = short_tmp / "bad.toml"
     bad_rules.write_text("[ruleSet\n")
     cases: list[tuple[list[str], dict[str, str], int, str]] = [
@@ -70,6 +73,12 @@ def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) 
         (["run", "j:free"], env, 2, "USAGE"),
         (["run", "j:free", "--", "true"], nowhere, 5, "DAEMON_UNAVAILABLE"),
         (["rules", "check", str(bad_rules)], env, 1, "USAGE"),
+        (
+            ["whoami"],
+            {**os.environ, "LOCKD_SOCKET": str(open_dir / "s.sock")},
+            5,
+            "DAEMON_UNAVAILABLE",
+        ),
         (
             ["serve", "--socket", str(daemon.socket), "--db", str(short_tmp / "x.db")],
             env,

@@ -8,10 +8,12 @@ a cancel is run hundreds of times for each library.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -20,6 +22,7 @@ from lockd_client import (
     LockClient,
     LockLostError,
     LockTimeoutError,
+    UntrustedDaemonError,
 )
 from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
@@ -283,3 +286,24 @@ async def test_trio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess)
                         break
                     await trio.sleep(0.002)
     assert cancelled > 0 and granted > 0
+
+
+def test_async_clients_refuse_an_untrusted_socket_folder(short_tmp: Path) -> None:
+    """The same trust checks as the sync client, before anything is sent."""
+    folder = short_tmp / "open"
+    folder.mkdir()
+    os.chmod(folder, 0o777)  # anyone could swap the socket: not sticky
+    path = folder / "lockd.sock"
+
+    async def with_asyncio() -> None:
+        async with AsyncLockClient(path) as client:
+            with pytest.raises(UntrustedDaemonError, match="writable by other users"):
+                await client.hello()
+
+    async def with_trio() -> None:
+        async with TrioLockClient(path) as client:
+            with pytest.raises(UntrustedDaemonError, match="writable by other users"):
+                await client.hello()
+
+    asyncio.run(with_asyncio())
+    trio.run(with_trio)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import select
 import socket
 import struct
@@ -42,9 +41,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import UntrustedDaemonError
 from ._requests import late_grant
-from ._trust import trusted_uids, unsafe_directory, untrusted_peer
+from ._trust import check_folder, check_peer
 from ._wire import BadLine, ReplyLines, encode
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
@@ -113,10 +111,7 @@ class Connection:
         the socket's folder or the process serving it is not trusted (see
         :mod:`lockd_client._trust`).
         """
-        trusted = trusted_uids()
-        reason = unsafe_directory(os.path.dirname(os.path.abspath(path)), trusted)
-        if reason is not None:
-            raise UntrustedDaemonError(path, reason)
+        trusted = check_folder(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # A blocking connect waits in a full listen backlog ("clients wait
@@ -126,9 +121,7 @@ class Connection:
             if connect_timeout is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connect_timeout))
             sock.connect(path)
-            reason = untrusted_peer(sock, trusted)
-            if reason is not None:
-                raise UntrustedDaemonError(path, reason)
+            check_peer(path, sock, trusted)
             # Blocking from here on: reads wait in poll(), and the kernel's
             # SO_SNDTIMEO bounds a stuck send (EAGAIN), so sendall() needs no
             # poll() of its own before each send.

@@ -9,7 +9,7 @@ Two checks, both before anything is sent:
 1. :func:`unsafe_directory`: every folder from the socket's up to ``/`` is
    owned by a trusted uid, and none is writable by group or others unless it
    is sticky (``/tmp``): otherwise someone else could swap the socket.
-2. :func:`untrusted_peer`: the process listening (``SO_PEERCRED`` of the
+2. :func:`check_peer`: the process listening (``SO_PEERCRED`` of the
    connected socket, from the kernel) runs as root, as us, or as the
    ``lockd`` system user.
 
@@ -25,10 +25,17 @@ import pwd
 import socket
 import stat
 import struct
+from typing import Protocol
 
-from ._errors import _user_name
+from ._errors import UntrustedDaemonError, _user_name
 
-__all__ = ["SYSTEM_USER", "trusted_uids", "unsafe_directory", "untrusted_peer"]
+__all__ = [
+    "SYSTEM_USER",
+    "check_folder",
+    "check_peer",
+    "trusted_uids",
+    "unsafe_directory",
+]
 
 #: The system user the packaged system daemon runs as (systemd/lockd.sysusers).
 SYSTEM_USER = "lockd"
@@ -73,10 +80,25 @@ def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
         path = parent
 
 
-def untrusted_peer(sock: socket.socket, trusted: frozenset[int]) -> str | None:
-    """Why the process at the other end of ``sock`` is not a daemon we trust; None if it is."""
+class _Socket(Protocol):
+    """What the peer check needs of a socket (stdlib, asyncio's or trio's)."""
+
+    def getsockopt(self, level: int, option: int, buflen: int) -> bytes: ...
+
+
+def check_folder(path: str) -> frozenset[int]:
+    """Check 1 for the socket ``path`` (UntrustedDaemonError); the trusted uids for check 2."""
+    trusted = trusted_uids()
+    reason = unsafe_directory(os.path.dirname(os.path.abspath(path)), trusted)
+    if reason is not None:
+        raise UntrustedDaemonError(path, reason)
+    return trusted
+
+
+def check_peer(path: str, sock: _Socket, trusted: frozenset[int]) -> None:
+    """Check 2 on a connected socket (UntrustedDaemonError); every client runs both."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, _gid = _PEERCRED.unpack(raw)
-    if uid in trusted:
-        return None
-    return f"the process listening on it (pid {pid}) runs as {_owner(uid)}"
+    if uid not in trusted:
+        reason = f"the process listening on it (pid {pid}) runs as {_owner(uid)}"
+        raise UntrustedDaemonError(path, reason)

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ._async import AsyncClientBase, ConnectionLost, Pipeline, ReplyTimeout, Slot
+from ._trust import check_folder, check_peer
 
 __all__ = ["AsyncLockClient"]
 
@@ -68,7 +69,13 @@ class AsyncLockClient(AsyncClientBase[_FutureSlot]):
             if self._pipe is not None and not self._pipe.dead:
                 return self._pipe
             await self._shutdown()
+            trusted = check_folder(self.socket_path)  # as the sync client: before sending
             reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            try:
+                check_peer(self.socket_path, writer.get_extra_info("socket"), trusted)
+            except BaseException:
+                writer.close()
+                raise
 
             def send(data: bytes) -> None:
                 if writer.is_closing():

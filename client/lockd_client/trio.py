@@ -34,6 +34,7 @@ import trio
 
 from ._async import AsyncClientBase, ConnectionLost, Pipeline, ReplyTimeout, Slot
 from ._errors import LockdError
+from ._trust import check_folder, check_peer
 
 __all__ = ["TrioLockClient"]
 
@@ -105,7 +106,13 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
             if self._pipe is not None and not self._pipe.dead:
                 return self._pipe
             await self._shutdown()
+            trusted = check_folder(self.socket_path)  # as the sync client: before sending
             stream = await trio.open_unix_socket(self.socket_path)
+            try:
+                check_peer(self.socket_path, stream.socket, trusted)
+            except BaseException:
+                await stream.aclose()
+                raise
             outgoing, queued = trio.open_memory_channel[bytes](math.inf)
 
             def send(data: bytes) -> None:

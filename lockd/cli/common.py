@@ -52,6 +52,7 @@ from lockd_client import (
 
 from lockd.exitcodes import (
     DAEMON_UNAVAILABLE,
+    ERROR_STATUS,
     EXIT_BUG,
     EXIT_BUSY,
     EXIT_DENIED,
@@ -220,8 +221,17 @@ def fail(
 
 
 def failure_for(exc: LockdError) -> CliFailure:
-    """The CliFailure for a client error: its exit code, wire code and details."""
-    return CliFailure(describe_error(exc), exit_code_for(exc), code=exc.code, details=exc.details)
+    """The CliFailure for a client error: its exit code, wire code and details.
+
+    A client-side code outside the documented set (``DAEMON_UNTRUSTED``, a
+    garbled reply's ``PROTOCOL_ERROR``) becomes ``DAEMON_UNAVAILABLE`` or
+    ``INTERNAL``, the original in ``details.clientCode``.
+    """
+    code, details = exc.code, exc.details
+    if code not in ERROR_STATUS:
+        code = DAEMON_UNAVAILABLE if isinstance(exc, DaemonUnavailableError) else "INTERNAL"
+        details = {**details, "clientCode": exc.code}
+    return CliFailure(describe_error(exc), exit_code_for(exc), code=code, details=details)
 
 
 P = ParamSpec("P")
