@@ -3,11 +3,21 @@
 Integration tests talk to a real daemon process through the real client and
 CLI. Paths live under a short /tmp folder because AF_UNIX paths are limited
 to 107 bytes and pytest's tmp_path can be longer.
+
+No process may outlive the session. Every process the tests start carries
+``LOCKD_TEST_SESSION=<token of this session>`` in its environment (set in
+``os.environ`` here, so children inherit it, and added explicitly by
+:meth:`DaemonProcess.start`); at the end, :func:`pytest_sessionfinish` looks
+for live processes with this session's token in ``/proc/*/environ``, kills
+them and fails the run naming them. Other test sessions running on the same
+machine at the same time have other tokens and are left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,6 +32,10 @@ from pathlib import Path
 import pytest
 
 LOCKD = [sys.executable, "-m", "lockd"]
+
+#: Marks every process this test session starts (see the module docstring).
+SESSION_ENV = "LOCKD_TEST_SESSION"
+SESSION_TOKEN = os.environ.setdefault(SESSION_ENV, secrets.token_hex(8))
 
 # The etcd cluster fixtures (etcd_cluster, new_etcd_cluster).
 pytest_plugins = ["tests.etcd_fixtures"]
@@ -88,7 +102,7 @@ class DaemonProcess:
             ],
             stdout=logf,
             stderr=logf,
-            env=env or os.environ.copy(),
+            env={**(env if env is not None else os.environ), SESSION_ENV: SESSION_TOKEN},
             preexec_fn=preexec_fn,
         )
         logf.close()
@@ -148,16 +162,66 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
-def daemon_paths(short_tmp: Path) -> DaemonProcess:
-    """Paths for a daemon, not started (write config/rules first, then .start())."""
-    return DaemonProcess.in_folder(short_tmp)
+def daemon_paths(short_tmp: Path) -> Iterator[DaemonProcess]:
+    """Paths for a daemon, not started (write config/rules first, then .start()).
+
+    Whatever the test started is stopped afterwards (SIGTERM, then SIGKILL).
+    """
+    daemon = DaemonProcess.in_folder(short_tmp)
+    try:
+        yield daemon
+    finally:
+        daemon.terminate()
 
 
 @pytest.fixture
-def daemon(daemon_paths: DaemonProcess) -> Iterator[DaemonProcess]:
+def daemon(daemon_paths: DaemonProcess) -> DaemonProcess:
     """A running daemon with default settings; stopped (SIGTERM) afterwards."""
-    daemon_paths.start()
-    try:
-        yield daemon_paths
-    finally:
-        daemon_paths.terminate()
+    return daemon_paths.start()
+
+
+# ------------------------------------------------------------ leftover processes
+
+
+def session_processes(token: str = SESSION_TOKEN) -> dict[int, str]:
+    """Live processes (pid -> command line) started with this session's token.
+
+    The pytest process itself is not one: its token was set after exec, so
+    its ``/proc/PID/environ`` does not show it.
+    """
+    marker = f"{SESSION_ENV}={token}".encode()
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if cmdline:  # a zombie has none: it is dead, only not reaped yet
+            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a process started by it is still alive; kill it."""
+    deadline = time.monotonic() + 5.0  # processes stopped a moment ago may still be exiting
+    left = session_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = session_processes()
+    if not left:
+        return
+    for pid in left:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            os.kill(pid, signal.SIGKILL)
+    lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"processes started by this test session outlived it (killed now):\n{lines}"
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
