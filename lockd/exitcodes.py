@@ -1,11 +1,26 @@
 """Exit statuses of every ``lockd`` command (SPEC §9), in one place.
 
-Kept free of click so ``lockd.runner`` (the logic of ``lockd run``) can use
-them without the command-line layer.
+The numbers, what they mean (:data:`EXIT_CODE_MEANINGS`: ``lockd --help``,
+``lockd run --help`` and README's table all say this), which client error
+exits with which (:func:`exit_code_for`: every command and ``lockd run``),
+and the ``--json`` error line. Kept free of click so ``lockd.run`` (the logic
+of ``lockd run``) can use them without the command-line layer.
 """
 
 import json
+from collections.abc import Sequence
 from typing import Any
+
+from lockd_client import (
+    InvalidRequestError,
+    LockAccessDeniedError,
+    LockdError,
+    LockLostError,
+    LockTimeoutError,
+    RateLimitedError,
+)
+
+from lockd import contract
 
 EXIT_OK = 0
 #: The key is busy (one attempt found it held) or ``--wait`` ran out;
@@ -28,6 +43,51 @@ EXIT_NOT_FOUND = 127
 #: Interrupted by Ctrl-C (the shell's convention: 128 + SIGINT).
 EXIT_INTERRUPTED = 130
 
+#: What the statuses every command shares mean, for help texts and README
+#: (``tests/test_exitcodes.py`` holds README's table to this).
+EXIT_CODE_MEANINGS: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "done"),
+    (EXIT_BUSY, "key busy, or the wait timed out"),
+    (EXIT_USAGE, "usage error (also a request the daemon refused as invalid)"),
+    (EXIT_DENIED, "access denied (also: this user may not open the socket)"),
+    (EXIT_RATE_LIMITED, "rate limited"),
+    (EXIT_UNAVAILABLE, "daemon unreachable, shutting down, or failing (internal error)"),
+    (EXIT_LOST, "lease lost, or not the holder"),
+)
+
+
+#: The same, looked up by status.
+MEANING = dict(EXIT_CODE_MEANINGS)
+
+
+def exit_codes_help(rows: Sequence[tuple[int | str, str]] = EXIT_CODE_MEANINGS) -> str:
+    """An ``Exit codes:`` block for a click epilog (``\\b`` keeps its lines)."""
+    width = max(len(str(code)) for code, _ in rows)
+    lines = "".join(f"  {str(code).ljust(width)}  {meaning}\n" for code, meaning in rows)
+    return f"\b\nExit codes:\n{lines}"
+
+
+def exit_code_for(exc: LockdError) -> int:
+    """The exit status for a client error (SPEC §9, plus the decisions below).
+
+    ``SHUTTING_DOWN`` and ``INTERNAL`` exit 5 like an unreachable daemon: in
+    all three the daemon cannot serve the request now and a script should
+    retry later or alert, never treat the key as busy (1) or itself as
+    wrong (2). Client-side protocol errors (a garbled reply) are the same.
+    A socket this user may not open is access denied (3).
+    """
+    if isinstance(exc, LockTimeoutError):
+        return EXIT_BUSY
+    if isinstance(exc, InvalidRequestError):
+        return EXIT_USAGE
+    if isinstance(exc, LockAccessDeniedError):  # SocketPermissionError too
+        return EXIT_DENIED
+    if isinstance(exc, RateLimitedError):
+        return EXIT_RATE_LIMITED
+    if isinstance(exc, LockLostError):
+        return EXIT_LOST
+    return EXIT_UNAVAILABLE
+
 
 # -- the --json error line (SPEC §9) ---------------------------------------------------
 
@@ -40,15 +100,7 @@ LEASE_LOST = "LEASE_LOST"  # the hold is gone: renew/release refused, lost mid-r
 #: Status of every code a ``--json`` error line may carry: the wire codes (SPEC §3)
 #: and the four CLI-side ones above.
 ERROR_STATUS = {
-    "INVALID_REQUEST": 400,
-    "LOCK_ACCESS_DENIED": 403,
-    "LOCK_TIMEOUT": 408,
-    "RATE_LIMITED": 429,
-    "CANCELLED": 499,
-    "INTERNAL": 500,
-    "SHUTTING_DOWN": 503,
-    "STORAGE_UNAVAILABLE": 503,
-    "BACKEND_UNAVAILABLE": 503,
+    **contract.ERROR_STATUS,
     KEY_BUSY: 409,
     DAEMON_UNAVAILABLE: 503,
     USAGE: 400,

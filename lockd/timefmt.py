@@ -29,3 +29,25 @@ def format_epoch_ms(epoch_ms: int) -> str:
     """``2026-11-30T03:31:00.123Z`` for milliseconds since the epoch."""
     seconds, millis = divmod(epoch_ms, 1000)
     return f"{_utc_second(seconds)}.{millis:03d}Z"
+
+
+def format_duration_ms(ms: int | float) -> str:
+    """A human duration: ``250ms``, ``42s``, ``3m 5s``, ``2h 10m``, ``1d 3h``.
+
+    Rounded down to the unit shown, so a countdown never overstates what is
+    left (``1.5s`` shows as ``1s``); every command and ``lockd run`` use it.
+    """
+    ms = round(ms)
+    if ms < 1000:
+        return f"{ms}ms"
+    seconds = ms // 1000  # floor: a countdown never overstates what is left
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, sec = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {sec}s" if sec else f"{minutes}m"
+    hours, minute = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minute}m" if minute else f"{hours}h"
+    days, hour = divmod(hours, 24)
+    return f"{days}d {hour}h" if hour else f"{days}d"

@@ -42,7 +42,6 @@ from lockd.cli.common import (
     DEBUG_ENV,
     client_command,
     exit_code_for,
-    format_ms,
     parse_duration_ms,
     render_table,
 )
@@ -151,18 +150,6 @@ def test_bad_duration_message_names_the_option_and_the_forms() -> None:
     result = invoke(["locks", "acquire", "k", "--ttl", "5x"])
     line = one_line(result.stderr)
     assert "--ttl" in line and "'5x' is not a duration" in line and "500ms" in line
-
-
-def test_format_ms_counts_down() -> None:
-    assert [format_ms(v) for v in (0, 999, 1000, 59_999, 60_000, 3_725_000, 90_000_000)] == [
-        "0ms",
-        "999ms",
-        "1s",
-        "59s",
-        "1m",
-        "1h 2m",
-        "1d 1h",
-    ]
 
 
 def test_render_table_aligns_without_trailing_spaces() -> None:

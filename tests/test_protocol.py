@@ -337,6 +337,7 @@ def test_error_statuses_mirror_http() -> None:
         "INTERNAL": 500,
         "SHUTTING_DOWN": 503,
         "STORAGE_UNAVAILABLE": 503,
+        "BACKEND_UNAVAILABLE": 503,
     }
 
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lockd.timefmt import format_epoch_ms, wall_ms
+from lockd.timefmt import format_duration_ms, format_epoch_ms, wall_ms
 
 
 def test_format_epoch_ms() -> None:
@@ -31,3 +31,17 @@ def test_wall_ms_is_the_wall_clock_in_ms() -> None:
     before = time.time_ns() // 1_000_000
     now = wall_ms()
     assert before <= now <= time.time_ns() // 1_000_000
+
+
+def test_format_duration_ms_counts_down() -> None:
+    samples = (0, 999, 1000, 1500, 59_999, 60_000, 3_725_000, 90_000_000)
+    assert [format_duration_ms(v) for v in samples] == [
+        "0ms",
+        "999ms",
+        "1s",
+        "1s",
+        "59s",
+        "1m",
+        "1h 2m",
+        "1d 1h",
+    ]

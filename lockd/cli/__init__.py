@@ -7,10 +7,8 @@ Layout: this module holds the root group, ``serve``, ``whoami`` and ``stats``;
 :mod:`lockd.cli.rules`, shared pieces (exit codes, durations, errors, output)
 in :mod:`lockd.cli.common`, and ``lockd run`` in :mod:`lockd.cli.run`.
 
-Exit codes (also in ``lockd --help``): 0 done; 1 key busy or wait timed out;
-2 usage; 3 access denied; 4 rate limited; 5 daemon unreachable; 6 lease lost
-or not the holder. See :func:`lockd.cli.common.exit_code_for` for the daemon
-errors SPEC §9 leaves open (``SHUTTING_DOWN``, ``INTERNAL``: 5).
+Exit codes: :mod:`lockd.exitcodes` (their meanings, shown by ``lockd --help``,
+and :func:`~lockd.exitcodes.exit_code_for`, which client error exits how).
 
 Shell completion is click's: ``eval "$(_LOCKD_COMPLETE=bash_source lockd)"``
 (``zsh_source``, ``fish_source``).
@@ -29,7 +27,6 @@ from lockd.cli.common import (
     EXIT_CODES_HELP,
     LockdGroup,
     client_command,
-    format_ms,
     json_option,
     open_client,
     print_json,
@@ -40,6 +37,8 @@ from lockd.cli.common import (
 from lockd.cli.locks import locks
 from lockd.cli.rules import rules
 from lockd.exitcodes import USAGE, error_document
+from lockd.metrics import COUNTERS, GAUGES
+from lockd.timefmt import format_duration_ms
 
 __all__ = ["EXIT_CODES_HELP", "main"]
 
@@ -184,32 +183,6 @@ def stats(fmt: str | None, socket_path: str | None, as_json: bool) -> None:
         click.echo(render_stats_text(snapshot))
 
 
-_COUNTER_HELP = {
-    "grants": "Leases granted.",
-    "retakes": "Holds re-taken by the same principal and owner.",
-    "releases": "Leases released.",
-    "renewals": "Leases renewed.",
-    "expiries": "Leases that ran out.",
-    "timeouts": "Blocking acquires that timed out.",
-    "denials": "Requests denied by rules or roles.",
-    "rateLimited": "Acquire attempts refused by the rate limit.",
-    "breaks": "Locks broken by an owner or admin.",
-    "invalidRequests": "Requests refused as invalid.",
-    "internalErrors": "Requests that failed with an internal error.",
-    "connectionsAccepted": "Client connections accepted.",
-    "connectionsRefused": (
-        "Client connections refused (over max_connections or max_connections_per_uid, "
-        "no descriptor, or no identity)."
-    ),
-    "connectionsStalled": "Connections closed on an incomplete request line.",
-}
-_GAUGE_HELP = {
-    "uptimeMs": "Time since the daemon started.",
-    "connections": "Open client connections.",
-    "held": "Keys held now.",
-    "waiters": "Acquires parked in wait queues now.",
-    "fence": "The last fence issued (never goes backwards).",
-}
 _QUANTILES = (("p50Ms", "0.5"), ("p90Ms", "0.9"), ("p99Ms", "0.99"), ("maxMs", "1"))
 LATENCY_METRIC = "lockd_request_duration_seconds"
 
@@ -269,7 +242,7 @@ def render_metrics(snapshot: dict[str, Any], *, openmetrics: bool) -> str:
     for key, value in snapshot.items():
         if key in ("counters", "latency") or not _is_number(value):
             continue
-        help_text = _GAUGE_HELP.get(key, f"lockd gauge {key}.")
+        help_text = GAUGES.get(key, f"lockd gauge {key}.")
         if key.endswith("Ms"):
             name = f"lockd_{_snake(key[:-2])}_seconds"
             family(name, "gauge", help_text, "seconds")
@@ -284,9 +257,7 @@ def render_metrics(snapshot: dict[str, Any], *, openmetrics: bool) -> str:
         if not _is_number(value):
             continue
         base = f"lockd_{_snake(key)}"
-        family(
-            base if openmetrics else f"{base}_total", "counter", _COUNTER_HELP.get(key, str(key))
-        )
+        family(base if openmetrics else f"{base}_total", "counter", COUNTERS.get(key, str(key)))
         lines.append(f"{base}_total {_number(value)}")
 
     latency = snapshot.get("latency")
@@ -320,7 +291,7 @@ def render_stats_text(snapshot: dict[str, Any]) -> str:
         if key in ("counters", "latency"):
             continue
         label = _words(key[:-2] if key.endswith("Ms") else key).capitalize()
-        shown = format_ms(value) if key.endswith("Ms") and _is_number(value) else value
+        shown = format_duration_ms(value) if key.endswith("Ms") and _is_number(value) else value
         gauges.append((label, shown))
     parts = [render_fields(gauges)]
     counters = snapshot.get("counters")

@@ -43,13 +43,13 @@ from lockd_client import (
     LockAccessDeniedError,
     LockClient,
     LockdError,
-    LockLostError,
     LockTimeoutError,
     RateLimitedError,
     ShuttingDownError,
     SocketPermissionError,
 )
 
+from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS
 from lockd.exitcodes import (
     DAEMON_UNAVAILABLE,
     ERROR_STATUS,
@@ -65,45 +65,17 @@ from lockd.exitcodes import (
     LEASE_LOST,
     USAGE,
     error_document,
+    exit_code_for,
+    exit_codes_help,
 )
+from lockd.timefmt import format_duration_ms
 
 # --------------------------------------------------------------------------- exit codes
 
-EXIT_CODES_HELP = """\b
-Exit codes:
-  0  done
-  1  key busy, or the wait timed out
-  2  usage error (also a request the daemon refused as invalid)
-  3  access denied (also: this user may not open the socket)
-  4  rate limited
-  5  daemon unreachable, shutting down, or failing (internal error)
-  6  lease lost, or not the holder
-"""
+EXIT_CODES_HELP = exit_codes_help()
 
 #: Set to get a traceback instead of the one-line message for CLI bugs.
 DEBUG_ENV = "LOCKD_DEBUG"
-
-
-def exit_code_for(exc: LockdError) -> int:
-    """The exit code for a client error (SPEC §9, plus the decisions below).
-
-    ``SHUTTING_DOWN`` and ``INTERNAL`` exit 5 like an unreachable daemon: in
-    all three the daemon cannot serve the request now and a script should
-    retry later or alert, never treat the key as busy (1) or itself as
-    wrong (2). Client-side protocol errors (a garbled reply) are the same.
-    A socket this user may not open is access denied (3).
-    """
-    if isinstance(exc, LockTimeoutError):
-        return EXIT_BUSY
-    if isinstance(exc, InvalidRequestError):
-        return EXIT_USAGE
-    if isinstance(exc, LockAccessDeniedError):
-        return EXIT_DENIED
-    if isinstance(exc, RateLimitedError):
-        return EXIT_RATE_LIMITED
-    if isinstance(exc, LockLostError):
-        return EXIT_LOST
-    return EXIT_UNAVAILABLE
 
 
 def describe_error(exc: LockdError) -> str:
@@ -335,7 +307,6 @@ class LockdGroup(click.Group):
 _DURATION_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?P<unit>ms|s|m|h)?")
 _BARE_NUMBER_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
 _UNIT_MS = {"ms": Decimal(1), "s": Decimal(1000), "m": Decimal(60_000), "h": Decimal(3_600_000)}
-MAX_DURATION_MS = 86_400_000  # 24 h: the daemon's limit for ttlMs and timeoutMs
 DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1h; a bare number is milliseconds"
 
 
@@ -361,7 +332,7 @@ class Duration(click.ParamType):
 
     name = "duration"
 
-    def __init__(self, *, min_ms: int = 0, max_ms: int = MAX_DURATION_MS) -> None:
+    def __init__(self, *, min_ms: int = 0, max_ms: int = MAX_TTL_MS) -> None:
         self.min_ms = min_ms
         self.max_ms = max_ms
 
@@ -398,9 +369,9 @@ def _exact(ms: int) -> str:
 
 
 #: A lease TTL: 1 ms to 24 h.
-TTL = Duration(min_ms=1)
+TTL = Duration(min_ms=1, max_ms=MAX_TTL_MS)
 #: A wait: 0 (answer at once) to 24 h.
-WAIT = Duration(min_ms=0)
+WAIT = Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS)
 
 
 # --------------------------------------------------------------------------- options
@@ -472,24 +443,6 @@ def print_json(value: Any) -> None:
     click.echo(json.dumps(value, **JSON_STYLE))
 
 
-def format_ms(ms: int | float) -> str:
-    """A human duration: ``250ms``, ``42s``, ``3m 5s``, ``2h 10m``, ``1d 3h``."""
-    ms = round(ms)
-    if ms < 1000:
-        return f"{ms}ms"
-    seconds = ms // 1000  # floor: a countdown never overstates what is left
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, sec = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m {sec}s" if sec else f"{minutes}m"
-    hours, minute = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h {minute}m" if minute else f"{hours}h"
-    days, hour = divmod(hours, 24)
-    return f"{days}d {hour}h" if hour else f"{days}d"
-
-
 def format_time(when: datetime | None) -> str:
     """A wire time in the local zone: ``2026-11-30 05:10:39 UTC`` (``-`` for None)."""
     if when is None:
@@ -502,7 +455,7 @@ def format_relative(ms: int | None) -> str:
     """``in 42s`` / ``42s ago`` for milliseconds from now (``-`` for None)."""
     if ms is None:
         return "-"
-    return f"in {format_ms(ms)}" if ms >= 0 else f"{format_ms(-ms)} ago"
+    return f"in {format_duration_ms(ms)}" if ms >= 0 else f"{format_duration_ms(-ms)} ago"
 
 
 def parse_time(value: object) -> datetime | None:

@@ -39,7 +39,6 @@ from lockd.cli.common import (
     TableWriter,
     client_command,
     fail,
-    format_ms,
     format_relative,
     format_time,
     json_option,
@@ -54,6 +53,7 @@ from lockd.cli.common import (
 )
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
+from lockd.timefmt import format_duration_ms
 
 
 def complete_keys(
@@ -85,7 +85,7 @@ def locks() -> None:
 
 def _holder_phrase(status: LockStatus) -> str:
     """``held by user:alice (owner run-1, pid 4242 backup.sh) for 42s more``."""
-    left = f" for {format_ms(status.expires_in_ms)} more" if status.expires_in_ms else ""
+    left = f" for {format_duration_ms(status.expires_in_ms)} more" if status.expires_in_ms else ""
     return f"held by {who_holds(status)}{left}"
 
 
@@ -328,7 +328,7 @@ def acquire(
             except LockTimeoutError as exc:
                 text, details = _busy(client, key)
                 fail(
-                    f"timed out after {format_ms(wait)} waiting for {key!r}{text}",
+                    f"timed out after {format_duration_ms(wait)} waiting for {key!r}{text}",
                     EXIT_BUSY,
                     code=exc.code,
                     details={**exc.details, **details},

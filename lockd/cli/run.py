@@ -14,7 +14,22 @@ import os
 import click
 
 from lockd.cli.common import Duration, shared_options
-from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
+from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS
+from lockd.exitcodes import (
+    EXIT_BUG,
+    EXIT_BUSY,
+    EXIT_CANNOT_EXECUTE,
+    EXIT_DENIED,
+    EXIT_INTERRUPTED,
+    EXIT_LOST,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_RATE_LIMITED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    MEANING,
+    exit_codes_help,
+)
 from lockd.run.options import OnLost, Reporter, RunOptions
 
 __all__ = ["run"]
@@ -38,21 +53,23 @@ class _RunCommand(click.Command):
         return ["[OPTIONS]", "KEY", "-- COMMAND [ARGS]..."]
 
 
-_EPILOG = """\b
-Exit codes:
-  N    COMMAND's own status; 128+N when it was killed by signal N
-  0    with --conflict-exit-code 0: the key was busy, COMMAND not run
-  1    key busy, or --wait timed out (change with --conflict-exit-code)
-  2    usage error (missing -- or COMMAND, bad duration, bad key)
-  3    access denied by the daemon's rules
-  4    rate limited
-  5    daemon unreachable (the message names the socket), or daemon error
-  6    lease lost while COMMAND ran (broken, re-taken, or renewals failed),
-       also with --on-lost ignore, whatever COMMAND's status
-  70   a bug in lockd run (LOCKD_DEBUG=1 shows the traceback)
-  126  COMMAND cannot be executed; 127 COMMAND not found
-  130  interrupted (SIGINT) while waiting for the key
-\b
+_EXIT_CODES: tuple[tuple[int | str, str], ...] = (
+    ("N", "COMMAND's own status; 128+N when it was killed by signal N"),
+    (EXIT_OK, "with --conflict-exit-code 0: the key was busy, COMMAND not run"),
+    (EXIT_BUSY, "key busy, or --wait timed out (change with --conflict-exit-code)"),
+    # As for every command:
+    *((code, MEANING[code]) for code in (EXIT_USAGE, EXIT_DENIED, EXIT_RATE_LIMITED)),
+    (EXIT_UNAVAILABLE, MEANING[EXIT_UNAVAILABLE]),
+    (EXIT_LOST, "lease lost while COMMAND ran (broken, re-taken, or renewals failed),"),
+    ("", "also with --on-lost ignore, whatever COMMAND's status"),
+    (EXIT_BUG, "a bug in lockd run (LOCKD_DEBUG=1 shows the traceback)"),
+    (EXIT_CANNOT_EXECUTE, f"COMMAND cannot be executed; {EXIT_NOT_FOUND} COMMAND not found"),
+    (EXIT_INTERRUPTED, "interrupted (SIGINT) while waiting for the key"),
+)
+
+_EPILOG = (
+    exit_codes_help(_EXIT_CODES)
+    + """\b
 COMMAND's environment gets LOCKD_KEY, LOCKD_HANDLE, LOCKD_FENCE and
 LOCKD_SOCKET. It runs in a session (and process group) of its own, with no
 controlling terminal; SIGINT, SIGTERM and SIGHUP sent to lockd run are passed
@@ -61,6 +78,7 @@ on to that group, and COMMAND is SIGKILLed if lockd run itself dies.
 Example (cron, never overlapping itself; a busy key is a quiet success):
   */5 * * * * lockd run -q --conflict-exit-code 0 nightly-import -- /usr/local/bin/import.sh
 """
+)
 
 
 @click.command(
@@ -74,7 +92,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--ttl",
     "ttl_ms",
-    type=Duration(min_ms=_MIN_TTL_MS),
+    type=Duration(min_ms=_MIN_TTL_MS, max_ms=MAX_TTL_MS),
     default="60s",
     show_default=True,
     help="Lease time-to-live, renewed every third of it while COMMAND runs.",
@@ -82,7 +100,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--wait",
     "wait_ms",
-    type=Duration(min_ms=0),
+    type=Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS),
     default=None,
     help="Wait up to this long for the key (first come, first served). "
     "Default: one attempt, give up at once if the key is busy.",

@@ -52,8 +52,6 @@ from lockd.daemon.undo import UndoLog
 
 __all__ = [
     "EXCLUSIVE",
-    "MAX_TIMEOUT_MS",
-    "MAX_TTL_MS",
     "SHARED",
     "AcquireResult",
     "Busy",
@@ -70,8 +68,6 @@ __all__ = [
     "new_handle_id",
 ]
 
-MAX_TTL_MS = 86_400_000
-MAX_TIMEOUT_MS = 86_400_000
 #: holders listed per key by status and list (SPEC 10).
 MAX_LISTED_HOLDERS = 100
 #: deadlines a timer pass applies at most (lease expiries and waiter

@@ -15,31 +15,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from lockd.contract import (
+    ERROR_STATUS,
+    MAX_HANDLE_CHARS,
+    MAX_KEY_BYTES,
+    MAX_LIST_LIMIT,
+    MAX_OWNER_CHARS,
+    MAX_REASON_CHARS,
+    MAX_TIMEOUT_MS,
+    MAX_TTL_MS,
+)
 from lockd.daemon.holds import EXCLUSIVE, MAX_LIMIT, MODES, SHARED
 
 PROTOCOL_VERSION = 1
-MAX_KEY_BYTES = 1024
-MAX_OWNER_CHARS = 256
-MAX_REASON_CHARS = 1024
-MAX_HANDLE_CHARS = 256
-#: a ``list`` page: how many entries without ``limit``, and at most (SPEC 3).
+#: a ``list`` page without ``limit`` (SPEC 3); at most contract.MAX_LIST_LIMIT.
 DEFAULT_LIST_LIMIT = 1_000
-MAX_LIST_LIMIT = 10_000
-MAX_TTL_MS = 86_400_000
-MAX_TIMEOUT_MS = 86_400_000
 
 RequestId = int | str
-
-ERROR_STATUS = {
-    "INVALID_REQUEST": 400,
-    "LOCK_ACCESS_DENIED": 403,
-    "LOCK_TIMEOUT": 408,
-    "RATE_LIMITED": 429,
-    "CANCELLED": 499,
-    "INTERNAL": 500,
-    "SHUTTING_DOWN": 503,
-    "STORAGE_UNAVAILABLE": 503,
-}
 
 
 class ProtocolError(Exception):

@@ -10,23 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from lockd.metrics import COUNTERS
+
 WINDOW = 2048
-COUNTERS = (
-    "grants",
-    "retakes",
-    "releases",
-    "renewals",
-    "expiries",
-    "timeouts",
-    "denials",
-    "rateLimited",
-    "breaks",
-    "invalidRequests",
-    "internalErrors",
-    "connectionsAccepted",
-    "connectionsRefused",
-    "connectionsStalled",
-)
 
 
 class LatencyWindow:

@@ -27,14 +27,9 @@ from lockd_client import (
 )
 
 from lockd.describe import who_holds
-from lockd.exitcodes import (
-    EXIT_DENIED,
-    EXIT_INTERRUPTED,
-    EXIT_RATE_LIMITED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
-)
-from lockd.run.options import Reporter, RunOptions, format_ms
+from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
+from lockd.run.options import Reporter, RunOptions
+from lockd.timefmt import format_duration_ms
 
 __all__ = ["Lease", "LeaseKeeper", "take_lease"]
 
@@ -90,7 +85,7 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Lease 
                 limit=opts.limit,
             )
     except LockTimeoutError:
-        wait = format_ms(opts.wait_ms or 0)
+        wait = format_duration_ms(opts.wait_ms or 0)
         if not opts.quiet:
             hint = _holder_hint(client, opts.key)
             report(
@@ -124,26 +119,21 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Lease 
 
 
 def _report_error(report: Reporter, exc: LockdError, key: str) -> int:
-    """Map a daemon/client error to its exit code (SPEC §9) and say it in one line."""
+    """Say a daemon/client error in one line; its exit code is every command's (SPEC §9)."""
     if isinstance(exc, LockAccessDeniedError):
         report(exc.code, f"access denied for key {key!r}: {exc.message}", key=key)
-        return EXIT_DENIED
-    if isinstance(exc, RateLimitedError):
+    elif isinstance(exc, RateLimitedError):
         after = "" if exc.retry_after is None else f"; retry in {exc.retry_after:g}s"
         report(exc.code, f"rate limited: {exc.message}{after}", key=key)
-        return EXIT_RATE_LIMITED
-    if isinstance(exc, InvalidRequestError):
+    elif isinstance(exc, InvalidRequestError):
         report(exc.code, f"invalid request: {exc.message}", key=key)
-        return EXIT_USAGE
-    if isinstance(exc, DaemonUnavailableError):
+    elif isinstance(exc, DaemonUnavailableError):
         report(exc.code, exc.message, socket=exc.socket_path)
-        return EXIT_UNAVAILABLE
-    if isinstance(exc, ShuttingDownError):
+    elif isinstance(exc, ShuttingDownError):
         report(exc.code, f"the daemon is shutting down: {exc.message}", key=key)
-        return EXIT_UNAVAILABLE
-    # INTERNAL, PROTOCOL_ERROR, ...: the daemon could not serve us.
-    report(exc.code, f"daemon error: {exc.message}", key=key)
-    return EXIT_UNAVAILABLE
+    else:  # INTERNAL, PROTOCOL_ERROR, ...: the daemon could not serve us.
+        report(exc.code, f"daemon error: {exc.message}", key=key)
+    return exit_code_for(exc)
 
 
 def _holder_hint(client: LockClient, key: str) -> str:

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from lockd.exitcodes import EXIT_BUSY, USAGE, error_document
 
-__all__ = ["OnLost", "Reporter", "RunOptions", "format_ms"]
+__all__ = ["OnLost", "Reporter", "RunOptions"]
 
 
 class OnLost(StrEnum):
@@ -99,12 +99,3 @@ _RUN_REASONS = {
     "COMMAND_NOT_FOUND": USAGE,
     "COMMAND_NOT_EXECUTABLE": USAGE,
 }
-
-
-def format_ms(ms: int) -> str:
-    """A duration for humans: ``600ms``, ``10s``, ``1.5s``, ``2m``."""
-    if ms < 1000:
-        return f"{ms}ms"
-    if ms % 60_000 == 0:
-        return f"{ms // 60_000}m"
-    return f"{ms / 1000:g}s"

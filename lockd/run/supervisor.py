@@ -37,7 +37,7 @@ from lockd.exitcodes import (
     EXIT_NOT_FOUND,
 )
 from lockd.run.lease import Lease, LeaseKeeper, take_lease
-from lockd.run.options import OnLost, Reporter, RunOptions, format_ms
+from lockd.run.options import OnLost, Reporter, RunOptions
 from lockd.run.process import (
     GroupGuard,
     SignalForwarder,
@@ -46,6 +46,7 @@ from lockd.run.process import (
     killpg,
     spawn_in_own_session,
 )
+from lockd.timefmt import format_duration_ms
 
 __all__ = ["run_locked"]
 
@@ -217,7 +218,8 @@ def _act_on_lost(pgid: int, reason: str, opts: RunOptions, report: Reporter) -> 
     killpg(pgid, signal.SIGTERM)
     report(
         "LEASE_LOST",
-        f"{head}; sent SIGTERM to COMMAND's process group, SIGKILL in {format_ms(opts.grace_ms)}",
+        f"{head}; sent SIGTERM to COMMAND's process group,"
+        f" SIGKILL in {format_duration_ms(opts.grace_ms)}",
         key=opts.key,
         action="term",
     )
