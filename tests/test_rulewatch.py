@@ -173,7 +173,7 @@ async def test_cancellation_is_prompt_and_closes_the_fd(tmp_path: Path) -> None:
         assert inotify_fds() == before + 1
         t = time.perf_counter()
         nursery.cancel_scope.cancel()
-    assert time.perf_counter() - t < 0.1
+    assert time.perf_counter() - t < 1.0  # prompt (watchfiles without a stop event: ~5 s)
     assert inotify_fds() == before
 
 

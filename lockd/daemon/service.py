@@ -68,7 +68,7 @@ from lockd.daemon.protocol import (
     Stats,
     Status,
 )
-from lockd.daemon.stats import Stats as StatsCounters
+from lockd.daemon.stats import StatsRecorder
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller
 from lockd.logfmt import kv
@@ -156,7 +156,7 @@ class LockService:
         policy: PolicyLike,
         ratelimiter: RateLimiterLike,
         clock: Clock,
-        stats: StatsCounters | None = None,
+        stats: StatsRecorder | None = None,
         *,
         max_pending_per_connection: int = DEFAULT_MAX_PENDING_PER_CONNECTION,
     ) -> None:
@@ -165,7 +165,7 @@ class LockService:
         self.policy = policy
         self.ratelimiter = ratelimiter
         self.clock = clock
-        self.stats = stats or StatsCounters()
+        self.stats = stats or StatsRecorder()
         self.max_pending_per_connection = max_pending_per_connection
         #: called for each waiter the engine resolved, after the commit.
         self.on_resolved: Callable[[Waiter], None] = lambda waiter: None

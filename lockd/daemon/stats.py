@@ -48,7 +48,12 @@ class LatencyWindow:
         }
 
 
-class Stats:
+class StatsRecorder:
+    """What the ``stats`` op reports: counters by name, latencies by op.
+
+    (Named apart from :class:`lockd.daemon.protocol.Stats`, the request.)
+    """
+
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self.latency: dict[str, LatencyWindow] = {}

@@ -31,7 +31,7 @@ from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
 from lockd.timefmt import format_duration_ms
 
-__all__ = ["Lease", "LeaseKeeper", "take_lease"]
+__all__ = ["Grant", "LeaseKeeper", "take_lease"]
 
 #: Upper bound of the safety margin kept before the lease's end.
 _MAX_MARGIN = 2.0
@@ -46,15 +46,15 @@ _STATUS_TIMEOUT = 2.0
 
 
 @dataclass
-class Lease:
+class Grant:
     """A granted lease and our conservative estimate of its end (monotonic clock)."""
 
     handle: Handle
     expires_at: float
 
 
-def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Lease | int:
-    """Take the key as ``opts`` asks; return the Lease, or the exit code when we did not get it.
+def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant | int:
+    """Take the key as ``opts`` asks; return the Grant, or the exit code when we did not get it.
 
     The lease's end is estimated on the monotonic clock so that a wall-clock
     step cannot fool the keeper: for one attempt, from the moment the request
@@ -115,7 +115,7 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Lease 
         if handle.lease_expires_at is not None:
             left = min(ttl, handle.lease_expires_at.timestamp() - time.time())
         expires_at = received + left
-    return Lease(handle, expires_at)
+    return Grant(handle, expires_at)
 
 
 def _report_error(report: Reporter, exc: LockdError, key: str) -> int:

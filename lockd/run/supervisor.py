@@ -36,7 +36,7 @@ from lockd.exitcodes import (
     EXIT_LOST,
     EXIT_NOT_FOUND,
 )
-from lockd.run.lease import Lease, LeaseKeeper, take_lease
+from lockd.run.lease import Grant, LeaseKeeper, take_lease
 from lockd.run.options import OnLost, Reporter, RunOptions
 from lockd.run.process import (
     GroupGuard,
@@ -80,7 +80,7 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
 
 def _run_holding(
     client: LockClient,
-    lease: Lease,
+    lease: Grant,
     opts: RunOptions,
     report: Reporter,
     forwarder: SignalForwarder,
