@@ -20,6 +20,7 @@ COUNTERS: dict[str, str] = {
     "breaks": "Locks broken by an owner or admin.",
     "invalidRequests": "Requests refused as invalid.",
     "internalErrors": "Requests that failed with an internal error.",
+    "storageErrors": "Requests refused because the database could not be written.",
     "connectionsAccepted": "Client connections accepted.",
     "connectionsRefused": (
         "Client connections refused (over max_connections or max_connections_per_uid, "

@@ -17,6 +17,7 @@ import pytest
 from lockd_client import LockClient, _wire
 from lockd_client import default_socket_path as client_default_socket
 
+import lockd
 from lockd import contract, metrics
 from lockd.cli.common import TTL, WAIT
 from lockd.config import user_socket_path
@@ -122,3 +123,13 @@ def test_stats_names_are_the_documented_ones(daemon: DaemonProcess) -> None:
     snapshot.pop("latency")
     assert list(counters) == list(metrics.COUNTERS)
     assert set(snapshot) == set(metrics.GAUGES)
+
+
+def test_every_counter_the_daemon_counts_is_documented() -> None:
+    counted = {
+        m.group(1)
+        for path in (Path(lockd.__file__).parent / "daemon").rglob("*.py")
+        for m in re.finditer(r"""\.count\(\s*["']([A-Za-z]+)["']""", path.read_text())
+    }
+    assert counted, "no stats.count() calls found"
+    assert counted <= set(metrics.COUNTERS)
