@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -33,7 +32,6 @@ from lockd_client import (
     LockAccessDeniedError,
     LockClient,
     RateLimitedError,
-    RenewResult,
     ShuttingDownError,
 )
 
@@ -47,7 +45,7 @@ from lockd.exitcodes import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
-from lockd.run.lease import LeaseKeeper, take_lease
+from lockd.run.lease import take_lease
 from lockd.run.options import Reporter, RunOptions
 from lockd.run.process import exit_status
 
@@ -280,84 +278,6 @@ def test_take_lease_maps_errors_to_exit_codes(exc: Exception, code: int) -> None
     got = take_lease(_RaisingClient(exc), opts, Reporter(err))  # type: ignore[arg-type]
     assert got == code
     assert len(err.getvalue().splitlines()) == 1
-
-
-def _handle(ttl_ms: int) -> Handle:
-    return Handle(
-        key="k", handle="h" * 22, fence=1, owner=None, ttl_ms=ttl_ms, lease_expires_at=None
-    )
-
-
-class _FakeRenewer:
-    """Answers renew with ``answers`` in turn (an exception is raised), then repeats the last."""
-
-    def __init__(self, answers: list[object]) -> None:
-        self.answers = answers
-        self.calls = 0
-        self.connect_timeout: float | None = None
-        self.request_timeout: float | None = None
-        self.retry_window = 5.0
-
-    def renew(self, handle: Handle, ttl: float) -> RenewResult:
-        answer = self.answers[min(self.calls, len(self.answers) - 1)]
-        self.calls += 1
-        if isinstance(answer, Exception):
-            raise answer
-        assert isinstance(answer, RenewResult)
-        return answer
-
-
-def _keeper(fake: _FakeRenewer, ttl_ms: int) -> tuple[LeaseKeeper, threading.Event, float]:
-    wake = threading.Event()
-    granted = time.monotonic()
-    keeper = LeaseKeeper(
-        fake,  # type: ignore[arg-type]
-        _handle(ttl_ms),
-        ttl_ms=ttl_ms,
-        expires_at=granted + ttl_ms / 1000,
-        wake=wake,
-    )
-    return keeper, wake, granted
-
-
-def test_keeper_renews_every_third_of_the_ttl() -> None:
-    fake = _FakeRenewer([RenewResult(renewed=True)])
-    keeper, wake, _ = _keeper(fake, 300)
-    keeper.start()
-    try:
-        assert not wake.wait(0.75)
-        assert keeper.lost_reason is None
-        assert 5 <= fake.calls <= 8  # every 100 ms, not in a tight loop
-    finally:
-        keeper.stop()
-
-
-def test_keeper_reports_lease_lost_at_next_renewal() -> None:
-    fake = _FakeRenewer([RenewResult(renewed=False, reason="lease_lost")])
-    keeper, wake, granted = _keeper(fake, 300)
-    keeper.start()
-    try:
-        assert wake.wait(2)
-        assert time.monotonic() - granted < 0.3  # the first renewal (at 100 ms) noticed it
-        assert keeper.fenced
-        assert "lease_lost" in (keeper.lost_reason or "")
-    finally:
-        keeper.stop()
-
-
-def test_keeper_gives_up_before_expiry_when_renewals_keep_failing() -> None:
-    fake = _FakeRenewer([DaemonUnavailableError("/x.sock", "cannot connect")])
-    keeper, wake, granted = _keeper(fake, 600)
-    keeper.start()
-    try:
-        assert wake.wait(3)
-        lost_after = time.monotonic() - granted
-        assert 0.3 < lost_after < 0.6  # after retrying, but before the lease runs out
-        assert fake.calls >= 3  # retried often, not once per TTL/3
-        assert not keeper.fenced
-        assert "cannot connect" in (keeper.lost_reason or "")
-    finally:
-        keeper.stop()
 
 
 # -- against the daemon: the basics -------------------------------------------------------
@@ -661,7 +581,8 @@ def test_unresponsive_daemon_acts_before_the_lease_expires(
     name, at = marker.read_text().split()
     assert name == "SIGTERM"
     assert datetime.fromtimestamp(float(at), UTC) < expires
-    assert "no successful renewal" in (proc.stderr.read() if proc.stderr else "")
+    # Said by the renewer (renewals failed) or by lockd run (none succeeded in time).
+    assert "about to run out" in (proc.stderr.read() if proc.stderr else "")
 
 
 def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonProcess) -> None:

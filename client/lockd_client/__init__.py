@@ -47,6 +47,7 @@ from ._errors import (
     StorageUnavailableError,
     UntrustedDaemonError,
 )
+from ._lock import AutoRenewer
 from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
 from ._requests import MAX_LIMIT
 from ._results import BreakResult, Handle, Holder, LockStatus, ReleaseResult, RenewResult
@@ -54,6 +55,7 @@ from ._results import BreakResult, Handle, Holder, LockStatus, ReleaseResult, Re
 __all__ = [
     "MAX_LIMIT",
     "SOCKET_ENV",
+    "AutoRenewer",
     "BreakResult",
     "CancelledError",
     "DaemonUnavailableError",

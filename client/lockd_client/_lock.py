@@ -39,6 +39,11 @@ class AutoRenewer:
     renewal was *sent* (the daemon extended it no earlier). Then
     ``handle.lost`` is set, ``on_lost(handle)`` is called once and the thread
     ends. Nothing is reported after :meth:`stop`.
+
+    Public (``lockd_client.AutoRenewer``): ``LockClient.lock()`` and ``lockd
+    run`` both keep their leases with it. Give it a client of its own when
+    the caller's client may be busy (a renewal must not queue behind a
+    blocking acquire).
     """
 
     def __init__(
@@ -74,23 +79,29 @@ class AutoRenewer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_JOIN_TIMEOUT)
 
-    def _give_up_at(self) -> float:
+    def give_up_at(self) -> float:
+        """The monotonic time by which a renewal must have succeeded, or the lease counts as lost.
+
+        A caller that acts on the loss itself (``lockd run`` signals its
+        command) may wait until then, and declare the loss on its own if the
+        renewer has not by then (a renew call stuck in the kernel).
+        """
         return self._deadline - self._margin
 
     def _run(self) -> None:
         # A lease that is already old (a long blocking wait) renews sooner.
-        pause = min(self._interval, max(0.0, self._give_up_at() - time.monotonic()) / 2)
+        pause = min(self._interval, max(0.0, self.give_up_at() - time.monotonic()) / 2)
         while not self._stop.wait(pause):
             sent_at = time.monotonic()
             try:
                 result = self._client._renew(
-                    self._handle, self._ttl_ms, give_up_at=self._give_up_at()
+                    self._handle, self._ttl_ms, give_up_at=self.give_up_at()
                 )
             except Exception as exc:
                 if self._stop.is_set():
                     return
                 pause = min(self._interval, _MAX_RETRY_PAUSE)
-                left = self._give_up_at() - time.monotonic()
+                left = self.give_up_at() - time.monotonic()
                 log.warning(
                     "lockd: renewing %r failed (%s); %.3f s before giving the lease up",
                     self._handle.key,

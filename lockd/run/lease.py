@@ -1,17 +1,15 @@
-"""The lease side of ``lockd run``: taking the key and keeping it (SPEC §9).
+"""The lease side of ``lockd run``: taking the key (SPEC §9).
 
 The key is taken once (``tryAcquire``) or waited for (``acquire``), always
 with ``releaseOnClose`` so that a ``lockd run`` killed outright frees the key
-at once: the kernel closes its connection and the daemon releases. Then a
-:class:`LeaseKeeper` thread renews it every third of the TTL and decides when
-it is lost; it never signals anything itself (see :mod:`lockd.runproc`).
+at once: the kernel closes its connection and the daemon releases. Keeping
+it is the client's :class:`lockd_client.AutoRenewer` (the one ``lock()``
+uses), driven by :mod:`lockd.run.supervisor`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from lockd_client import (
@@ -31,13 +29,8 @@ from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
 from lockd.timefmt import format_duration_ms
 
-__all__ = ["Grant", "LeaseKeeper", "take_lease"]
+__all__ = ["Grant", "take_lease"]
 
-#: Upper bound of the safety margin kept before the lease's end.
-_MAX_MARGIN = 2.0
-#: Bounds of the pause between renewal attempts while they fail.
-_MIN_RETRY_PAUSE = 0.01
-_MAX_RETRY_PAUSE = 0.5
 #: Time allowed for the "who holds it" lookup after a busy key or a timed-out wait.
 _STATUS_TIMEOUT = 2.0
 
@@ -148,140 +141,3 @@ def _holder_hint(client: LockClient, key: str) -> str:
     except LockdError:
         return ""
     return f" (held by {who_holds(status)})" if status.held else ""
-
-
-# -- keeping the lease ----------------------------------------------------------
-
-
-class LeaseKeeper:
-    """Renews a lease every ``ttl/3`` in a daemon thread and decides when it is lost.
-
-    The lease's end (``expires_at``, monotonic) moves to ``sent + ttl`` after
-    each successful renew, ``sent`` being when that renew was *sent*: the
-    daemon renewed later, so the real end is never earlier than ours. The
-    lease counts as lost when
-
-    - renew answers ``renewed: false`` (broken, re-taken, or expired), or
-    - no renew has succeeded by ``expires_at - margin`` (daemon unreachable,
-      stuck, or refusing): ``margin`` is a tenth of the TTL, at most 2 s, so
-      that COMMAND is signalled while the lease still holds.
-
-    While renewals fail they are retried every ``interval/4`` (10 ms to 0.5 s),
-    each bounded to end by the give-up point. The keeper never signals
-    anything: it records the reason and sets ``wake``; the main thread acts.
-    :meth:`check_deadline` lets the main thread declare the loss itself, so a
-    renew call stuck past its bound cannot delay it.
-
-    ``client`` should be used by this keeper alone: its timeouts are adjusted
-    before each call.
-    """
-
-    def __init__(
-        self,
-        client: LockClient,
-        handle: Handle,
-        *,
-        ttl_ms: int,
-        expires_at: float,
-        wake: threading.Event,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._client = client
-        self._handle = handle
-        self._ttl_ms = ttl_ms
-        self._ttl = ttl_ms / 1000
-        self.interval = self._ttl / 3
-        self.margin = min(self._ttl / 10, _MAX_MARGIN)
-        self._retry_pause = min(max(self.interval / 4, _MIN_RETRY_PAUSE), _MAX_RETRY_PAUSE)
-        self._clock = clock
-        self._wake = wake
-        self._lock = threading.Lock()
-        self._expires_at = expires_at
-        self._lost_reason: str | None = None
-        self._fenced = False
-        self._last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"lockd-run-renew:{handle.key[:64]}", daemon=True
-        )
-
-    @property
-    def lost_reason(self) -> str | None:
-        """Why the lease is lost, or None while it holds."""
-        with self._lock:
-            return self._lost_reason
-
-    @property
-    def fenced(self) -> bool:
-        """True when the daemon said the handle no longer holds the key (no release needed)."""
-        with self._lock:
-            return self._fenced
-
-    def give_up_at(self) -> float:
-        """The monotonic time by which a renewal must have succeeded."""
-        with self._lock:
-            return self._expires_at - self.margin
-
-    def start(self) -> None:
-        """Start renewing (the first renewal comes a third of the TTL after the grant)."""
-        self._thread.start()
-
-    def stop(self, join_timeout: float = 1.0) -> None:
-        """Stop renewing. A renew still in flight is left to finish on its own."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(join_timeout)
-
-    def check_deadline(self) -> None:
-        """Declare the lease lost if the give-up point has passed without a renewal."""
-        if self._lost_reason is None and self._clock() >= self.give_up_at():
-            self._declare_lost(self._failing_reason())
-
-    def _failing_reason(self) -> str:
-        last = f" (last error: {self._last_error})" if self._last_error else ""
-        return f"no successful renewal in time, the lease is about to run out{last}"
-
-    def _declare_lost(self, reason: str, *, fenced: bool = False) -> None:
-        with self._lock:
-            if self._lost_reason is not None:
-                return
-            self._lost_reason = reason
-            self._fenced = fenced
-        self._stop.set()
-        self._wake.set()
-
-    def _run(self) -> None:
-        next_at = self._expires_at - self._ttl + self.interval
-        while not self._stop.wait(max(0.0, next_at - self._clock())):
-            sent = self._clock()
-            give_up = self.give_up_at()
-            if sent >= give_up:
-                self._declare_lost(self._failing_reason())
-                return
-            bound = give_up - sent
-            self._client.connect_timeout = bound
-            self._client.request_timeout = bound
-            self._client.retry_window = bound
-            try:
-                result = self._client.renew(self._handle, self._ttl)
-            except LockdError as exc:
-                if self._stop.is_set():
-                    return
-                self._last_error = f"{exc.code}: {exc.message}"
-                next_at = min(self._clock() + self._retry_pause, give_up)
-                continue
-            if self._stop.is_set():
-                return
-            if not result.renewed:
-                self._declare_lost(
-                    f"renew answered {result.reason or 'renewed: false'}: the key was"
-                    " broken or re-taken",
-                    fenced=True,
-                )
-                return
-            with self._lock:
-                if self._lost_reason is not None:
-                    return
-                self._expires_at = sent + self._ttl
-            self._last_error = None
-            next_at = sent + self.interval

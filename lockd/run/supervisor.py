@@ -9,8 +9,9 @@ be taken away (broken by an admin, re-taken by the same owner). A run:
    ``LOCKD_FENCE`` and ``LOCKD_SOCKET`` in its environment, guarded so that it
    dies with ``lockd run`` and receives its SIGINT, SIGTERM and SIGHUP
    (:mod:`lockd.run.process`);
-3. renews the lease from a :class:`~lockd.run.lease.LeaseKeeper` thread; when
-   the lease is lost, the main thread acts on COMMAND's whole process group
+3. renews the lease from the client's :class:`~lockd_client.AutoRenewer`
+   thread (every third of the TTL, a safety margin before the end); when the
+   lease is lost, the main thread acts on COMMAND's whole process group
    before the lease expires (``--on-lost``);
 4. releases the key when COMMAND exits and returns COMMAND's status the way a
    shell reports it (128+N for death by signal N).
@@ -23,20 +24,21 @@ types live in :mod:`lockd.run.options`, COMMAND's process group in
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import threading
 import time
 
-from lockd_client import Handle, LockClient, LockdError
+from lockd_client import AutoRenewer, Handle, LockClient, LockdError
 
 from lockd.exitcodes import (
     EXIT_CANNOT_EXECUTE,
     EXIT_LOST,
     EXIT_NOT_FOUND,
 )
-from lockd.run.lease import Grant, LeaseKeeper, take_lease
+from lockd.run.lease import Grant, take_lease
 from lockd.run.options import OnLost, Reporter, RunOptions
 from lockd.run.process import (
     GroupGuard,
@@ -67,6 +69,10 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
     with the connection); once the key is ours, they are forwarded.
     """
     report = report or Reporter()
+    # The renewer logs its retries and the loss as warnings; lockd run says
+    # what matters itself, one line per event (JSON lines with --json), so
+    # Python's last-resort handler must not add its own lines to stderr.
+    logging.getLogger("lockd_client").addHandler(logging.NullHandler())
     client = LockClient(opts.socket_path)
     try:
         got = take_lease(client, opts, report)
@@ -111,24 +117,26 @@ def _run_holding(
 
     wake = threading.Event()
     exited = threading.Event()
+    # A connection of its own: a renewal never queues behind anything else.
     renew_client = LockClient(client.socket_path)
-    keeper = LeaseKeeper(
-        renew_client, handle, ttl_ms=opts.ttl_ms, expires_at=lease.expires_at, wake=wake
+    renewer = AutoRenewer(
+        renew_client, handle, opts.ttl_ms, lambda _: wake.set(), expires_at=lease.expires_at
     )
-    keeper.start()
+    renewer.start()
     reaper = threading.Thread(
         target=_reap, args=(proc, exited, wake), name="lockd-run-reaper", daemon=True
     )
     reaper.start()
+    lost: str | None = None
     try:
-        _supervise(proc, keeper, exited, wake, opts, report)
+        lost = _supervise(proc, renewer, exited, wake, opts, report)
         guard.dismiss()
     finally:
         guard.close()  # after an error in lockd run itself: the group goes too
-        keeper.stop()
+        renewer.stop()
         renew_client.close()
     status = exit_status(proc.returncode)
-    if keeper.lost_reason is not None:
+    if lost is not None:
         # No release: either the daemon fenced the handle already, or it did
         # not answer in time and the lease is about to run out; in both cases
         # our exit closes the connection, which frees a lease still bound to it.
@@ -154,35 +162,35 @@ def _reap(proc: subprocess.Popen[bytes], exited: threading.Event, wake: threadin
 
 def _supervise(
     proc: subprocess.Popen[bytes],
-    keeper: LeaseKeeper,
+    renewer: AutoRenewer,
     exited: threading.Event,
     wake: threading.Event,
     opts: RunOptions,
     report: Reporter,
-) -> None:
+) -> str | None:
     """Wait for COMMAND to exit, acting on a lost lease as ``opts.on_lost`` says.
 
     Runs on the main thread; signal handlers (forwarding) run in between.
+    Returns why the lease was lost, or None when it held to the end.
     """
     pgid = proc.pid
-    acted = False
+    lost: str | None = None
     kill_at: float | None = None  # --on-lost term: when SIGKILL follows
     while not exited.is_set():
         now = time.monotonic()
         timeout: float | None = None
-        if keeper.lost_reason is None:
-            timeout = max(0.0, keeper.give_up_at() - now)
+        if lost is None:
+            timeout = max(0.0, renewer.give_up_at() - now)
         elif kill_at is not None:
             timeout = max(0.0, kill_at - now)
         wake.wait(timeout)
         wake.clear()
         if exited.is_set():
             break
-        keeper.check_deadline()
-        reason = keeper.lost_reason
-        if reason is not None and not acted:
-            acted = True
-            kill_at = _act_on_lost(pgid, reason, opts, report)
+        if lost is None:
+            lost = _lost_reason(renewer)
+            if lost is not None:
+                kill_at = _act_on_lost(pgid, lost, opts, report)
         if kill_at is not None and time.monotonic() >= kill_at:
             killpg(pgid, signal.SIGKILL)
             kill_at = None
@@ -193,6 +201,21 @@ def _supervise(
             time.sleep(_GROUP_POLL)
         if group_alive(pgid):
             killpg(pgid, signal.SIGKILL)
+    return lost if lost is not None else _lost_reason(renewer)
+
+
+def _lost_reason(renewer: AutoRenewer) -> str | None:
+    """Why the lease is lost, or None while it holds.
+
+    The renewer says so when renew answers ``renewed: false`` or renewals
+    keep failing; past its give-up point without a renewal, we say so
+    ourselves (a renew call stuck in the kernel must not delay acting).
+    """
+    if renewer.lost_reason is not None:
+        return renewer.lost_reason
+    if time.monotonic() >= renewer.give_up_at():
+        return "no successful renewal in time, the lease is about to run out"
+    return None
 
 
 def _act_on_lost(pgid: int, reason: str, opts: RunOptions, report: Reporter) -> float | None:
