@@ -421,6 +421,43 @@ def test_sigkill_frees_the_key_at_once_and_kills_command(
     wait_until(lambda: pid_gone(pid), 2.0, "COMMAND to die (PDEATHSIG)")
 
 
+# COMMAND that starts a worker (its own child, same process group) and waits.
+# argv[1] is a marker file: "ready <worker pid>".
+WORKER_IN_GROUP = """
+import subprocess, sys, time, pathlib
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+pathlib.Path(sys.argv[1]).write_text(f"ready {worker.pid}")
+time.sleep(60)
+"""
+
+
+def test_kill9_of_lockd_run_kills_the_whole_command_group(
+    daemon: DaemonProcess, short_tmp: Path
+) -> None:
+    """SPEC §9: COMMAND runs in its own process group and dies with ``lockd run``.
+
+    The key is freed at once (releaseOnClose), so anything of COMMAND's group
+    that survives works on without the lock, overlapping the next holder.
+    """
+    marker = short_tmp / "m"
+    proc = start_run(daemon, "--ttl", "60s", "grp", "--", PY, "-c", WORKER_IN_GROUP, str(marker))
+    worker = 0
+    try:
+        worker = int(wait_ready(marker).split()[1])
+        proc.kill()
+        proc.wait(5)
+        with LockClient(daemon.socket) as own:
+            wait_until(lambda: not own.status("grp").held, 2.0, "the key to be free")  # at once ...
+        # ... so nothing of COMMAND may still be running.
+        wait_until(lambda: pid_gone(worker), 2.0, "COMMAND's worker to die with lockd run")
+    finally:
+        if worker and not pid_gone(worker):
+            os.kill(worker, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
 def test_command_runs_in_its_own_process_group(shared: DaemonProcess, short_tmp: Path) -> None:
     marker = short_tmp / "m"
     proc = start_run(shared, "pg", "--", PY, "-c", PID_THEN_SLEEP, str(marker))

@@ -8,12 +8,14 @@ and so do ``lockd locks acquire --wait`` and ``lockd run --wait``.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,30 @@ def test_cli_waits_survive_a_restart(daemon: DaemonProcess) -> None:
         run_out, run_err = run.communicate(timeout=60)
         assert run.returncode == 0, run_err
         assert run_out == "ran\n"
+
+
+def test_auto_renew_reports_loss_before_the_lease_runs_out(daemon: DaemonProcess) -> None:
+    """``lock(auto_renew=True)``: with a frozen daemon, ``on_lost`` comes while
+    the lease still holds, so the block can stop before another holder may get
+    the key (a margin of a tenth of the TTL)."""
+    assert daemon.proc is not None
+    lost_at: list[float] = []
+    done = threading.Event()
+
+    def on_lost(handle: Handle) -> None:
+        lost_at.append(time.time())
+        done.set()
+
+    client = LockClient(daemon.socket)
+    lock = client.lock("freeze", ttl=3, timeout=1, auto_renew=True, on_lost=on_lost)
+    with client, pytest.raises(LockLostError), lock as h:  # the block ends after the loss
+        expires = h.lease_expires_at
+        assert expires is not None
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            done.wait(10)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert lost_at, "on_lost never called"
+    # The margin is a tenth of the TTL (300 ms): reported before the lease's end.
+    assert datetime.fromtimestamp(lost_at[0], expires.tzinfo) < expires

@@ -425,3 +425,44 @@ def test_equal_deadlines_and_repeated_renewals_order_by_fence() -> None:
     assert e.advance(100) is True
     assert [lease.key for lease in e.drain().expired] == ["a", "b"] and b.fence > a.fence
     e.check_invariants()
+
+
+def test_retake_goes_ahead_of_waiters_and_fences_earlier_handle() -> None:
+    engine = LockEngine()
+    first = engine.acquire(0, "k", ttl_ms=1000, principal="user:a", owner="run", conn=1)
+    parked = engine.acquire(0, "k", ttl_ms=1000, principal="user:b", conn=2, wait_ms=5000)
+    other = engine.acquire(0, "k", ttl_ms=1000, principal="user:b", owner="run", conn=3)
+    again = engine.acquire(1, "k", ttl_ms=1000, principal="user:a", owner="run", conn=4)
+    assert isinstance(first, Lease) and isinstance(again, Lease)
+    assert isinstance(parked, Parked) and not parked.waiter.resolved
+    assert isinstance(other, Busy)  # same owner, other principal: no re-take
+    assert again.fence > first.fence
+    assert not engine.release(1, "k", first.handle)
+    assert engine.renew(1, "k", first.handle, 1000) is None
+    engine.check_invariants()
+
+
+def test_retake_from_another_connection_is_bound_by_its_own_request() -> None:
+    engine = LockEngine()
+    engine.acquire(0, "k", ttl_ms=1000, principal="p", owner="o", conn=1, release_on_close=True)
+    engine.acquire(0, "k", ttl_ms=1000, principal="p", owner="o", conn=2)
+    assert engine.connection_closed(1, 1) == []  # the re-take is not bound to conn 1
+    assert engine.status(1, "k").holder is not None
+    engine.acquire(1, "k", ttl_ms=1000, principal="p", owner="o", conn=3, release_on_close=True)
+    assert [lease.key for lease in engine.connection_closed(2, 3)] == ["k"]
+
+
+def test_many_renewals_keep_expiry_exact_and_heap_small() -> None:
+    engine = LockEngine()
+    lease = engine.acquire(0, "k", ttl_ms=100, principal="p")
+    assert isinstance(lease, Lease)
+    for now in range(1, 5000):
+        assert engine.renew(now, "k", lease.handle, 100) is not None
+        engine.renew(now, "k", lease.handle, 100)  # twice to the same deadline
+    assert engine.next_deadline() == 4999 + 100
+    assert len(engine._lease_heap) < 1000
+    engine.advance(5098)
+    assert engine.status(5098, "k").holder is not None
+    engine.advance(5099)
+    assert engine.status(5099, "k").holder is None
+    assert engine.next_deadline() is None

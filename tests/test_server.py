@@ -1,16 +1,15 @@
-"""Review of the daemon core against SPEC: reproductions of defects found.
+"""The server and the service together, in-process: waiting, hand-offs and failures.
 
-Most tests here reproduced a defect the review found (all since fixed:
-waiters granted while leaving, stalled timers, a reader blocked by its own
-backpressure, failed commits, fences lost in one batch, crashes from
-background tasks) and now keep them fixed; the rest pin down behaviour the
-review checked and found right.
-
-The server tests run a real :class:`~lockd.daemon.server.LockServer` in-process, on
-a real Unix socket, with stubs for what is beside the point (policy, rate
-limiter, identity) and, where timing matters, a fake boot clock: the expiry
-timer sleeps on trio's clock, so moving the fake clock makes "the lease has
-run out but the timer has not fired yet" deterministic instead of a race.
+These run a real :class:`~lockd.daemon.server.LockServer` over a real
+:class:`~lockd.daemon.service.LockService` in-process, on a real Unix socket,
+with stubs for what is beside the point (policy, rate limiter, identity)
+and, where timing matters, a fake boot clock: the expiry timer sleeps on
+trio's clock, so moving the fake clock makes "the lease has run out but the
+timer has not fired yet" deterministic instead of a race. What they pin
+down: a parked or rate-waiting acquire is always answered exactly once (grant,
+timeout, SHUTTING_DOWN, INTERNAL) and never leaves a grant nobody can use; a
+connection's own requests are never blocked by its waiting acquires; a failed
+commit neither crashes the daemon nor strands a waiter.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Any
 import trio
 
 from lockd.daemon.clock import Clock, SystemClock
-from lockd.daemon.engine import Busy, Changes, Lease, LockEngine, Parked
+from lockd.daemon.engine import Changes, LockEngine, Parked
 from lockd.daemon.listener import bind_socket
 from lockd.daemon.protocol import Acquire
 from lockd.daemon.server import Limits, LockServer
@@ -200,7 +199,7 @@ def try_acquire(rid: int, key: str, **extra: Any) -> dict[str, Any]:
     return {"id": rid, "op": "tryAcquire", "key": key, "ttlMs": 60_000, **extra}
 
 
-# --------------------------------------------------------------- confirmed
+# ------------------------------------------------------- parked acquires
 
 
 async def test_waiter_granted_while_its_connection_closes_is_released(short_tmp: Path) -> None:
@@ -338,7 +337,7 @@ async def test_store_error_after_rate_wait_is_internal_not_a_crash(short_tmp: Pa
     assert outcome["hello"]["ok"]
 
 
-# ------------------------------------------------- checked and found right
+# ---------------------------------------------------- shutdown and framing
 
 
 async def test_sigterm_answers_rate_waiting_acquire_with_shutting_down(short_tmp: Path) -> None:
@@ -362,44 +361,3 @@ async def test_overlong_line_reply_names_limit_and_closes(short_tmp: Path) -> No
     assert second["error"]["code"] == "INVALID_REQUEST"
     assert second["error"]["details"]["limit"] == 1024
     assert eof is None
-
-
-def test_retake_goes_ahead_of_waiters_and_fences_earlier_handle() -> None:
-    engine = LockEngine()
-    first = engine.acquire(0, "k", ttl_ms=1000, principal="user:a", owner="run", conn=1)
-    parked = engine.acquire(0, "k", ttl_ms=1000, principal="user:b", conn=2, wait_ms=5000)
-    other = engine.acquire(0, "k", ttl_ms=1000, principal="user:b", owner="run", conn=3)
-    again = engine.acquire(1, "k", ttl_ms=1000, principal="user:a", owner="run", conn=4)
-    assert isinstance(first, Lease) and isinstance(again, Lease)
-    assert isinstance(parked, Parked) and not parked.waiter.resolved
-    assert isinstance(other, Busy)  # same owner, other principal: no re-take
-    assert again.fence > first.fence
-    assert not engine.release(1, "k", first.handle)
-    assert engine.renew(1, "k", first.handle, 1000) is None
-    engine.check_invariants()
-
-
-def test_retake_from_another_connection_is_bound_by_its_own_request() -> None:
-    engine = LockEngine()
-    engine.acquire(0, "k", ttl_ms=1000, principal="p", owner="o", conn=1, release_on_close=True)
-    engine.acquire(0, "k", ttl_ms=1000, principal="p", owner="o", conn=2)
-    assert engine.connection_closed(1, 1) == []  # the re-take is not bound to conn 1
-    assert engine.status(1, "k").holder is not None
-    engine.acquire(1, "k", ttl_ms=1000, principal="p", owner="o", conn=3, release_on_close=True)
-    assert [lease.key for lease in engine.connection_closed(2, 3)] == ["k"]
-
-
-def test_many_renewals_keep_expiry_exact_and_heap_small() -> None:
-    engine = LockEngine()
-    lease = engine.acquire(0, "k", ttl_ms=100, principal="p")
-    assert isinstance(lease, Lease)
-    for now in range(1, 5000):
-        assert engine.renew(now, "k", lease.handle, 100) is not None
-        engine.renew(now, "k", lease.handle, 100)  # twice to the same deadline
-    assert engine.next_deadline() == 4999 + 100
-    assert len(engine._lease_heap) < 1000
-    engine.advance(5098)
-    assert engine.status(5098, "k").holder is not None
-    engine.advance(5099)
-    assert engine.status(5099, "k").holder is None
-    assert engine.next_deadline() is None
