@@ -3,8 +3,9 @@
 Why this module exists: the CLI is a contract for shell scripts (SPEC §9), so
 the pieces a script relies on must behave the same in every command:
 
-- **Exit codes** (:data:`EXIT_CODES_HELP`, shown by ``lockd --help``) and one
-  mapping from :mod:`lockd_client` errors to them (:func:`exit_code_for`).
+- **Exit codes** (:data:`EXIT_CODES_HELP`, shown by ``lockd --help``) and the
+  mapping from :mod:`lockd_client` errors to them, both defined once in
+  :mod:`lockd.exitcodes` (``lockd run`` uses the same).
 - **Errors are one line on stderr**, never a traceback: :func:`client_command`
   turns client errors into :class:`CliFailure`, and :class:`LockdGroup` prints
   click's usage errors on one line too (exit 2). With ``--json`` that line is
@@ -19,7 +20,7 @@ the pieces a script relies on must behave the same in every command:
 
 Nothing here imports trio, celpy or the daemon: ``lockd`` starts fast, which
 shell completion (it runs the program on every <TAB>) depends on. The ``run``
-command (``lockd/cli_run.py``) is meant to use these helpers as well.
+command (:mod:`lockd.cli.run`) uses them as well.
 """
 
 from __future__ import annotations

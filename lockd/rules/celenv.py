@@ -1,6 +1,6 @@
 """The CEL side of access rules: one environment, isMemberOf, compile, evaluate.
 
-:mod:`lockd.policy` decides *whether* a rule is asked; this module compiles a
+:mod:`lockd.rules.policy` decides *whether* a rule is asked; this module compiles a
 rule's expression at load time and runs it per request.
 
 Why it is built this way:

@@ -1,8 +1,8 @@
 """What ``lockd run`` was asked to do, and how it speaks (SPEC §9).
 
-The vocabulary shared by :mod:`lockd.runlease` (taking the key) and
-:mod:`lockd.runner` (the whole run): kept apart so that neither has to import
-the other. Re-exported by :mod:`lockd.runner`.
+The vocabulary shared by :mod:`lockd.run.lease` (taking the key) and
+:mod:`lockd.run.supervisor` (the whole run): kept apart so that neither has
+to import the other.
 """
 
 from __future__ import annotations
