@@ -93,25 +93,9 @@ def _run_holding(
 ) -> int:
     """Run COMMAND under ``lease``, then release; return the exit status."""
     handle = lease.handle
-    env = {
-        **os.environ,
-        "LOCKD_KEY": handle.key,
-        "LOCKD_HANDLE": handle.handle,
-        "LOCKD_FENCE": str(handle.fence),
-        "LOCKD_SOCKET": client.socket_path,
-    }
-    try:
-        proc = spawn_in_own_session(opts.command, env)
-    except OSError as exc:
-        _release(client, handle, report, quiet_not_holder=True)
-        missing = isinstance(exc, FileNotFoundError)
-        what = "not found" if missing else f"cannot be executed ({exc.strerror or exc})"
-        report(
-            "COMMAND_NOT_FOUND" if missing else "COMMAND_NOT_EXECUTABLE",
-            f"{opts.command[0]}: command {what}",
-            command=opts.command[0],
-        )
-        return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
+    proc = _start_command(client, handle, opts, report)
+    if isinstance(proc, int):
+        return proc
     forwarder.attach(proc.pid)
     guard = GroupGuard(proc.pid)
 
@@ -152,6 +136,31 @@ def _run_holding(
     if not _release(client, handle, report, quiet_not_holder=False):
         return EXIT_LOST
     return status
+
+
+def _start_command(
+    client: LockClient, handle: Handle, opts: RunOptions, report: Reporter
+) -> subprocess.Popen[bytes] | int:
+    """Start COMMAND with the lease in its environment; the exit status if it cannot start."""
+    env = {
+        **os.environ,
+        "LOCKD_KEY": handle.key,
+        "LOCKD_HANDLE": handle.handle,
+        "LOCKD_FENCE": str(handle.fence),
+        "LOCKD_SOCKET": client.socket_path,
+    }
+    try:
+        return spawn_in_own_session(opts.command, env)
+    except OSError as exc:
+        _release(client, handle, report, quiet_not_holder=True)
+        missing = isinstance(exc, FileNotFoundError)
+        what = "not found" if missing else f"cannot be executed ({exc.strerror or exc})"
+        report(
+            "COMMAND_NOT_FOUND" if missing else "COMMAND_NOT_EXECUTABLE",
+            f"{opts.command[0]}: command {what}",
+            command=opts.command[0],
+        )
+        return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
 
 
 def _reap(proc: subprocess.Popen[bytes], exited: threading.Event, wake: threading.Event) -> None:
