@@ -202,16 +202,22 @@ def try_acquire(rid: int, key: str, **extra: Any) -> dict[str, Any]:
 # ------------------------------------------------------- parked acquires
 
 
+async def park_behind_a_lapsed_holder(h: Harness, clock: FakeClock) -> tuple[Peer, Peer]:
+    """(holder, waiter): the waiter parked on "k" behind the holder, whose lease
+    has run out on the boot clock while the timer (on trio's clock, ~60 s
+    away) has not handed the key over yet."""
+    holder, waiter = await h.connect(), await h.connect()
+    assert (await holder.call(try_acquire(1, "k")))["ok"]
+    await waiter.send(acquire(2, "k", timeoutMs=600_000))
+    assert await until(lambda: h.engine.waiter_count == 1)
+    clock.now += 61_000
+    return holder, waiter
+
+
 async def test_waiter_granted_while_its_connection_closes_is_released(short_tmp: Path) -> None:
     clock = FakeClock()
     async with running(short_tmp, clock=clock) as h:
-        holder, waiter = await h.connect(), await h.connect()
-        assert (await holder.call(try_acquire(1, "k")))["ok"]
-        await waiter.send(acquire(2, "k", timeoutMs=600_000))
-        assert await until(lambda: h.engine.waiter_count == 1)
-        # The holder's lease has run out on the boot clock; the timer (on
-        # trio's clock, ~60 s away) has not handed the key over yet.
-        clock.now += 61_000
+        _holder, waiter = await park_behind_a_lapsed_holder(h, clock)
         waiter.close()
         assert await until(lambda: len(h.server.connections) == 1)
         status = h.service.status("k")
@@ -306,11 +312,7 @@ def test_fence_of_a_grant_broken_in_the_same_batch_survives_restart(short_tmp: P
 async def test_waiter_told_shutting_down_is_not_left_holding(short_tmp: Path) -> None:
     clock = FakeClock()
     async with running(short_tmp, clock=clock) as h:
-        holder, waiter = await h.connect(), await h.connect()
-        assert (await holder.call(try_acquire(1, "k")))["ok"]
-        await waiter.send(acquire(2, "k", timeoutMs=600_000))
-        assert await until(lambda: h.engine.waiter_count == 1)
-        clock.now += 61_000  # the holder's lease ran out; the timer has not fired
+        _holder, waiter = await park_behind_a_lapsed_holder(h, clock)
         h.server.shutdown()
         reply = await waiter.recv()
         engine = h.engine
