@@ -1,15 +1,30 @@
-"""The trio edge: listener, connections, parked acquires, the expiry timer.
+"""The trio edge: listener, connections, waiting, the expiry timer.
+
+The server only waits and talks; :class:`~lockd.daemon.service.LockService`
+decides. It reads requests, hands each to the service (``answer`` for every
+op but acquire, ``acquire`` and then the step it returns for an acquire),
+does the waiting a step asks for, and writes the reply. It never touches the
+engine or the clock: the timer asks the service for the next deadline, the
+``stats`` op and systemd's STATUS= line ask it for the gauges.
 
 One task reads each connection and answers every request that can be
-answered at once inline, in order; only an ``acquire`` that has to wait gets
-a task of its own, so pipelined requests behind it are served while it is
-parked. Replies are written under a per-connection lock and may come out of
-order; they carry the request id.
+answered at once inline, in order; only an ``acquire`` that has to wait
+(:class:`~lockd.daemon.service.WaitForRoom` or
+:class:`~lockd.daemon.engine.Parked`) gets a task of its own, so pipelined
+requests behind it are served while it waits. Replies are written under a
+per-connection lock and may come out of order; they carry the request id.
+Every reply that hands out a grant goes through :meth:`LockServer._reply`,
+which releases the grant when the reply cannot be written.
 
-Parked acquires wait on a :class:`trio.Event` that :class:`LockService` sets
-when the engine resolves the waiter (grant, timeout) -- after the commit, so
-a woken waiter's grant is already durable. A single timer task sleeps until
-the engine's earliest deadline; every commit moves that deadline if needed.
+Parked acquires wait on a :class:`trio.Event` that the service's
+``on_resolved`` sets when the engine resolves the waiter (grant, timeout) --
+after the commit, so a woken waiter's grant is already durable. A single
+timer task sleeps until the engine's earliest deadline; every request moves
+that deadline earlier if needed.
+
+Adding an op: parse it in ``protocol``, decide it in ``LockService.answer``;
+the server needs a change only if the op has to wait or concerns the
+connection itself (its parked acquires, its closing).
 """
 
 from __future__ import annotations
