@@ -50,7 +50,7 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
     """Take the key as ``opts`` asks; return the Grant, or the exit code when we did not get it.
 
     The lease's end is estimated on the monotonic clock so that a wall-clock
-    step cannot fool the keeper: for one attempt, from the moment the request
+    step cannot fool the renewer: for one attempt, from the moment the request
     was sent (the grant came later, so the real end is later); after a wait,
     the grant moment is unknown, so the daemon's ``leaseExpiresAt`` is read
     against our wall clock (same host, same clock) and capped at the TTL.
