@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from .conftest import DaemonProcess
+from .helpers_users import wait_for
 from .test_protocol_live import RawConn, check_error, running_daemon, unique
 
 
@@ -51,6 +52,8 @@ def test_readers_share_a_key_and_a_writer_gets_it_after_the_last_one(
     h2 = take(r2, 2, key, mode="shared")
     assert h1 and h2 and h2["fence"] > h1["fence"]
     writer.send({"id": 3, "op": "acquire", "key": key, "ttlMs": 60_000, "timeoutMs": 30_000})
+    # Another connection: wait until the daemon has parked the writer.
+    wait_for(lambda: status(other, key)["waiters"] == 1, timeout=10)
     st = status(other, key)
     assert (st["held"], st["mode"], st["limit"], st["holderCount"]) == (True, "shared", 1, 2)
     assert st["waiters"] == 1

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from .conftest import DaemonProcess
+from .helpers_users import wait_for
 from .test_protocol_live import RawConn, check_error, unique
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -51,6 +52,11 @@ def fill(folder: Path) -> Path:
     return filler
 
 
+def status(conn: RawConn, key: str) -> dict[str, Any]:
+    result: dict[str, Any] = conn.result({"id": "st", "op": "status", "key": key})
+    return result
+
+
 def take(conn: RawConn, rid: int, key: str, **args: Any) -> dict[str, Any]:
     return conn.call({"id": rid, "op": "tryAcquire", "key": key, "ttlMs": 600_000, **args})
 
@@ -69,6 +75,8 @@ def test_full_disk_refuses_writes_answers_reads_and_recovers(short_tmp: Path) ->
             waiter.send(
                 {"id": 2, "op": "acquire", "key": kept, "ttlMs": 600_000, "timeoutMs": 60_000}
             )
+            # The waiter is on another connection: wait until it is parked.
+            wait_for(lambda: status(reader, kept)["waiters"] == 1, timeout=10)
             filler = fill(state)
 
             # Grants now fail: each gets STORAGE_UNAVAILABLE and leaves nothing behind.
