@@ -7,6 +7,7 @@ text shaped like real ``/proc/PID/cgroup`` files (v1 and v2).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -18,12 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from lockd import identity
 from lockd.identity import (
     Caller,
     IdentityConfig,
+    IdentityUnavailable,
     PeerCred,
+    ensure_lookup_room,
     login_groups,
     peer_credentials,
+    peer_unit,
     resolve_caller,
     systemd_unit_of,
     unit_from_cgroup,
@@ -312,3 +317,62 @@ def test_peer_unit_of_a_peer_that_exited_is_none(short_tmp: Path) -> None:
         subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
 
     assert _peer_unit_seen_by_nobody(path, connect) is None
+
+
+# ------------------------------------------------------ the peer's own process
+
+
+def _pretend_every_process_is_a_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(identity, "unit_from_cgroup", lambda lines: "billing.service")
+
+
+def test_peer_unit_of_a_live_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pretend_every_process_is_a_service(monkeypatch)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert peer_unit(a, peer_credentials(a)) == "billing.service"
+
+
+def test_peer_unit_of_a_peer_that_is_gone_is_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The connecting process exited: its pid may be anyone's now (pid reuse)."""
+    _pretend_every_process_is_a_service(monkeypatch)
+    path = str(tmp_path / "s.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        child = os.fork()
+        if child == 0:  # connects, then exits at once
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+            os._exit(0)
+        os.waitpid(child, 0)
+        conn, _ = listener.accept()
+        with conn:
+            cred = peer_credentials(conn)
+            assert cred.pid == child
+            assert peer_unit(conn, cred) is None
+
+
+def test_peer_unit_without_pidfd_needs_the_peers_uid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels before 6.5: the process behind /proc/PID must run as the peer's uid."""
+    _pretend_every_process_is_a_service(monkeypatch)
+    monkeypatch.setattr(identity, "_SO_PEERPIDFD", 0x7FFF)  # unknown option: ENOPROTOOPT
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        cred = peer_credentials(a)
+        assert peer_unit(a, cred) == "billing.service"
+        assert peer_unit(a, PeerCred(cred.pid, cred.uid + 1, cred.gid)) is None
+
+
+def test_lookups_need_spare_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors, glibc reports 'no such user': refuse instead of guessing."""
+
+    def no_descriptor(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(identity.os, "open", no_descriptor)
+    with pytest.raises(IdentityUnavailable, match="Too many open files") as caught:
+        ensure_lookup_room()
+    assert caught.value.errno == errno.EMFILE
