@@ -43,6 +43,7 @@ from contextlib import (
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from ._connection import ConnectionLost, ReplyTimeout
 from ._errors import (
     DaemonUnavailableError,
     LockdError,
@@ -50,7 +51,7 @@ from ._errors import (
     ShuttingDownError,
     SocketPermissionError,
 )
-from ._lock import call_on_lost, lease_end
+from ._lock import call_on_lost, check_released, lease_end
 from ._paths import resolve_socket_path
 from ._requests import (
     Attempts,
@@ -76,20 +77,6 @@ log = logging.getLogger("lockd_client")
 #: at most this long before the lease's end, the loss is declared (a tenth of the TTL below)
 _MAX_MARGIN = 2.0
 _MAX_RETRY_PAUSE = 1.0
-
-
-class ConnectionLost(Exception):
-    """The connection is gone (internal); ``sent`` False: the request never left."""
-
-    def __init__(self, reason: str, *, protocol: bool = False, sent: bool = True) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.protocol = protocol
-        self.sent = sent
-
-
-class ReplyTimeout(Exception):
-    """No reply within the time allowed (internal)."""
 
 
 class Slot(ABC):
@@ -456,13 +443,7 @@ class AsyncClientBase(ABC, Generic[SlotT]):
             except LockdError as exc:
                 log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
             raise LockLostError(handle.key, handle.fence, lost[0])
-        result = await self.release(handle)
-        if not result.released:
-            handle.lost = True
-            if on_lost is not None:
-                call_on_lost(on_lost, handle)
-            reason = result.reason or "released: false"
-            raise LockLostError(handle.key, handle.fence, f"the release answered {reason}")
+        check_released(await self.release(handle), handle, on_lost)
 
     async def _keep(
         self,

@@ -11,13 +11,13 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from ._errors import LockdError, LockLostError
-from ._results import Handle
+from ._results import Handle, ReleaseResult
 from ._wire import seconds_to_ms
 
 if TYPE_CHECKING:
     from ._client import LockClient
 
-__all__ = ["AutoRenewer", "call_on_lost", "hold", "lease_end"]
+__all__ = ["AutoRenewer", "call_on_lost", "check_released", "hold", "lease_end"]
 
 log = logging.getLogger("lockd_client")
 
@@ -184,7 +184,16 @@ def hold(
             log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
         reason = renewer.lost_reason if renewer is not None else None
         raise LockLostError(handle.key, handle.fence, reason or "lost")
-    result = client.release(handle)
+    check_released(client.release(handle), handle, on_lost)
+
+
+def check_released(
+    result: ReleaseResult, handle: Handle, on_lost: Callable[[Handle], object] | None
+) -> None:
+    """The end of a ``lock()`` block: a release that found the hold gone raises LockLostError.
+
+    ``on_lost`` is called first: that is the moment the loss is seen.
+    """
     if not result.released:
         handle.lost = True
         if on_lost is not None:
