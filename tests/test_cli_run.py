@@ -479,7 +479,8 @@ def test_signals_are_forwarded(
     proc = start_run(shared, "fwd", "--", PY, "-c", TRAP_TERM, str(marker))
     wait_ready(marker)
     proc.send_signal(sig)
-    assert proc.wait(5) == 7  # COMMAND's own status after handling the signal
+    # Generous: only a hang should fail this (5 s ran out once on a loaded 2-core box).
+    assert proc.wait(20) == 7  # COMMAND's own status after handling the signal
     assert marker.read_text().startswith(sig.name)
     assert not held(client, "fwd")
 
