@@ -79,6 +79,37 @@ class DaemonProcess:
     def env(self) -> dict[str, str]:
         return {**os.environ, "LOCKD_SOCKET": str(self.socket)}
 
+    def serve_command(
+        self, *extra: str, socket: Path | None = None, db: Path | None = None
+    ) -> list[str]:
+        """``lockd serve`` on this daemon's paths (``socket``/``db`` replace its own)."""
+        return [
+            *LOCKD,
+            "serve",
+            "--socket",
+            str(socket or self.socket),
+            "--db",
+            str(db or self.db),
+            "--config",
+            str(self.config),
+            *extra,
+        ]
+
+    def serve_once(
+        self,
+        *extra: str,
+        socket: Path | None = None,
+        db: Path | None = None,
+        timeout: float = 30,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``lockd serve`` expecting it to exit (a refused start); its output."""
+        return subprocess.run(
+            self.serve_command(*extra, socket=socket, db=db),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
     def start(
         self,
         *,
@@ -89,17 +120,7 @@ class DaemonProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         logf = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [
-                *LOCKD,
-                "serve",
-                "--socket",
-                str(self.socket),
-                "--db",
-                str(self.db),
-                "--config",
-                str(self.config),
-                *self.extra_args,
-            ],
+            self.serve_command(*self.extra_args),
             stdout=logf,
             stderr=logf,
             env={**(env if env is not None else os.environ), SESSION_ENV: SESSION_TOKEN},

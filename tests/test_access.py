@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from lockd_client import LockClient
 
-from .conftest import LOCKD, DaemonProcess
+from .conftest import DaemonProcess
 from .helpers_users import (
     Accounts,
     Agent,
@@ -616,22 +616,7 @@ def test_sighup_right_after_a_write_with_inotify_on(start: Callable[..., Live], 
 
 
 def _serve(daemon: DaemonProcess) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            *LOCKD,
-            "serve",
-            "--socket",
-            str(daemon.socket),
-            "--db",
-            str(daemon.db),
-            "--config",
-            str(daemon.config),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    return daemon.serve_once()
 
 
 @pytest.mark.parametrize(("text", "line"), **broken("toml-syntax", "unknown-name"))

@@ -563,21 +563,7 @@ def test_second_daemon_on_a_live_socket_refuses_and_the_first_serves(
 ) -> None:
     daemon = shared
     handle = client.acquire("first", ttl=60, timeout=1)
-    second = subprocess.run(
-        [
-            *LOCKD,
-            "serve",
-            "--socket",
-            str(daemon.socket),
-            "--db",
-            str(daemon.root / "other.db"),
-            "--config",
-            str(daemon.config),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    second = daemon.serve_once(db=daemon.root / "other.db")
     assert second.returncode != 0
     assert "already serving" in second.stderr and str(daemon.socket) in second.stderr
     assert daemon.socket.is_socket()
@@ -592,21 +578,7 @@ def test_second_daemon_on_the_same_database_refuses_at_once(
 ) -> None:
     handle = client.acquire("db-owner", ttl=60, timeout=1)
     started = time.monotonic()
-    second = subprocess.run(
-        [
-            *LOCKD,
-            "serve",
-            "--socket",
-            str(shared.root / "second.sock"),
-            "--db",
-            str(shared.db),
-            "--config",
-            str(shared.config),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    second = shared.serve_once(socket=shared.root / "second.sock")
     assert second.returncode == 1
     assert "in use by another process" in second.stderr and str(shared.db) in second.stderr
     assert time.monotonic() - started < 4  # no SQLite busy wait
@@ -777,22 +749,7 @@ def test_serve_json_reports_a_startup_error_as_one_json_line(
     daemon_paths: DaemonProcess,
 ) -> None:
     daemon_paths.write_config("acquire_per_hour = 'many'\n")
-    proc = subprocess.run(
-        [
-            *LOCKD,
-            "serve",
-            "--json",
-            "--socket",
-            str(daemon_paths.socket),
-            "--db",
-            str(daemon_paths.db),
-            "--config",
-            str(daemon_paths.config),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = daemon_paths.serve_once("--json")
     assert proc.returncode == 1
     error = json.loads(proc.stderr.strip().splitlines()[-1])["error"]
     assert (error["code"], error["status"]) == ("USAGE", 400)  # SPEC §9's one shape

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
 from lockd_client import LockClient, StorageUnavailableError
 
-from .conftest import LOCKD, DaemonProcess
+from .conftest import DaemonProcess
 from .helpers_users import wait_for
 
 
@@ -33,22 +32,7 @@ def _grants(client: LockClient, prefix: str, count: int) -> int:
 
 def _start_fails(daemon: DaemonProcess, *extra: str) -> str:
     """Run ``lockd serve`` expecting it to refuse; its last stderr line."""
-    run = subprocess.run(
-        [
-            *LOCKD,
-            "serve",
-            "--socket",
-            str(daemon.socket),
-            "--db",
-            str(daemon.db),
-            "--config",
-            str(daemon.config),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = daemon.serve_once(*extra, timeout=60)
     assert run.returncode == 1, f"lockd started on a damaged database:\n{run.stderr}"
     line = run.stderr.strip().splitlines()[-1]
     assert line.startswith("lockd: cannot start: database:"), line
