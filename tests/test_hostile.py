@@ -365,21 +365,27 @@ def test_socket_gets_its_mode_at_bind_without_a_chmod_by_name(
 # ------------------------------------------------- item 3: a full backlog
 
 
+def fill_backlog(path: Path) -> list[socket.socket]:
+    """Connect until the (stopped) daemon's listen backlog refuses one more."""
+    filler: list[socket.socket] = []
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            s.close()
+            return filler
+        filler.append(s)
+
+
 def test_client_waits_in_a_full_backlog_instead_of_failing(daemon: DaemonProcess) -> None:
     """Someone fills the listen backlog; a client connects within its connect timeout."""
     assert daemon.proc is not None
     filler: list[socket.socket] = []
     daemon.proc.send_signal(signal.SIGSTOP)  # nothing is accepted: the backlog fills up
     try:
-        while True:
-            s = socket.socket(socket.AF_UNIX)
-            s.setblocking(False)
-            try:
-                s.connect(str(daemon.socket))
-            except BlockingIOError:
-                s.close()
-                break
-            filler.append(s)
+        filler = fill_backlog(daemon.socket)
         assert len(filler) >= 100
         outcome: dict[str, Any] = {}
 
@@ -408,15 +414,7 @@ def test_client_connect_timeout_still_bounds_the_wait(daemon: DaemonProcess) -> 
     filler: list[socket.socket] = []
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        while True:
-            s = socket.socket(socket.AF_UNIX)
-            s.setblocking(False)
-            try:
-                s.connect(str(daemon.socket))
-            except BlockingIOError:
-                s.close()
-                break
-            filler.append(s)
+        filler = fill_backlog(daemon.socket)
         started = time.monotonic()
         with (
             LockClient(str(daemon.socket), connect_timeout=0.3, retry_window=0) as client,
