@@ -11,6 +11,13 @@ No process may outlive the session. Every process the tests start carries
 for live processes with this session's token in ``/proc/*/environ``, kills
 them and fails the run naming them. Other test sessions running on the same
 machine at the same time have other tokens and are left alone.
+
+Both backends (SPEC §11): the ``backend`` fixture says which store a test's
+daemons serve from. It is ``sqlite`` unless the test (or its module) is
+marked ``both_backends``: then the test runs once per backend, the etcd run
+on the session's real 3-member cluster (``tests/etcd_fixtures.py``), each
+daemon under a prefix of its own. ``sqlite_only(reason)`` keeps one test of
+such a module on SQLite (crash recovery, the database file, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.etcd_cluster import EtcdBackend, EtcdCluster
 
 LOCKD = [sys.executable, "-m", "lockd"]
 
@@ -52,9 +61,11 @@ class DaemonProcess:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     extra_args: list[str] = field(default_factory=list)
+    #: serve from etcd with this ``[backend]`` table (None: the embedded SQLite store).
+    etcd: EtcdBackend | None = None
 
     @classmethod
-    def in_folder(cls, root: Path) -> DaemonProcess:
+    def in_folder(cls, root: Path, etcd: EtcdBackend | None = None) -> DaemonProcess:
         """A daemon whose socket, database, config and log all live under ``root``."""
         return cls(
             root=root,
@@ -62,6 +73,7 @@ class DaemonProcess:
             db=root / "state" / "lockd.db",
             config=root / "config",
             log=root / "lockd.log",
+            etcd=etcd,
         )
 
     def terminate(self) -> None:
@@ -118,6 +130,8 @@ class DaemonProcess:
         preexec_fn: Callable[[], object] | None = None,
     ) -> DaemonProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
+        if self.etcd is not None and not (self.config / "lockd.toml").exists():
+            self.write_config("")
         logf = self.log.open("ab")
         self.proc = subprocess.Popen(
             self.serve_command(*self.extra_args),
@@ -168,8 +182,76 @@ class DaemonProcess:
         return folder / name
 
     def write_config(self, text: str) -> None:
+        """Write ``lockd.toml`` (top-level keys): the ``[backend]`` table is added after them."""
         self.config.mkdir(parents=True, exist_ok=True)
-        (self.config / "lockd.toml").write_text(text)
+        backend = "" if self.etcd is None else "\n" + self.etcd.toml()
+        (self.config / "lockd.toml").write_text(text + backend)
+
+
+# ------------------------------------------------------------ backends
+
+BACKENDS = ("sqlite", "etcd")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The store a test's daemons serve from: ``sqlite`` (embedded) or ``etcd``."""
+
+    kind: str
+    cluster: EtcdCluster | None = None
+
+    @property
+    def is_etcd(self) -> bool:
+        return self.cluster is not None
+
+    def etcd_settings(self, **settings: object) -> EtcdBackend | None:
+        """A ``[backend]`` table under a fresh prefix (None for SQLite)."""
+        return None if self.cluster is None else EtcdBackend.on(self.cluster, **settings)
+
+    def daemon_in(self, root: Path) -> DaemonProcess:
+        """A daemon (not started) under ``root`` on this backend, alone under its prefix."""
+        return DaemonProcess.in_folder(root, self.etcd_settings())
+
+    def fence_follows(self, earlier: int, later: int, grants: int = 1) -> bool:
+        """``later`` is the fence ``grants`` grants after ``earlier``.
+
+        SQLite counts grants, so exactly ``earlier + grants``; etcd fences are
+        the grants' revisions, which other writes (waiter keys) move too: higher.
+        """
+        return later > earlier if self.is_etcd else later == earlier + grants
+
+    def effective_ttl_ms(self, ttl_ms: int) -> int:
+        """The TTL a grant of ``ttl_ms`` gets: etcd counts whole seconds, at least 2 (§11)."""
+        if not self.is_etcd:
+            return ttl_ms
+        return max(2000, -(-ttl_ms // 1000) * 1000)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_backends: run the test against the SQLite and the etcd backend"
+    )
+    config.addinivalue_line(
+        "markers", "sqlite_only(reason): keep this test of a both_backends module on SQLite"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run ``both_backends`` tests once per backend (``[sqlite]``, ``[etcd]``)."""
+    node = metafunc.definition
+    if "backend" not in metafunc.fixturenames or node.get_closest_marker("sqlite_only"):
+        return
+    if node.get_closest_marker("both_backends"):
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
+
+
+@pytest.fixture(scope="module")
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """SQLite, or the etcd session cluster for the ``[etcd]`` run of a both_backends test."""
+    kind = getattr(request, "param", "sqlite")
+    if kind == "etcd":
+        return Backend(kind, request.getfixturevalue("etcd_cluster"))
+    return Backend(kind)
 
 
 @pytest.fixture
@@ -183,12 +265,12 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
-def daemon_paths(short_tmp: Path) -> Iterator[DaemonProcess]:
+def daemon_paths(short_tmp: Path, backend: Backend) -> Iterator[DaemonProcess]:
     """Paths for a daemon, not started (write config/rules first, then .start()).
 
     Whatever the test started is stopped afterwards (SIGTERM, then SIGKILL).
     """
-    daemon = DaemonProcess.in_folder(short_tmp)
+    daemon = backend.daemon_in(short_tmp)
     try:
         yield daemon
     finally:

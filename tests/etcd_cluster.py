@@ -10,6 +10,10 @@ It talks to etcd with the standard library only (``urllib``), so a defect in
 the daemon's own gateway client cannot make the fixture lie about the
 cluster's state.
 
+:class:`EtcdBackend` is the ``[backend]`` table of a lockd serving from such a
+cluster (SPEC §11); ``tests/conftest.py`` writes it into a daemon's
+``lockd.toml``.
+
 Standard library only, so ``bench/`` uses it too; the pytest fixtures are in
 ``tests/etcd_fixtures.py``.
 """
@@ -26,7 +30,8 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ETCD = shutil.which("etcd")
@@ -332,6 +337,49 @@ class EtcdCluster:
                 # whose teardown kills the members, not the members directly.
                 start_new_session=True,
             )
+
+
+@dataclass(frozen=True)
+class EtcdBackend:
+    """What a lockd needs to serve from an etcd cluster: its ``[backend]`` table.
+
+    Every daemon of a test gets a prefix of its own (:meth:`on`), so tests on
+    the session cluster never see each other's keys; daemons standing for
+    several hosts of one test share the prefix and differ in ``node``.
+    """
+
+    endpoints: tuple[str, ...]
+    prefix: str
+    node: str | None = None
+    session_ttl: int | None = None
+    etcd_timeout: int | None = None
+    #: further ``[backend]`` keys (TLS files, auth), written as they are.
+    extra: tuple[tuple[str, str | int], ...] = ()
+
+    @classmethod
+    def on(cls, cluster: EtcdCluster, **settings: object) -> EtcdBackend:
+        """A backend on ``cluster`` under a fresh, unique prefix."""
+        prefix = f"/lockd-test/{uuid.uuid4().hex[:12]}/"
+        backend = cls(endpoints=tuple(cluster.endpoints), prefix=prefix)
+        return replace(backend, **settings)  # type: ignore[arg-type]
+
+    def as_node(self, node: str) -> EtcdBackend:
+        """The same cluster and prefix, for the daemon of another host."""
+        return replace(self, node=node)
+
+    def toml(self) -> str:
+        """The ``[backend]`` table (JSON strings are valid TOML basic strings)."""
+        values: list[tuple[str, object]] = [
+            ("kind", "etcd"),
+            ("endpoints", list(self.endpoints)),
+            ("prefix", self.prefix),
+            ("node", self.node),
+            ("session_ttl", self.session_ttl),
+            ("etcd_timeout", self.etcd_timeout),
+            *self.extra,
+        ]
+        lines = [f"{key} = {json.dumps(value)}" for key, value in values if value is not None]
+        return "\n".join(["[backend]", *lines, ""])
 
 
 def _kill(member: EtcdMember) -> None:
