@@ -224,3 +224,36 @@ def test_a_closing_connection_is_never_granted_its_own_queued_requests() -> None
     assert writer.cancelled and reader.cancelled and reader.lease is None
     assert other.lease is not None  # the next head fits once the writer is gone
     e.check_invariants()
+
+
+def test_rollback_of_a_batch_undoes_every_request_of_it() -> None:
+    """Group commit: requests before one drain share one undo record."""
+    e = make_engine()
+    held = grant(e.acquire(0, "held", ttl_ms=1000, principal="user:a"))
+    e.drain()
+    e.acquire(1, "new", ttl_ms=1000, principal="user:b")
+    assert e.release(2, "held", held.handle)
+    e.renew(3, "other", "nobody", 10)
+    assert e.requests_pending
+    e.rollback()
+    assert not e.requests_pending and not e.drain()
+    assert e.status(4, "held").holder is held and e.status(4, "new").holder is None
+    assert list(e.list_held(4, "", 10, None).locks) == [e.status(4, "held")]
+    e.check_invariants()
+
+
+def test_a_deadline_that_comes_ends_the_record_of_a_batch() -> None:
+    """Time is a fact: before applying it, the record of the batch so far ends
+    (the service commits the batch first when :meth:`due` says so)."""
+    e = make_engine()
+    short = grant(e.acquire(0, "short", ttl_ms=10, principal="user:a"))
+    e.drain()
+    e.acquire(1, "k1", ttl_ms=1000, principal="user:b")
+    assert not e.due(9) and e.due(10)
+    e.status(9, "k1")  # nothing due: the batch goes on
+    assert e.requests_pending
+    e.acquire(20, "k2", ttl_ms=1000, principal="user:b")  # "short" runs out first
+    e.rollback()  # undoes k2 only
+    assert e.pending().expired == [short]
+    assert e.status(21, "k1").holder is not None and e.status(21, "k2").holder is None
+    e.check_invariants()

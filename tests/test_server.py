@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket as stdsocket
 import sqlite3
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -31,7 +32,7 @@ from lockd.daemon.listener import bind_socket
 from lockd.daemon.protocol import Acquire
 from lockd.daemon.server import Limits, LockServer
 from lockd.daemon.service import LockService
-from lockd.daemon.store import Store
+from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller, IdentityConfig
 
 MEMBER = Caller("user", "alice", "member", 1000, 1000, 4242, frozenset({"alice"}))
@@ -337,6 +338,102 @@ async def test_store_error_after_rate_wait_is_internal_not_a_crash(short_tmp: Pa
     assert "crash" not in outcome, f"daemon stopped: {outcome['crash'].exceptions!r}"
     assert outcome["reply"]["error"]["code"] == "INTERNAL"
     assert outcome["hello"]["ok"]
+
+
+# ---------------------------------------------------------- group commit
+
+
+class CountingStore(Store):
+    """Counts commits and their rows; fails the next one when armed."""
+
+    commits: list[int]
+    fail_next = False
+
+    def apply(self, changes: Changes) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise StorageUnavailable("test: disk full")
+        super().apply(changes)
+        if changes.rows:
+            self.commits.append(len(changes.rows))
+
+
+async def peers_in_one_pass(h: Harness, count: int) -> list[tuple[stdsocket.socket, Peer]]:
+    """``count`` connections, each served (a hello answered) so its task waits to read."""
+    peers = []
+    for _ in range(count):
+        raw = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        raw.connect(str(h.socket))
+        peer = Peer(trio.socket.from_stdlib_socket(raw))
+        assert (await peer.call({"id": 0, "op": "hello"}))["ok"]
+        peers.append((raw, peer))
+    return peers
+
+
+def send_now(raw: stdsocket.socket, request: dict[str, Any]) -> None:
+    """Write a request without yielding to trio: the server sees them all in one pass."""
+    raw.send(json.dumps(request).encode() + b"\n")
+
+
+async def test_requests_of_several_connections_share_one_commit(short_tmp: Path) -> None:
+    store = CountingStore(short_tmp / "db", "boot-1")
+    store.commits = []
+    async with running(short_tmp, store=store) as h:
+        peers = await peers_in_one_pass(h, 3)
+        for i, (raw, _) in enumerate(peers):
+            send_now(raw, try_acquire(1, f"k{i}"))
+        replies = [await peer.recv() for _, peer in peers]
+        assert all(r is not None and r["ok"] and r["result"] for r in replies), replies
+        # One transaction for the three grants, each acknowledged after it.
+        assert store.commits == [3]
+        fences = sorted(r["result"]["fence"] for r in replies if r is not None)
+    assert fences == [1, 2, 3]
+    _, fence = Store(short_tmp / "db", "boot-1").load()
+    assert fence == 3
+
+
+async def test_failed_group_commit_answers_each_request_of_the_batch(short_tmp: Path) -> None:
+    store = CountingStore(short_tmp / "db", "boot-1")
+    store.commits = []
+    async with running(short_tmp, store=store) as h:
+        peers = await peers_in_one_pass(h, 3)
+        held = (await peers[0][1].call(try_acquire(1, "held")))["result"]["handle"]
+        store.fail_next = True
+        send_now(peers[0][0], {"id": 2, "op": "release", "key": "held", "handle": held})
+        send_now(peers[1][0], try_acquire(2, "new"))
+        send_now(peers[2][0], {"id": 2, "op": "hello"})
+        replies = [await peer.recv() for _, peer in peers]
+        codes = [r["error"]["code"] if r and not r["ok"] else "ok" for r in replies]
+        # The release and the grant are undone, each told so; hello is answered.
+        assert codes == ["STORAGE_UNAVAILABLE", "STORAGE_UNAVAILABLE", "ok"], replies
+        assert h.service.status("held")["held"] and not h.service.status("new")["held"]
+        h.engine.check_invariants()
+        # The next batch commits as usual.
+        assert (await peers[1][1].call(try_acquire(3, "new")))["ok"]
+        assert h.service.status("new")["held"]
+
+
+def test_a_deadline_commits_the_batch_before_it(short_tmp: Path) -> None:
+    """Time is a fact the engine never undoes: requests before it are committed first."""
+    clock = FakeClock(now=0)
+    store = CountingStore(short_tmp / "db", "boot-1")
+    store.commits = []
+    service = LockService(LockEngine(), store, OpenPolicy(), ScriptedLimiter(), clock)
+    service.group_commit = True
+    opts: dict[str, Any] = {"op": "tryAcquire", "owner": None, "release_on_close": False}
+    short = Acquire(1, key="short", ttl_ms=10, timeout_ms=None, **opts)
+    service.acquire(MEMBER, 1, short, pending=0)
+    service.commit_fact("test")
+    service.acquire(MEMBER, 1, Acquire(2, key="a", ttl_ms=1000, timeout_ms=None, **opts), pending=0)
+    assert service.batch_open and store.commits == [1]
+    clock.now = 20  # "short" has run out
+    service.acquire(MEMBER, 1, Acquire(3, key="b", ttl_ms=1000, timeout_ms=None, **opts), pending=0)
+    assert store.commits == [1, 1]  # "a", before the expiry was applied
+    store.fail_next = True
+    assert not service.commit_fact("test")  # undoes "b" only
+    assert service.status("a")["held"] and not service.status("b")["held"]
+    assert not service.status("short")["held"]
+    store.close()
 
 
 # ---------------------------------------------------- shutdown and framing

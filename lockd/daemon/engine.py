@@ -354,8 +354,8 @@ class LockEngine:
         #: what the running request changed (see rollback()).
         self._undo = UndoLog()
         self._undo_mark: tuple[int, int, int, int, int | None, int] = (0, 0, 0, 0, None, 0)
-        #: the one key the running request may change.
-        self._request_key = ""
+        #: the keys the requests since the last drain() changed (one each).
+        self._request_keys: set[str] = set()
         #: set when a bounded :meth:`advance` left due deadlines unapplied;
         #: requests then settle their own key first (:meth:`_settle`).
         self._behind = False
@@ -439,16 +439,22 @@ class LockEngine:
         self._undo.stop()
         return changes
 
+    @property
+    def requests_pending(self) -> bool:
+        """Requests changed state since the last drain: a rollback would undo them."""
+        return self._undo.recording
+
     def pending(self) -> Changes:
         """The effects gathered so far, left in place until :meth:`drain`."""
         return self._changes
 
     def rollback(self) -> None:
-        """Undo the last request: its commit failed, so none of it happened.
+        """Undo the requests since the last drain: their commit failed, so none of it happened.
 
-        Everything the request changed goes back, its pending rows and woken
-        waiters included; effects of time and of departed clients gathered
-        before it stay pending. Handed-out fences are not taken back (a
+        That is one request, or the batch of a group commit. Everything they
+        changed goes back, their pending rows and woken waiters included;
+        effects of time and of departed clients gathered before the first of
+        them stay pending. Handed-out fences are not taken back (a
         skipped fence is harmless, a reused one is not).
         """
         if not self._undo.recording:
@@ -460,13 +466,19 @@ class LockEngine:
         del changes.expired[expired:]
         changes.grants, changes.retakes, changes.fence = grants, retakes, fence
         self._lease_count = lease_count
-        self._index_key(self._request_key)
+        for key in self._request_keys:
+            self._index_key(key)
         # Heap entries are deleted lazily and may be gone for what came back.
         for obj in restored:
             if isinstance(obj, Lease) and self._holds(obj):
                 self._push_lease(obj)
             elif isinstance(obj, Waiter) and self._waiters.get(obj.id) is obj:
                 heapq.heappush(self._waiter_heap, (obj.deadline, obj.id))
+
+    def due(self, now: int) -> bool:
+        """A deadline has come: the next request or tick applies it first."""
+        deadline = self.next_deadline()
+        return deadline is not None and deadline <= now
 
     def next_deadline(self) -> int | None:
         """The earliest lease expiry or waiter deadline still pending."""
@@ -962,9 +974,12 @@ class LockEngine:
         a lease's expiry has timed out and must not be handed that key. At
         equal times the lease goes first, so a waiter whose deadline is the
         expiry still wins. Each event is applied as of its own time (``at``).
-        Time passing is a fact: nothing here is recorded for a rollback.
+        Time passing is a fact: nothing here is recorded for a rollback, and
+        a deadline applied ends the record of the requests before it (a group
+        commit's batch must be committed before: see :meth:`due`).
         """
-        self._undo.stop()
+        if not self._undo.recording or self.due(now):
+            self._undo.stop()
         heap, wheap = self._lease_heap, self._waiter_heap
         applied = 0
         caught_up = False
@@ -1041,9 +1056,17 @@ class LockEngine:
             self._sorted_keys.discard(key)
 
     def _begin(self, key: str) -> None:
-        """A request on ``key`` starts: record what it changes until drain() or rollback()."""
+        """A request on ``key`` starts: record what it changes until drain() or rollback().
+
+        Requests of one group commit (several before a drain) share one
+        record, and what time did between them joins it: a failed commit
+        undoes every request of the batch, back to its first one's start.
+        """
+        if self._undo.recording:
+            self._request_keys.add(key)
+            return
         c = self._changes
-        self._request_key = key
+        self._request_keys = {key}
         self._undo.begin()
         self._undo_mark = (
             len(c.resolved),

@@ -35,6 +35,7 @@ import errno
 import logging
 import math
 import os
+import select
 import signal
 import socket as stdsocket
 import time
@@ -45,7 +46,7 @@ from typing import Any
 import trio
 
 from lockd.daemon import fdlimit, sockio, systemd
-from lockd.daemon.engine import Parked, Waiter
+from lockd.daemon.engine import Lease, Parked, Waiter
 from lockd.daemon.protocol import (
     Acquire,
     Cancel,
@@ -58,7 +59,15 @@ from lockd.daemon.protocol import (
     encode_result,
     parse_request,
 )
-from lockd.daemon.service import AcquireStep, LockService, Reply, WaitForRoom, shutting_down
+from lockd.daemon.service import (
+    AcquireStep,
+    LockService,
+    Reply,
+    WaitForRoom,
+    shutting_down,
+    storage_unavailable,
+)
+from lockd.daemon.store import StorageUnavailable
 from lockd.identity import (
     Caller,
     IdentityConfig,
@@ -83,12 +92,26 @@ class Connection:
     id: int
     sock: stdsocket.socket
     caller: Caller
-    send_lock: trio.Lock = field(default_factory=trio.Lock)
-    closed: bool = False
+    #: writes the replies in order (set once the connection's nursery is open).
+    writer: sockio.ReplyWriter | None = None
     #: requests of this connection waiting in tasks of their own.
     waiting: int = 0
     #: those waits by request id, for ``cancel`` (a client reusing an id gets a list).
     waits: dict[RequestId, list[_Wait]] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
+class _Outgoing:
+    """A reply held until the group commit of its batch is done."""
+
+    conn: Connection
+    request_id: RequestId | None
+    data: bytes
+    #: the lease the reply hands out (released when it cannot be written).
+    grant: Lease | None
+    #: the reply acknowledges effects of the batch: when its commit fails,
+    #: the request is answered STORAGE_UNAVAILABLE instead.
+    needs_commit: bool
 
 
 @dataclass(eq=False)
@@ -99,6 +122,10 @@ class _Wait:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: set by ``cancel``: answer CANCELLED, not the step's outcome.
     cancelled: bool = False
+    #: the step's reply left its commit to the group commit (see LockService.deferred).
+    deferred: bool = False
+    #: its grant was sent when the engine handed it over (see LockServer._wake).
+    answered: bool = False
 
 
 #: Refused connections kept open for a moment at once (more are closed at once).
@@ -153,6 +180,8 @@ class LockServer:
         #: refused connections waiting a moment before they are closed.
         self._lingering = 0
         self._events: dict[int, trio.Event] = {}
+        #: parked waiters by id: whom to send the grant when the engine hands it over.
+        self._parked: dict[int, tuple[Connection, Acquire, _Wait]] = {}
         self._timer_scope: trio.CancelScope | None = None
         #: the engine deadline (boot ms) the timer scope was last pointed at.
         self._timer_target: int | None = None
@@ -160,6 +189,15 @@ class LockServer:
         self._started_at = time.monotonic()
         self.service.on_resolved = self._wake
         self.service.server_gauges = self.gauges
+        # Group commit (see _batch_point): replies wait in the outbox until
+        # the commit of their batch; the service calls _batch_ended after it.
+        self.service.group_commit = True
+        self.service.on_batch_end = self._batch_ended
+        self._outbox: list[_Outgoing] = []
+        #: every connection socket, level-triggered: "is another request
+        #: waiting to be read?" in one non-blocking epoll_wait.
+        self._readable = select.epoll()
+        self._flush_wanted = trio.Event()
         self._shutdown_event = trio.Event()
         self._warnings = fdlimit.ThrottledWarnings(log)
 
@@ -180,6 +218,7 @@ class LockServer:
         """Serve until :meth:`shutdown` (or SIGTERM/SIGINT); then close cleanly."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._timer)
+            nursery.start_soon(self._flusher)
             await nursery.start(self._signals)
             watchdog = systemd.watchdog_interval()
             if watchdog or os.environ.get("NOTIFY_SOCKET"):
@@ -195,6 +234,7 @@ class LockServer:
                 await self._drain_waiters()
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
+        self._readable.close()
         log.info(kv(event="stopped", held=self.service.gauges()["held"]))
 
     def shutdown(self) -> None:
@@ -273,9 +313,23 @@ class LockServer:
     # ---------------------------------------------------------------- timer
 
     def _wake(self, waiter: Waiter) -> None:
+        """A parked waiter was resolved, and that is committed: answer a grant now.
+
+        Runs inside the commit, before the replies of its batch go out, so
+        the waiter gets the key before the releaser hears that it let go
+        (strict FIFO as the clients see it) and without waiting for its
+        task's turn. The task still runs to leave the queue's bookkeeping.
+        """
         event = self._events.get(waiter.id)
-        if event is not None:
-            event.set()
+        if event is None:
+            return
+        parked = self._parked.pop(waiter.id, None)
+        if parked is not None and waiter.lease is not None:
+            conn, req, wait = parked
+            wait.answered = True
+            reply = self.service.parked_reply(req, waiter)
+            self._send(conn, encode_result(req.id, reply.result), reply.grant)
+        event.set()
 
     def _reschedule(self) -> None:
         """Make sure the timer fires no later than the engine's earliest deadline.
@@ -458,12 +512,23 @@ class LockServer:
             log.debug(
                 kv(event="connected", conn=conn.id, principal=caller.principal, pid=caller.pid)
             )
+        self._readable.register(sock, select.EPOLLIN)
         try:
             async with trio.open_nursery() as nursery:
+                conn.writer = writer = sockio.ReplyWriter(
+                    sock, nursery.start_soon, self._release_undelivered
+                )
                 await self._read_loop(conn, nursery)
+                # Answer what was read before the end (the peer may only
+                # have shut down its sending side).
+                self._flush()
+                await writer.wait_drained()
                 nursery.cancel_scope.cancel()
         finally:
-            conn.closed = True
+            self._flush()
+            if conn.writer is not None:
+                conn.writer.closed = True
+            self._readable.unregister(sock)
             self._open_connections -= 1
             del self.connections[conn.id]
             try:
@@ -511,14 +576,16 @@ class LockServer:
             lines = splitter.feed(data)
             self._buffered += splitter.pending - before
             for line in lines:
-                await self._handle_line(conn, line, nursery)
+                self._handle_line(conn, line, nursery)
+            self._batch_point(conn)
             if self._buffered > limits.max_buffered_bytes and splitter.pending:
                 await self._close_stalled(conn, "max_buffered_bytes")
                 return
             if splitter.too_long:
                 self.service.stats.count("invalidRequests")
                 limit = self.limits.max_line_bytes
-                await self._send(
+                self._flush()  # the lines before it are answered first
+                self._send(
                     conn,
                     encode_error(
                         None,
@@ -543,77 +610,151 @@ class LockServer:
         else:
             message = "too many bytes of incomplete request lines held; closing the connection"
             details = {"field": None, "reason": why, "limit": limits.max_buffered_bytes}
-        await self._send(conn, encode_error(None, "INVALID_REQUEST", message, details))
+        self._flush()
+        self._send(conn, encode_error(None, "INVALID_REQUEST", message, details))
+        assert conn.writer is not None
+        await conn.writer.wait_drained()
 
-    async def _send(self, conn: Connection, data: bytes) -> bool:
-        """Write one reply; False when the peer is gone."""
-        if conn.closed:
-            return False
+    def _send(self, conn: Connection, data: bytes, grant: Lease | None = None) -> None:
+        """Write one reply now (or queue it behind a slow one); release an undeliverable grant."""
+        writer = conn.writer
+        if (writer is None or not writer.write(data, grant)) and grant is not None:
+            self._release_undelivered(grant)
+
+    def _release_undelivered(self, grant: Lease) -> None:
+        self.service.release_undelivered(grant)
+        self._reschedule()
+
+    # ---------------------------------------------------------- group commit
+
+    def _queue(
+        self,
+        conn: Connection,
+        request_id: RequestId | None,
+        data: bytes,
+        grant: Lease | None = None,
+        *,
+        needs_commit: bool = False,
+    ) -> None:
+        self._outbox.append(_Outgoing(conn, request_id, data, grant, needs_commit))
+
+    def _batch_point(self, conn: Connection) -> None:
+        """After a connection's requests of one read: commit and answer, unless more are coming.
+
+        When another connection has a request waiting to be read, its task
+        runs in this same loop pass (or the next), and its requests join the
+        batch: one commit for all of them, then every reply. The last one to
+        find nobody else waiting commits; the flusher task commits in the
+        next pass in case that never happens (a readable connection whose
+        task is busy elsewhere). One client alone pays one epoll_wait(0).
+        """
+        if not self._outbox and not self.service.batch_open:
+            return
+        fd = conn.sock.fileno()
+        for ready_fd, _ in self._readable.poll(0, 2):
+            if ready_fd != fd:
+                self._flush_wanted.set()
+                return
+        self._flush()
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._flush_wanted.wait()
+            self._flush_wanted = trio.Event()
+            self._flush()
+
+    def _flush(self) -> None:
+        """Commit the batch; the service then calls :meth:`_batch_ended` to send its replies."""
+        if not self._outbox and not self.service.batch_open:
+            return
         try:
-            await sockio.send_all(conn.sock, conn.send_lock, data)
-        except (trio.ClosedResourceError, OSError):
-            conn.closed = True
-            return False
-        return True
+            self.service.commit_fact("group_commit")
+        except Exception:
+            self.service.stats.count("internalErrors")
+            log.exception(kv(event="internal_error", op="group_commit"))
+        self._reschedule()
+
+    def _batch_ended(self, error: BaseException | None) -> None:
+        """Send the replies of a batch whose commit is done, or fail those it acknowledged.
+
+        A failed commit was rolled back: the requests it would have made
+        durable get STORAGE_UNAVAILABLE (INTERNAL when it failed for a bug).
+        """
+        outbox, self._outbox = self._outbox, []
+        for out in outbox:
+            if error is None or not out.needs_commit:
+                self._send(out.conn, out.data, out.grant)
+            elif isinstance(error, StorageUnavailable):
+                self._send(out.conn, encode_protocol_error(storage_unavailable(out.request_id)))
+            else:
+                failed = encode_error(out.request_id, "INTERNAL", "internal error; see the log")
+                self._send(out.conn, failed)
 
     # ------------------------------------------------------------- requests
 
-    async def _handle_line(self, conn: Connection, line: bytes, nursery: trio.Nursery) -> None:
-        """Answer one request, or hand it to a task of its own if it must wait."""
+    def _handle_line(self, conn: Connection, line: bytes, nursery: trio.Nursery) -> None:
+        """Answer one request into the outbox, or hand it to a task of its own if it must wait."""
         started = time.perf_counter()
         handed_off = False
         request: Request | None = None
+        service = self.service
+        service.deferred = False
         try:
             request = parse_request(line)
             if self.shutting_down:
                 raise shutting_down()
             if isinstance(request, Cancel):
                 result = {"cancelled": self._cancel(conn, request.target)}
-                await self._send(conn, encode_result(request.id, result))
+                self._queue(conn, request.id, encode_result(request.id, result))
             elif isinstance(request, Acquire):
-                step = self.service.acquire(conn.caller, conn.id, request, pending=conn.waiting)
+                step = service.acquire(conn.caller, conn.id, request, pending=conn.waiting)
                 if isinstance(step, Reply):
-                    await self._reply(conn, request.id, step)
+                    self._reply(conn, request.id, step, needs_commit=service.deferred)
                 else:
                     self._wait_in_task(conn, nursery, request, started, step)
                     handed_off = True
             else:
-                result = self.service.answer(conn.caller, request)
-                await self._send(conn, encode_result(request.id, result))
+                result = service.answer(conn.caller, request)
+                self._queue(
+                    conn,
+                    request.id,
+                    encode_result(request.id, result),
+                    needs_commit=service.deferred,
+                )
         except ProtocolError as exc:
-            await self._reply_error(conn, request, exc)
+            self._reply_error(conn, request, exc)
         except Exception:
-            await self._reply_internal(conn, request)
+            self._reply_internal(conn, request)
         finally:
             if request is not None and not handed_off:
                 self._observe(request.op, started)
             self._reschedule()
 
-    async def _reply(self, conn: Connection, request_id: RequestId, reply: Reply) -> None:
-        """Write a reply; a grant whose reply cannot be written is released at once."""
-        delivered = False
-        try:
-            delivered = await self._send(conn, encode_result(request_id, reply.result))
-        finally:
-            if reply.grant is not None and not delivered:
-                self.service.release_undelivered(reply.grant)
-                self._reschedule()
-
-    async def _reply_error(
-        self, conn: Connection, request: Request | None, exc: ProtocolError
+    def _reply(
+        self, conn: Connection, request_id: RequestId, reply: Reply, *, needs_commit: bool
     ) -> None:
+        """Queue a reply for the batch; a grant whose reply cannot be written is released."""
+        self._queue(
+            conn,
+            request_id,
+            encode_result(request_id, reply.result),
+            reply.grant,
+            needs_commit=needs_commit,
+        )
+
+    def _reply_error(self, conn: Connection, request: Request | None, exc: ProtocolError) -> None:
         if exc.code == "INVALID_REQUEST":
             self.service.stats.count("invalidRequests")
         if request is not None and exc.request_id is None:
             exc.request_id = request.id
-        await self._send(conn, encode_protocol_error(exc))
+        self._queue(conn, exc.request_id, encode_protocol_error(exc))
 
-    async def _reply_internal(self, conn: Connection, request: Request | None) -> None:
+    def _reply_internal(self, conn: Connection, request: Request | None) -> None:
         """A bug: log the traceback, answer INTERNAL; connection and daemon live on."""
         self.service.stats.count("internalErrors")
         log.exception(kv(event="internal_error", op=getattr(request, "op", None)))
         rid = request.id if request is not None else None
-        await self._send(conn, encode_error(rid, "INTERNAL", "internal error; see the log"))
+        self._queue(conn, rid, encode_error(rid, "INTERNAL", "internal error; see the log"))
 
     def _observe(self, op: str, started: float) -> None:
         self.service.stats.observe(op, (time.perf_counter() - started) * 1000)
@@ -629,8 +770,8 @@ class LockServer:
         step: WaitForRoom | Parked,
     ) -> None:
         """Follow an acquire that has to wait in a task of its own, counted per connection."""
-        self._track(step)  # before any await: the waiter may be resolved at once
         wait = _Wait(step)
+        self._track(conn, req, wait)  # before any await: the waiter may be resolved at once
         conn.waits.setdefault(req.id, []).append(wait)
 
         async def run() -> None:
@@ -638,6 +779,8 @@ class LockServer:
                 reply: Reply | None = None
                 with wait.scope:
                     reply = await self._wait_for_reply(conn, req, wait)
+                if wait.answered:
+                    return  # its grant went out when it was handed over
                 if wait.cancelled or reply is None:
                     raise ProtocolError(
                         "CANCELLED",
@@ -645,12 +788,15 @@ class LockServer:
                         request_id=req.id,
                         details={"key": req.key},
                     )
-                await self._reply(conn, req.id, reply)
+                self._reply(conn, req.id, reply, needs_commit=wait.deferred)
             except ProtocolError as exc:
-                await self._reply_error(conn, req, exc)
+                self._reply_error(conn, req, exc)
             except Exception:
-                await self._reply_internal(conn, req)
+                self._reply_internal(conn, req)
             finally:
+                # Its own batch: committed (if a grant after a wait for
+                # room left it pending) and answered now.
+                self._flush()
                 waits = conn.waits.get(req.id, [])
                 if wait in waits:
                     waits.remove(wait)
@@ -686,12 +832,13 @@ class LockServer:
             self._reschedule()
         return withdrawn
 
-    def _track(self, step: AcquireStep) -> AcquireStep:
+    def _track(self, conn: Connection, req: Acquire, wait: _Wait) -> None:
         """Give a parked waiter the event its resolution sets."""
+        step = wait.step
         if isinstance(step, Parked):
             self._events[step.waiter.id] = trio.Event()
+            self._parked[step.waiter.id] = (conn, req, wait)
             self._reschedule()  # its deadline may be the earliest now
-        return step
 
     async def _wait_for_reply(self, conn: Connection, req: Acquire, wait: _Wait) -> Reply:
         """Do the waiting each step asks for until the service has the reply."""
@@ -704,16 +851,19 @@ class LockServer:
                     await self._shutdown_event.wait()
                 if self.shutting_down:
                     raise shutting_down()
-                wait.step = self._track(
-                    self.service.acquire_after_wait(conn.caller, conn.id, req, step)
-                )
+                self.service.deferred = False
+                wait.step = self.service.acquire_after_wait(conn.caller, conn.id, req, step)
+                wait.deferred = self.service.deferred
+                self._track(conn, req, wait)
             else:
                 waiter = step.waiter
                 try:
                     await self._events[waiter.id].wait()
                 finally:
                     self._events.pop(waiter.id, None)
+                    self._parked.pop(waiter.id, None)
                     # Cancelled (connection gone) or woken by shutdown: leave
                     # the queue before anything else can hand us the key.
                     self.service.cancel_waiter(waiter)
                 wait.step = self.service.parked_reply(req, waiter)
+                wait.deferred = False  # granted or timed out by a commit already done

@@ -64,6 +64,7 @@ from lockd.daemon.protocol import (
     Release,
     Renew,
     Request,
+    RequestId,
     Rules,
     Stats,
     Status,
@@ -144,6 +145,15 @@ def _timed_out(req: Acquire) -> ProtocolError:
     )
 
 
+def storage_unavailable(request_id: RequestId | None = None) -> ProtocolError:
+    return ProtocolError(
+        "STORAGE_UNAVAILABLE",
+        "the lock database cannot be written (disk full or I/O error); "
+        "nothing of the request took effect, retry later",
+        request_id=request_id,
+    )
+
+
 def shutting_down() -> ProtocolError:
     return ProtocolError("SHUTTING_DOWN", "lockd is stopping")
 
@@ -171,6 +181,16 @@ class LockService:
         self.on_resolved: Callable[[Waiter], None] = lambda waiter: None
         #: the server's own gauges (uptime, connections) for the ``stats`` op.
         self.server_gauges: Callable[[], dict[str, Any]] = dict
+        #: group commit: requests leave their effects pending (see
+        #: :meth:`commit_request`) and the server commits them together.
+        self.group_commit = False
+        #: set by :meth:`commit_request` when it left the request's effects
+        #: to the group commit; the server reads and clears it per request.
+        self.deferred = False
+        #: called after every commit with its outcome (None: committed, once
+        #: its waiters were woken; else the error it was rolled back for):
+        #: the server sends or fails the replies of the group commit's batch.
+        self.on_batch_end: Callable[[BaseException | None], None] = lambda error: None
 
     # ----------------------------------------------------------- plumbing
 
@@ -185,11 +205,13 @@ class LockService:
         changes = self.engine.pending()
         if not changes:
             self.engine.drain()
+            self.on_batch_end(None)
             return
         try:
             self.store.apply(changes)
-        except BaseException:
+        except BaseException as exc:
             self.engine.rollback()
+            self.on_batch_end(exc)
             raise
         self.engine.drain()
         self.stats.count("grants", changes.grants)
@@ -206,6 +228,7 @@ class LockService:
                     kv(event="granted", key=lease.key, principal=lease.principal, fence=lease.fence)
                 )
             self.on_resolved(waiter)
+        self.on_batch_end(None)
 
     def _log_expired(self, expired: list[Lease]) -> None:
         """One info line per commit however many leases ran out; each at debug.
@@ -227,6 +250,11 @@ class LockService:
                     kv(event="expired", key=lease.key, principal=lease.principal, fence=lease.fence)
                 )
 
+    @property
+    def batch_open(self) -> bool:
+        """Requests of the group commit's batch wait for their commit."""
+        return self.engine.requests_pending
+
     def next_deadline(self) -> int | None:
         """The engine's earliest lease or waiter deadline (boot-clock ms), if any."""
         return self.engine.next_deadline()
@@ -241,21 +269,26 @@ class LockService:
         False when the commit failed: the expiries and hand-offs stay pending
         and the timer retries shortly.
         """
-        self.engine.advance(self.clock.boot_ms(), EXPIRY_CHUNK)
+        self.engine.advance(self._now(), EXPIRY_CHUNK)
         return self.commit_fact("tick")
 
-    def commit_request(self) -> None:
-        """Commit a request's effects; a storage failure becomes its error reply."""
+    def commit_request(self, *, now: bool = False) -> None:
+        """Commit a request's effects; a storage failure becomes its error reply.
+
+        Under :attr:`group_commit` the effects stay pending (unless ``now``)
+        and :attr:`deferred` says so: the server commits the batch before
+        it sends any reply of it, and answers STORAGE_UNAVAILABLE to each
+        of the batch's requests when that commit fails.
+        """
+        if self.group_commit and not now:
+            self.deferred = True
+            return
         try:
             self.commit()
         except StorageUnavailable as exc:
             self.stats.count("storageErrors")
             log.warning(kv(event="storage_unavailable", error=exc))
-            raise ProtocolError(
-                "STORAGE_UNAVAILABLE",
-                "the lock database cannot be written (disk full or I/O error); "
-                "nothing of the request took effect, retry later",
-            ) from None
+            raise storage_unavailable() from None
 
     def commit_fact(self, what: str) -> bool:
         """Commit what time or a departed client did; on failure it stays pending.
@@ -271,6 +304,26 @@ class LockService:
             log.warning(kv(event="storage_unavailable", during=what, error=exc))
             return False
         return True
+
+    def _now(self) -> int:
+        """The boot clock for a call into the engine.
+
+        Time passing is a fact the engine does not undo, so when a deadline
+        has come, the batch of requests before it is committed first.
+        """
+        now = self.clock.boot_ms()
+        if self.engine.requests_pending and self.engine.due(now):
+            self._end_batch("time")
+        return now
+
+    def _end_batch(self, what: str) -> None:
+        """Commit the group commit's batch before a fact the engine never undoes.
+
+        The engine keeps no undo record across such a fact, so the batch's
+        requests must be committed (or rolled back) before it.
+        """
+        if self.engine.requests_pending:
+            self.commit_fact(what)
 
     def gauges(self) -> dict[str, int]:
         engine = self.engine
@@ -354,7 +407,7 @@ class LockService:
                 f"{limit} requests are already waiting on this connection",
                 details={"field": None, "limit": limit},
             )
-        now = self.clock.boot_ms()
+        now = self._now()
         if req.timeout_ms is None:
             retry_after = self._take_attempt(caller, now)
             if retry_after is not None:
@@ -366,7 +419,7 @@ class LockService:
         self, caller: Caller, conn: int, req: Acquire, room: WaitForRoom
     ) -> AcquireStep:
         """The next step of a blocking acquire that waited for rate-limit room."""
-        return self._acquire_within(caller, conn, req, self.clock.boot_ms(), room.deadline)
+        return self._acquire_within(caller, conn, req, self._now(), room.deadline)
 
     def parked_reply(self, req: Acquire, waiter: Waiter) -> Reply:
         """The answer to a parked acquire once it left the queue."""
@@ -380,12 +433,13 @@ class LockService:
         """Take a parked acquire out of its queue, unless it already left."""
         if waiter.resolved:
             return
+        self._end_batch("cancel_waiter")
         self.engine.cancel_waiter(self.clock.boot_ms(), waiter)
         self.commit_fact("cancel_waiter")
 
     def release_undelivered(self, lease: Lease) -> None:
         """A grant whose reply could not be written is released at once."""
-        if self.engine.release(self.clock.boot_ms(), lease.key, lease.handle):
+        if self.engine.release(self._now(), lease.key, lease.handle):
             self.stats.count("releases")
             log.info(kv(event="released_undelivered", key=lease.key, principal=lease.principal))
         self.commit_fact("released_undelivered")
@@ -443,7 +497,9 @@ class LockService:
             pid=caller.pid,
             process=caller.process,
         )
-        self.commit_request()
+        # A parked acquire waits in a task of its own after this returns:
+        # its queue place must be committed now, not with the batch.
+        self.commit_request(now=isinstance(result, Parked))
         if isinstance(result, Refused):
             raise ProtocolError(
                 "INVALID_REQUEST", result.message, details={"field": result.field, **result.details}
@@ -500,7 +556,7 @@ class LockService:
             self.authorize(caller, "renew", key, mode=hold.mode, limit=hold.limit)
         else:
             self.authorize(caller, "renew", key)
-        lease = self.engine.renew(self.clock.boot_ms(), key, handle, ttl_ms)
+        lease = self.engine.renew(self._now(), key, handle, ttl_ms)
         self.commit_request()
         if lease is None:
             return {"renewed": False, "reason": "lease_lost"}
@@ -508,7 +564,7 @@ class LockService:
         return {"renewed": True, "leaseExpiresAt": self._wall(lease.expires_at)}
 
     def release(self, caller: Caller, key: str, handle: str) -> dict[str, Any]:
-        released = self.engine.release(self.clock.boot_ms(), key, handle)
+        released = self.engine.release(self._now(), key, handle)
         self.commit_request()
         if not released:
             return {"released": False, "reason": "not_holder"}
@@ -518,6 +574,7 @@ class LockService:
         return {"released": True}
 
     def connection_closed(self, conn: int, *, release_bound: bool = True) -> None:
+        self._end_batch("connection_closed")
         now = self.clock.boot_ms()
         for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):
             self.stats.count("releases")
@@ -525,19 +582,19 @@ class LockService:
         self.commit_fact("connection_closed")
 
     def status(self, key: str) -> dict[str, Any]:
-        st = self.engine.status(self.clock.boot_ms(), key)
+        st = self.engine.status(self._now(), key)
         self.commit_fact("status")
         return self.status_view(st)
 
     def list(self, caller: Caller, prefix: str, limit: int, after: str | None) -> dict[str, Any]:
         self.authorize(caller, "list")
-        page = self.engine.list_held(self.clock.boot_ms(), prefix, limit, after)
+        page = self.engine.list_held(self._now(), prefix, limit, after)
         self.commit_fact("list")
         return {"locks": [self.status_view(st) for st in page.locks], "next": page.next}
 
     def break_lock(self, caller: Caller, key: str, reason: str) -> dict[str, Any]:
         self.authorize(caller, "break", key)
-        broken = self.engine.break_lock(self.clock.boot_ms(), key)
+        broken = self.engine.break_lock(self._now(), key)
         self.commit_request()
         if not broken:
             log.info(kv(event="break_free_key", key=key, by=caller.principal, reason=reason))

@@ -5,13 +5,16 @@ pass, even when the kernel could answer at once, and lockd's round trip is
 short enough that those passes dominated it (profiled: ~3 passes per
 request). Here a reply that fits the socket buffer -- nearly all of them -- is
 written without yielding, and a read waits for readiness once and then
-reads. Order of replies on a connection is kept by a per-connection lock
-that only the slow path (a partially written reply) takes.
+reads. Order of replies on a connection is kept by :class:`ReplyWriter`,
+whose queue only the slow path (a partially written reply) uses.
 """
 
 from __future__ import annotations
 
 import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -40,40 +43,93 @@ async def recv_some(sock: socket.socket) -> bytes:
             continue
 
 
-async def send_all(sock: socket.socket, lock: trio.Lock, data: bytes) -> None:
-    """Write all of ``data``; raises OSError when the peer is gone.
+class ReplyWriter:
+    """The replies of one connection, written in order without yielding when they fit.
 
-    The fast path does not yield, so it cannot interleave with another
-    task's reply; a reply that does not fit goes on under ``lock``, which
-    also holds back the fast path of later replies until it is out.
+    :meth:`write` is synchronous, so the server can send a whole group
+    commit's replies from one place (and a waiter's grant before the
+    releaser's answer). A reply the socket buffer cannot take goes into a
+    queue that one task (started through ``spawn``) drains as the peer
+    reads; later replies queue behind it, so bytes never interleave. A
+    reply carries an optional token (the grant it hands out): when the peer
+    is gone before it was written, ``undelivered`` gets the token.
     """
-    view = memoryview(data)
-    if not lock.locked():
+
+    __slots__ = ("_drained", "_queue", "_spawn", "_undelivered", "closed", "sock")
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        spawn: Callable[[Callable[[], Awaitable[None]]], None],
+        undelivered: Callable[[Any], None],
+    ) -> None:
+        self.sock = sock
+        self._spawn = spawn
+        self._undelivered = undelivered
+        #: replies not yet (fully) written, oldest first; None when none waits.
+        self._queue: deque[tuple[memoryview, Any]] | None = None
+        self._drained: trio.Event | None = None
+        #: the peer is gone (or the connection closing): nothing more is written.
+        self.closed = False
+
+    @property
+    def backlogged(self) -> bool:
+        return self._queue is not None
+
+    def write(self, data: bytes, token: Any = None) -> bool:
+        """Write ``data`` now, or queue it; False when the peer is gone (``token`` not given)."""
+        if self.closed:
+            return False
+        if self._queue is not None:
+            self._queue.append((memoryview(data), token))
+            return True
         try:
-            sent = sock.send(view)
+            sent = self.sock.send(data)
         except BlockingIOError:
             sent = 0
-        if sent == len(view):
+        except OSError:
+            self.closed = True
+            return False
+        if sent < len(data):
+            self._queue = deque([(memoryview(data)[sent:], token)])
+            self._spawn(self._drain)
+        return True
+
+    async def wait_drained(self) -> None:
+        """Wait until every queued reply is written (or the peer is gone)."""
+        if self._queue is None:
             return
-        view = view[sent:]
-        lock.acquire_nowait()  # no yield since locked() was checked
+        if self._drained is None:
+            self._drained = trio.Event()
+        await self._drained.wait()
+
+    async def _drain(self) -> None:
+        queue = self._queue
+        assert queue is not None
         try:
-            await _send_rest(sock, view)
+            while queue:
+                view, token = queue[0]
+                await trio.lowlevel.wait_writable(self.sock)
+                try:
+                    sent = self.sock.send(view)
+                except BlockingIOError:
+                    continue
+                if sent < len(view):
+                    queue[0] = (view[sent:], token)
+                else:
+                    queue.popleft()
+        except (trio.ClosedResourceError, OSError):
+            self.closed = True
         finally:
-            lock.release()
-        return
-    async with lock:
-        await _send_rest(sock, view)
-
-
-async def _send_rest(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        await trio.lowlevel.wait_writable(sock)
-        try:
-            sent = sock.send(view)
-        except BlockingIOError:
-            continue
-        view = view[sent:]
+            if queue:  # the peer is gone, or the connection is closing
+                self.closed = True
+            self._queue = None
+            if self._drained is not None:
+                self._drained.set()
+                self._drained = None
+            for _, token in queue:
+                if token is not None:
+                    self._undelivered(token)
 
 
 def close(sock: socket.socket) -> None:
