@@ -261,6 +261,77 @@ def bench_spread(
     return {"rounds": rounds, "summary": summary, "processes": SPREAD_PROCS}
 
 
+# --------------------------------------------------------------------- goals
+
+#: Issue 13's goals, as ratios to same-run peers (the "goals" table).
+GOAL_B1_VS_POSTGRES = 0.9
+GOAL_B1_VS_REDIS = 1.2
+GOAL_B2_P99_MS = 1.0
+GOAL_B3_VS_POSTGRES = 1.0
+
+
+def paired_ratio(rounds: list[dict[str, Any]], label: str, peer: str, field: str) -> float:
+    """Median over rounds of ``label``'s ``field`` / ``peer``'s, paired within each round."""
+    return median(
+        [
+            row[label][field] / row[peer][field]
+            for row in rounds
+            if label in row and peer in row and row[peer][field]
+        ]
+    )
+
+
+def goal_rows(results: dict[str, Any], label: str) -> list[tuple[str, float, bool]]:
+    """(goal, measured, met) for one lockd (this tree's, or ``lockd@REV``)."""
+    rows: list[tuple[str, float, bool]] = []
+    if "a" in results:
+        rounds = results["a"]["rounds"]
+        for peer, goal in (("postgres", GOAL_B1_VS_POSTGRES), ("redis", GOAL_B1_VS_REDIS)):
+            r = paired_ratio(rounds, label, peer, "pairs_per_s")
+            rows.append((f"B1 pairs/s vs {peer} >= {goal}x", r, r >= goal))
+    if "b" in results:
+        s = results["b"]["summary"]
+        if label in s and "postgres" in s:
+            r = paired_ratio(results["b"]["rounds"], label, "postgres", "p50_ms")
+            rows.append(("B2 hand-off p50 vs postgres <= 1x", r, r <= 1.0))
+        if label in s:
+            mine = s[label]
+            p99 = mine["p99_ms"]
+            rows.append((f"B2 hand-off p99 <= {GOAL_B2_P99_MS} ms", p99, p99 <= GOAL_B2_P99_MS))
+            regrab = mine["regrab_fraction"]
+            fifo = mine["fifo_fraction"] == 1.0 or mine["non_fifo_max_gap_ms"] < FIFO_AMBIGUITY_MS
+            rows.append(("B2 re-grab = 0 and strict FIFO", regrab, regrab == 0 and fifo))
+    if "c" in results:
+        r = paired_ratio(results["c"]["rounds"], label, "postgres", "pairs_per_s")
+        rows.append(
+            (f"B3 pairs/s vs postgres >= {GOAL_B3_VS_POSTGRES}x", r, r >= GOAL_B3_VS_POSTGRES)
+        )
+    return rows
+
+
+def _report_goals(results: dict[str, Any]) -> list[str]:
+    labels = ["lockd"] + [
+        label
+        for label in results.get("a", results.get("c", {})).get("summary", {})
+        if label.startswith("lockd@")
+    ]
+    per_label = {label: goal_rows(results, label) for label in labels}
+    goals = [goal for goal, _, _ in per_label["lockd"]]
+    if not goals:
+        return []
+    rows = []
+    for i, goal in enumerate(goals):
+        row = [goal]
+        for label in labels:
+            _, value, met = per_label[label][i]
+            row.append("-" if math.isnan(value) else f"{value:.3g} {'MET' if met else 'no'}")
+        rows.append(row)
+    return [
+        "goals (issue 13): ratios paired within each round, medians; re-grab as a fraction",
+        table(["goal", *labels], rows),
+    ]
+
+
 # -------------------------------------------------------------------- report
 
 
@@ -277,11 +348,13 @@ def report(results: dict[str, Any]) -> str:
         ("b", _report_handoff),
         ("c", _report_spread),
         ("store", _report_store),
+        ("goals", _report_goals),
     ):
-        if section in results:
+        if section in results or (section == "goals" and results.keys() & {"a", "b", "c"}):
             out.append("")
             out += render(results)
-            out += [f"  {name}: {why}" for name, why in results["skipped"].get(section, {}).items()]
+            skipped = results["skipped"].get(section, {})
+            out += [f"  {name}: {why}" for name, why in skipped.items()]
     out.append(f"\nJSON: {meta['json']}")
     return "\n".join(out)
 
