@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lockd.daemon import store as store_mod
+from lockd.daemon.cold import ColdLeases
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import SCHEMA_VERSION, Store, StoreError
 
@@ -351,3 +352,26 @@ def test_restore_builds_each_key_from_its_holders_together() -> None:
     engine.check_invariants()
     with pytest.raises(ValueError, match="must come together"):
         LockEngine().restore([lease("a", 1), lease("b", 2), lease("a", 3)], now=0)
+
+
+def test_deadlines_and_leases_of_feed_a_cold_restore(db_path: Path) -> None:
+    """The daemon's start: keys and deadlines first, a key's full rows when needed."""
+    old = Store(db_path, OTHER_BOOT)
+    old.apply(changes({"gone": lease("gone", 1)}, fence=1))
+    old.close()
+    s = Store(db_path, BOOT)
+    rows = {f"k{i:04d}": lease(f"k{i:04d}", i + 2, expires_at=100 + i) for i in range(1200)}
+    s.apply(changes({**rows, "é": lease("é", 5000, owner="run")}, fence=5000))
+    batches = list(s.deadlines())
+    assert len(batches) == 1 and batches[0][:2] == [(b"k0000", 100, 1), (b"k0001", 101, 1)]
+    assert batches[0][-1] == ("é".encode(), 5000, 1)
+    assert list(s.leases_of(["gone"])) == []  # an earlier boot's, dropped
+    wanted = [*list(rows)[::2], "é", "absent"]  # more keys than one query takes
+    expected = [rows[k] for k in wanted[:-2]] + [lease("é", 5000, owner="run")]
+    assert [persisted(x) for x in s.leases_of(wanted)] == [persisted(x) for x in expected]
+    engine = LockEngine(fence=s.stored_fence())
+    engine.restore_cold(ColdLeases.build(s.deadlines()), s.leases_of, now=0)
+    assert engine.held_count == 1201
+    assert engine.release(1, "k0007", rows["k0007"].handle)
+    assert engine.status(1, "é").holder is not None
+    s.close()

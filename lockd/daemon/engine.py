@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from sortedcontainers import SortedList
 
 from lockd.daemon import holds
+from lockd.daemon.cold import ColdLeases
 from lockd.daemon.holds import EXCLUSIVE, SHARED, Refused
 from lockd.daemon.undo import UndoLog
 
@@ -58,6 +59,7 @@ __all__ = [
     "Changes",
     "KeyStatus",
     "Lease",
+    "LeaseLoader",
     "ListPage",
     "LockEngine",
     "Parked",
@@ -79,6 +81,8 @@ MAX_LISTED_HOLDERS = 100
 EXPIRY_CHUNK = 250
 #: due deadlines a request applies on its way in, before settling its own key.
 REQUEST_CHUNK = 64
+#: cold keys (see :mod:`lockd.daemon.cold`) loaded by one call of the loader.
+LOAD_BATCH = 256
 
 
 def new_handle_id() -> str:
@@ -217,6 +221,36 @@ class Waiter:
 
 #: (key, slot): the store's row address of a lease.
 RowId = tuple[str, int]
+
+#: Reads the stored leases of cold keys (:meth:`LockEngine.restore_cold`):
+#: every lease of each key asked for, a key's leases together, keys in any
+#: order. The daemon's is :meth:`lockd.daemon.store.Store.leases_of`.
+LeaseLoader = Callable[[list[str]], Iterable[Lease]]
+
+
+def _no_loader(keys: list[str]) -> Iterable[Lease]:
+    raise AssertionError(f"no cold keys to load, asked for {keys[:3]}")
+
+
+def _cold_status(group: list[Lease]) -> KeyStatus:
+    """What status shows of a cold key, from its stored leases (as restore makes it)."""
+    group.sort(key=lambda lease: lease.fence)  # oldest grant first
+    newest = group[-1]
+    return KeyStatus(
+        newest.key, newest.mode, newest.limit, len(group), group[:MAX_LISTED_HOLDERS], 0
+    )
+
+
+def _by_key(leases: Iterable[Lease]) -> Iterator[list[Lease]]:
+    """The leases of each key together, from a stream that keeps them together."""
+    group: list[Lease] = []
+    for lease in leases:
+        if group and lease.key != group[0].key:
+            yield group
+            group = []
+        group.append(lease)
+    if group:
+        yield group
 
 
 @dataclass
@@ -359,6 +393,9 @@ class LockEngine:
         #: set when a bounded :meth:`advance` left due deadlines unapplied;
         #: requests then settle their own key first (:meth:`_settle`).
         self._behind = False
+        #: keys restored but not loaded yet (restore_cold), and how to load them.
+        self._cold = ColdLeases()
+        self._load: LeaseLoader = _no_loader
 
     # ------------------------------------------------------------------ state
 
@@ -370,12 +407,12 @@ class LockEngine:
     @property
     def held_count(self) -> int:
         """Keys with at least one holder (a key without holders is not tracked)."""
-        return len(self._keys)
+        return len(self._keys) + self._cold.key_count
 
     @property
     def lease_count(self) -> int:
         """Holders over all keys."""
-        return self._lease_count
+        return self._lease_count + self._cold.lease_count
 
     @property
     def waiter_count(self) -> int:
@@ -389,18 +426,48 @@ class LockEngine:
         load without a second copy of them in memory. The deadline heap is
         built once at the end (heapify is O(n), a push per lease is not).
         """
-        group: list[Lease] = []
-        for lease in leases:
-            if group and lease.key != group[0].key:
-                self._restore_key(group)
-                group = []
-            group.append(lease)
-        if group:
+        for group in _by_key(leases):
             self._restore_key(group)
+            self._lease_heap.extend((lease.expires_at, lease.fence, lease) for lease in group)
         heapq.heapify(self._lease_heap)
         self._sorted_keys.update(self._keys)
         # Leases that ran out while the daemon was down go in timer passes too.
         self._advance(now, EXPIRY_CHUNK)
+
+    def restore_cold(self, cold: ColdLeases, load: LeaseLoader, now: int) -> None:
+        """Take up the stored leases as cold keys, loading each when first needed.
+
+        ``cold`` has each lease's key and deadline; ``load`` reads the full
+        leases of the keys asked for (see :mod:`lockd.daemon.cold`). A key is
+        loaded, as :meth:`restore` would have made it, before a request on
+        it, a ``status``/``list`` that shows it, or its first deadline; to
+        every caller the engine is the same as after :meth:`restore`.
+        """
+        if self._keys or self._cold.key_count:
+            raise ValueError("restore_cold() is for a new engine")
+        self._cold, self._load = cold, load
+        self._advance(now, EXPIRY_CHUNK)
+
+    def _warm(self, keys: list[str]) -> None:
+        """Load cold keys already taken out of ``_cold`` into the engine's state.
+
+        Not part of any request: loading changes nothing anyone can see.
+        """
+        self._undo.stop()
+        for group in _by_key(self._load(keys)):
+            self._adopt(group)
+
+    def _adopt(self, group: list[Lease]) -> None:
+        """Make a loaded cold key's state (all its leases) in the engine."""
+        self._restore_key(group)
+        self._sorted_keys.add(group[0].key)
+        for lease in group:
+            heapq.heappush(self._lease_heap, (lease.expires_at, lease.fence, lease))
+
+    def _warm_key(self, key: str) -> None:
+        """Load ``key`` if it is still cold (before anything looks at it)."""
+        if self._cold.key_count and key not in self._keys and self._cold.take(key):
+            self._warm([key])
 
     def _restore_key(self, group: list[Lease]) -> None:
         """Make the state of one key from all its stored holders."""
@@ -411,7 +478,6 @@ class LockEngine:
             lease.conn = None  # a restart ends every connection binding
             if lease.fence > self._fence:
                 self._fence = lease.fence
-            self._lease_heap.append((lease.expires_at, lease.fence, lease))
         if len(group) == 1:  # the common case, without the general bookkeeping
             lease = group[0]
             state = _KeyState(lease.mode, lease.limit)
@@ -488,6 +554,8 @@ class LockEngine:
             candidates.append(self._lease_heap[0][0])
         if self._waiter_heap:
             candidates.append(self._waiter_heap[0][0])
+        if self._cold.key_count and (cold_at := self._cold.next_deadline()) is not None:
+            candidates.append(cold_at)
         return min(candidates) if candidates else None
 
     def advance(self, now: int, budget: int | None = None) -> bool:
@@ -660,6 +728,7 @@ class LockEngine:
 
     def find(self, key: str, handle: str) -> Lease | None:
         """The hold of ``handle`` on ``key`` as the engine has it (no time passes)."""
+        self._warm_key(key)
         return self._find(key, handle)
 
     def status(self, now: int, key: str) -> KeyStatus:
@@ -672,8 +741,10 @@ class LockEngine:
         """Held keys under ``prefix`` in key order, at most ``limit``, after ``after``.
 
         Keys under a prefix are contiguous in key order, so the page is a
-        slice of the sorted index: O(limit + log n). While the timer is
-        behind, each key is settled first and skipped if that freed it.
+        slice of the sorted index (merged with the cold keys', which are
+        shown from their rows, read in one call, without loading them for
+        good): O(limit + log n). While the timer is behind, each key is
+        settled first and skipped if that freed it.
         """
         self._catch_up(now, None)
         if after is not None and after >= prefix:
@@ -681,29 +752,50 @@ class LockEngine:
         else:
             cursor, inclusive = prefix, True
         keys: list[str] = []
+        #: cold keys of the page -> their stored leases.
+        cold_rows: dict[str, list[Lease]] = {}
         exhausted = False
         while not exhausted and len(keys) <= limit:
             # A batch first: settling a key may take it out of the index.
             want = limit + 1 - len(keys)
-            batch = list(
-                itertools.islice(
-                    self._sorted_keys.irange(minimum=cursor, inclusive=(inclusive, True)), want
-                )
-            )
+            hot = self._sorted_keys.irange(minimum=cursor, inclusive=(inclusive, True))
+            cold = itertools.islice(self._cold.keys_from(cursor, inclusive), want)
+            batch = list(itertools.islice(heapq.merge(hot, cold), want))
             exhausted = len(batch) < want
             if batch:
                 cursor, inclusive = batch[-1], False
-            for key in batch:
+            for at, key in enumerate(batch):
                 if not key.startswith(prefix):
                     exhausted = True
+                    del batch[at:]
                     break
+            loaded = (
+                self._load([k for k in batch if k in self._cold]) if self._cold.key_count else ()
+            )
+            for group in _by_key(loaded):
+                key = group[0].key
+                if self._behind and any(lease.expires_at <= now for lease in group):
+                    self._cold.take(key)  # ran out: to the engine, to be settled below
+                    self._adopt(group)
+                else:
+                    cold_rows[key] = group
+            for key in batch:
+                if key in cold_rows:
+                    keys.append(key)
+                    continue
                 if self._behind:
                     self._settle(now, key)
                 if key in self._keys:
                     keys.append(key)
         more = len(keys) > limit
         del keys[limit:]
-        return ListPage([self._status(k, self._keys[k]) for k in keys], keys[-1] if more else None)
+        return ListPage(
+            [
+                self._status(k, self._keys[k]) if k in self._keys else _cold_status(cold_rows[k])
+                for k in keys
+            ],
+            keys[-1] if more else None,
+        )
 
     # ---------------------------------------------------------------- holders
 
@@ -983,10 +1075,28 @@ class LockEngine:
         heap, wheap = self._lease_heap, self._waiter_heap
         applied = 0
         caught_up = False
+        cold = self._cold
         while budget is None or applied < budget:
             self._prune_heaps()
             lease_at = heap[0][0] if heap else None
             waiter_at = wheap[0][0] if wheap else None
+            cold_at = cold.next_deadline() if cold.key_count else None
+            if (
+                cold_at is not None
+                and cold_at <= now
+                and (lease_at is None or cold_at < lease_at)
+                and (waiter_at is None or cold_at <= waiter_at)
+            ):
+                # Cold keys come due: load them, and the heap orders what
+                # follows. Loading a key costs about what expiring it does,
+                # so it counts against the budget. (A tie with a loaded lease
+                # goes to the loaded one: keys that are independent of each
+                # other may go in any order, and it keeps the loaded few.)
+                room = LOAD_BATCH if budget is None else min(LOAD_BATCH, budget - applied)
+                taken = cold.take_due(now, room)
+                self._warm(taken)
+                applied += len(taken)
+                continue
             if (
                 lease_at is not None
                 and lease_at <= now
@@ -1012,6 +1122,8 @@ class LockEngine:
 
     def _catch_up(self, now: int, key: str | None) -> None:
         """Time passes before a request: a few due deadlines, then all of ``key``'s."""
+        if key is not None:
+            self._warm_key(key)
         if not self._advance(now, REQUEST_CHUNK) and key is not None:
             self._settle(now, key)
 
@@ -1121,6 +1233,7 @@ class LockEngine:
                 )
         assert leases == self._lease_count
         assert list(self._sorted_keys) == sorted(self._keys)
+        assert not any(key in self._cold for key in self._keys), "a key both cold and loaded"
         assert sum(s.q_len for s in self._keys.values()) == len(self._waiters)
         for owned, lease in self._owned.items():
             assert self._holds(lease) and owned == (lease.key, lease.principal, lease.owner)

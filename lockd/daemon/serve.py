@@ -19,6 +19,7 @@ import trio
 from lockd.config import ConfigError, Paths, Settings, load_settings
 from lockd.daemon import fdlimit, fencemark, systemd
 from lockd.daemon.clock import Clock, SystemClock
+from lockd.daemon.cold import ColdLeases
 from lockd.daemon.engine import LockEngine
 from lockd.daemon.listener import (
     SocketInUseError,
@@ -90,9 +91,9 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
         policy.load_initial()
     except RuleSetError as exc:
         raise StartupError(f"rule set: {exc}") from None
-    # Loading makes several objects per lease, all long-lived: the cyclic
-    # collector would walk the growing heap again and again for nothing
-    # (a third of the load's CPU at 300k leases). run() freezes them after.
+    # Loading makes objects per lease (rows, keys; long-lived ones for keys
+    # loaded at once): the cyclic collector would walk the growing heap
+    # again and again for nothing. run() freezes what is left after.
     gc.disable()
     try:
         store = Store(paths.db, read_boot_id(), synchronous=settings.sqlite_synchronous)
@@ -104,8 +105,9 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
                 store.close()
                 raise StartupError(f"database: {exc}") from None
         engine = LockEngine(fence=fence)
-        # Streamed: the rows go straight into the engine's state.
-        engine.restore(store.leases(), clock.boot_ms())
+        # Each lease's key and deadline only; the engine reads a key's full
+        # rows when it first needs the key (lockd.daemon.cold).
+        engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.boot_ms())
     except (StoreError, OSError) as exc:
         raise StartupError(
             f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"

@@ -40,6 +40,7 @@ A broken disk must not quietly lose what was acknowledged:
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -273,6 +274,43 @@ class Store:
         self.committed_fence = max(self.committed_fence, value)
         return value
 
+    def deadlines(self) -> Iterator[list[tuple[bytes, int, int]]]:
+        """This boot's (UTF-8 key, deadline, 1) rows in (key, slot) order, in batches.
+
+        What :class:`~lockd.daemon.cold.ColdLeases` keeps of a lease at
+        start; the rest of its row is read by :meth:`leases_of` when the
+        engine needs the key. Batches let the caller take them apart in C
+        loops. Rows of an earlier boot are skipped and deleted once the
+        stream has ended.
+        """
+        dropped = 0
+        rows = self._db.execute(
+            "SELECT CAST(key AS BLOB), expires_at, boot_id = ? FROM leases ORDER BY key, slot",
+            (self.boot_id,),
+        )
+        ours = operator.itemgetter(2)
+        while batch := rows.fetchmany(_ROWS_PER_BATCH):
+            if not all(map(ours, batch)):
+                kept = [row for row in batch if row[2]]
+                dropped += len(batch) - len(kept)
+                batch = kept
+            yield batch
+        if dropped:
+            self._drop_earlier_boots(dropped)
+
+    def leases_of(self, keys: list[str]) -> Iterator[Lease]:
+        """This boot's leases of ``keys``, in (key, slot) order (a cold key's load)."""
+        share: Callable[[Any, Any], Any] = {}.setdefault
+        for start in range(0, len(keys), _KEYS_PER_QUERY):
+            chunk = keys[start : start + _KEYS_PER_QUERY]
+            rows = self._db.execute(
+                f"SELECT {_LEASE_COLUMNS} FROM leases WHERE key IN "
+                f"({', '.join('?' * len(chunk))}) AND boot_id = ? ORDER BY key, slot",
+                (*chunk, self.boot_id),
+            )
+            for row in rows:
+                yield _lease_of(row, share)
+
     def leases(self) -> Iterator[Lease]:
         """Stream this boot's leases in (key, slot) order; drop those of earlier boots.
 
@@ -282,51 +320,19 @@ class Store:
         interned, so each exists once however many leases hold it. Rows of
         an earlier boot are skipped and deleted once the stream has ended.
         """
-        db = self._db
-        boot_id = self.boot_id
-        shared: dict[object, Any] = {}
-        share = shared.setdefault
+        share: Callable[[Any, Any], Any] = {}.setdefault
         dropped = 0
-        rows = db.execute(
-            "SELECT key, handle, fence, owner, principal, ttl_ms, expires_at, mode, "
-            "hold_limit, slot, pid, process, boot_id FROM leases ORDER BY key, slot"
-        )
-        for (
-            key,
-            handle,
-            fence,
-            owner,
-            principal,
-            ttl,
-            expires,
-            mode,
-            limit,
-            slot,
-            pid,
-            proc,
-            boot,
-        ) in rows:
-            if boot != boot_id:
+        for row in self._db.execute(f"SELECT {_LEASE_COLUMNS} FROM leases ORDER BY key, slot"):
+            if row[-1] != self.boot_id:
                 dropped += 1
                 continue
-            yield Lease(
-                key,
-                handle,
-                fence,
-                None if owner is None else share(owner, owner),
-                share(principal, principal),
-                share(ttl, ttl),
-                expires,
-                None,
-                share(mode, mode),
-                limit,
-                slot,
-                pid,
-                None if proc is None else share(proc, proc),
-            )
+            yield _lease_of(row, share)
         if dropped:
-            db.execute("DELETE FROM leases WHERE boot_id != ?", (boot_id,))
-            log.info(kv(event="dropped_earlier_boot", leases=dropped))
+            self._drop_earlier_boots(dropped)
+
+    def _drop_earlier_boots(self, count: int) -> None:
+        self._db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,))
+        log.info(kv(event="dropped_earlier_boot", leases=count))
 
     def apply(self, changes: Changes) -> None:
         """Persist one batch of engine effects atomically.
@@ -451,6 +457,37 @@ class Store:
                 mark.write(mark.reserved, max(mark.floor, self.committed_fence))
             except OSError as exc:
                 log.warning(kv(event="fence_mark_not_written", error=exc.strerror or exc))
+
+
+#: The columns of a lease row, in the order :func:`_lease_of` reads them.
+_LEASE_COLUMNS = (
+    "key, handle, fence, owner, principal, ttl_ms, expires_at, mode, hold_limit, slot, pid, "
+    "process, boot_id"
+)
+#: Rows per fetch of :meth:`Store.deadlines`.
+_ROWS_PER_BATCH = 8192
+#: Keys in one ``IN (...)`` of :meth:`Store.leases_of` (SQLite allows 32,766 parameters).
+_KEYS_PER_QUERY = 500
+
+
+def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
+    """A lease from its row; ``share`` (a dict's setdefault) keeps one copy of repeated values."""
+    key, handle, fence, owner, principal, ttl, expires, mode, limit, slot, pid, proc, _ = row
+    return Lease(
+        key,
+        handle,
+        fence,
+        None if owner is None else share(owner, owner),
+        share(principal, principal),
+        share(ttl, ttl),
+        expires,
+        None,
+        share(mode, mode),
+        limit,
+        slot,
+        pid,
+        None if proc is None else share(proc, proc),
+    )
 
 
 #: Writes between two checks of the files inside :meth:`Store.apply`.
