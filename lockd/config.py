@@ -8,10 +8,13 @@ a typo in a config file must never be silently ignored.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import socket
 import tomllib
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,114 @@ def resolve_paths(
     )
 
 
+BACKEND_KINDS = ("sqlite", "etcd")
+#: A node name: what ``status`` shows as the host that granted a hold.
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+_ENDPOINT = re.compile(r"https?://[^/\s]+/?")
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """The ``[backend]`` table: where the lock state lives (SPEC 11).
+
+    ``kind = "sqlite"`` (the default) keeps it in the local database; with
+    ``"etcd"`` it lives in the etcd cluster at ``endpoints`` and nothing of
+    it is written locally. Relative file names are read from the config folder.
+    """
+
+    kind: str = "sqlite"
+    endpoints: tuple[str, ...] = ()
+    #: every etcd key lockd writes starts with it.
+    prefix: str = "/lockd/"
+    #: this host's name in status; empty: the hostname.
+    node: str = ""
+    #: seconds one etcd request may take, failover included, before BACKEND_UNAVAILABLE.
+    etcd_timeout: float = 5.0
+    #: seconds of the daemon's etcd session lease (its waiters and releaseOnClose holds).
+    session_ttl: int = 5
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    username: str | None = None
+    password_file: Path | None = None
+
+    @property
+    def node_name(self) -> str:
+        return self.node or socket.gethostname()
+
+    def with_etcd(self, endpoints: tuple[str, ...]) -> BackendSettings:
+        """``lockd serve --etcd URL,...``: kind etcd at those endpoints, the rest as configured."""
+        for url in endpoints:
+            _check_endpoint(url, "--etcd")
+        return replace(self, kind="etcd", endpoints=endpoints)
+
+    @classmethod
+    def from_mapping(
+        cls, data: object, source: str = "lockd.toml", base: Path | None = None
+    ) -> BackendSettings:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: 'backend' must be a table ([backend])")
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            name = f"backend.{key}"
+            if key not in known:
+                raise ConfigError(f"{source}: unknown key {name!r}")
+            if key == "endpoints":
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"{source}: {name!r} must be a list of strings")
+                for url in value:
+                    _check_endpoint(url, f"{source}: {name!r}")
+                values[key] = tuple(value)
+            elif key == "etcd_timeout":
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigError(f"{source}: {name!r} must be a number of seconds")
+                if not (math.isfinite(value) and 0 < value <= 300):
+                    raise ConfigError(f"{source}: {name!r} must be above 0 and at most 300")
+                values[key] = float(value)
+            elif key == "session_ttl":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"{source}: {name!r} must be an integer")
+                if not 2 <= value <= 10:
+                    raise ConfigError(f"{source}: {name!r} must be 2 to 10 seconds")
+                values[key] = value
+            else:
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{source}: {name!r} must be a non-empty string")
+                if key.endswith("_file"):
+                    path = Path(value)
+                    values[key] = (
+                        base / path if base is not None and not path.is_absolute() else path
+                    )
+                else:
+                    values[key] = value
+        settings = cls(**values)
+        settings._check(source)
+        return settings
+
+    def _check(self, source: str) -> None:
+        if self.kind not in BACKEND_KINDS:
+            raise ConfigError(f'{source}: \'backend.kind\' must be "sqlite" or "etcd"')
+        if self.kind == "etcd" and not self.endpoints:
+            raise ConfigError(f"{source}: 'backend.endpoints' must list etcd URLs for kind etcd")
+        if self.node and not _NODE_NAME.fullmatch(self.node):
+            raise ConfigError(
+                f"{source}: 'backend.node' must be letters, digits, '.', '_' or '-' "
+                "(at most 253, starting with a letter or digit)"
+            )
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError(f"{source}: 'backend.cert_file' and 'backend.key_file' go together")
+        if (self.username is None) != (self.password_file is None):
+            raise ConfigError(
+                f"{source}: 'backend.username' and 'backend.password_file' go together"
+            )
+
+
+def _check_endpoint(url: str, where: str) -> None:
+    if not _ENDPOINT.fullmatch(url):
+        raise ConfigError(f"{where}: {url!r} is not an etcd URL (http://HOST:PORT or https://...)")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every key ``lockd.toml`` accepts, with its default (documented in README)."""
@@ -121,14 +232,21 @@ class Settings:
     log_level: str = "info"
     #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.
     sqlite_synchronous: str = "NORMAL"
+    #: the ``[backend]`` table: SQLite (default) or etcd.
+    backend: BackendSettings = field(default_factory=BackendSettings)
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any], source: str = "lockd.toml") -> Settings:
+    def from_mapping(
+        cls, data: dict[str, Any], source: str = "lockd.toml", base: Path | None = None
+    ) -> Settings:
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, value in data.items():
             if key not in known:
                 raise ConfigError(f"{source}: unknown key {key!r}")
+            if key == "backend":
+                values[key] = BackendSettings.from_mapping(value, source, base)
+                continue
             default = known[key].default
             if isinstance(default, tuple):
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -172,4 +290,4 @@ def load_settings(config_dir: Path) -> Settings:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    return Settings.from_mapping(data, source=str(path))
+    return Settings.from_mapping(data, source=str(path), base=config_dir)

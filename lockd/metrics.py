@@ -21,6 +21,7 @@ COUNTERS: dict[str, str] = {
     "invalidRequests": "Requests refused as invalid.",
     "internalErrors": "Requests that failed with an internal error.",
     "storageErrors": "Requests refused because the database could not be written.",
+    "backendUnavailable": "Requests refused because the etcd backend did not answer in time.",
     "connectionsAccepted": "Client connections accepted.",
     "connectionsRefused": (
         "Client connections refused (over max_connections or max_connections_per_uid, "

@@ -17,6 +17,7 @@ from lockd.config import (
     SYSTEM_CONFIG_DIR,
     SYSTEM_SOCKET,
     SYSTEM_STATE_DIR,
+    BackendSettings,
     ConfigError,
     Settings,
     load_settings,
@@ -76,7 +77,8 @@ def toml_value(value: object) -> str:
 
 
 def test_every_key_is_known_here() -> None:
-    assert set(GOOD) == set(FIELDS), "add the new key to GOOD (and the README)"
+    # ``backend`` is a table of its own, tested below.
+    assert set(GOOD) | {"backend"} == set(FIELDS), "add the new key to GOOD (and the README)"
 
 
 def test_defaults() -> None:
@@ -174,6 +176,85 @@ def test_bad_toml_and_bad_encoding_name_the_file(tmp_path: Path) -> None:
 def test_from_mapping_names_its_source() -> None:
     with pytest.raises(ConfigError, match=r"^here: unknown key 'x'$"):
         Settings.from_mapping({"x": 1}, source="here")
+
+
+# ------------------------------------------------------------------ [backend]
+
+
+def test_the_backend_is_sqlite_by_default(tmp_path: Path) -> None:
+    backend = Settings().backend
+    assert backend.kind == "sqlite" and backend.prefix == "/lockd/"
+    assert backend.etcd_timeout == 5.0 and backend.session_ttl == 5
+    assert backend.node_name  # the hostname
+    write(tmp_path, "[backend]\n")
+    assert load_settings(tmp_path).backend == BackendSettings()
+
+
+def test_every_backend_key_is_read(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        """
+[backend]
+kind = "etcd"
+endpoints = ["https://10.0.0.5:2379", "http://etcd-2:2379/"]
+prefix = "/locks/"
+node = "web-3"
+etcd_timeout = 2.5
+session_ttl = 10
+ca_file = "/etc/lockd/ca.pem"
+cert_file = "client.pem"
+key_file = "client.key"
+username = "lockd"
+password_file = "etcd.password"
+""",
+    )
+    backend = load_settings(tmp_path).backend
+    assert backend.kind == "etcd" and backend.node_name == "web-3"
+    assert backend.endpoints == ("https://10.0.0.5:2379", "http://etcd-2:2379/")
+    assert (backend.prefix, backend.etcd_timeout, backend.session_ttl) == ("/locks/", 2.5, 10)
+    assert backend.ca_file == Path("/etc/lockd/ca.pem")
+    # Relative file names are read from the config folder.
+    assert backend.cert_file == tmp_path / "client.pem"
+    assert backend.key_file == tmp_path / "client.key"
+    assert backend.password_file == tmp_path / "etcd.password"
+    assert backend.username == "lockd"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('backend = "etcd"', "'backend'"),
+        ('[backend]\nkind = "redis"', "'backend.kind'"),
+        ('[backend]\nkind = "etcd"', "'backend.endpoints'"),
+        ('[backend]\nendpoints = "http://a:1"', "'backend.endpoints'"),
+        ('[backend]\nendpoints = ["a:2379"]', "'backend.endpoints'"),
+        ('[backend]\nendpoints = ["ftp://a:2379"]', "'backend.endpoints'"),
+        ("[backend]\netcd_timeout = 0", "'backend.etcd_timeout'"),
+        ("[backend]\netcd_timeout = true", "'backend.etcd_timeout'"),
+        ('[backend]\netcd_timeout = "5"', "'backend.etcd_timeout'"),
+        ("[backend]\nsession_ttl = 1", "'backend.session_ttl'"),
+        ("[backend]\nsession_ttl = 11", "'backend.session_ttl'"),
+        ("[backend]\nsession_ttl = 5.0", "'backend.session_ttl'"),
+        ('[backend]\nnode = "web 3"', "'backend.node'"),
+        ('[backend]\nnode = "-x"', "'backend.node'"),
+        ("[backend]\nnode = 3", "'backend.node'"),
+        ('[backend]\nprefix = ""', "'backend.prefix'"),
+        ('[backend]\ncert_file = "c.pem"', "'backend.cert_file'"),
+        ('[backend]\nusername = "u"', "'backend.username'"),
+        ('[backend]\nendpoint = ["http://a:1"]', "'backend.endpoint'"),
+    ],
+)
+def test_bad_backend_settings_are_named(tmp_path: Path, text: str, named: str) -> None:
+    assert named in refused(tmp_path, text + "\n")
+
+
+def test_the_etcd_flag_makes_the_backend_etcd() -> None:
+    configured = BackendSettings(node="n1", etcd_timeout=2.0)
+    backend = configured.with_etcd(("http://127.0.0.1:2379",))
+    assert backend.kind == "etcd" and backend.endpoints == ("http://127.0.0.1:2379",)
+    assert backend.node == "n1" and backend.etcd_timeout == 2.0
+    with pytest.raises(ConfigError, match="--etcd"):
+        configured.with_etcd(("127.0.0.1:2379",))
 
 
 # ------------------------------------------------------------------ paths

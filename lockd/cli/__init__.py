@@ -75,6 +75,13 @@ def main() -> None:
     help="Start although the database holds a lower fence than its fence mark "
     "(after losing it: see docs/operations.md); fences continue above the mark.",
 )
+@click.option(
+    "--etcd",
+    "etcd",
+    metavar="URL[,URL...]",
+    help="Keep the lock state in this etcd cluster (SPEC 11): [backend] kind etcd "
+    "with these endpoints; the other [backend] keys of lockd.toml still apply.",
+)
 def serve(
     system: bool,
     socket_path: str | None,
@@ -82,6 +89,7 @@ def serve(
     config_dir: str | None,
     json_output: bool,
     adopt_fence_mark: bool,
+    etcd: str | None,
 ) -> None:
     """Run the daemon in the foreground (stops cleanly on SIGTERM).
 
@@ -96,7 +104,8 @@ def serve(
 
     try:
         paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
-        code = run(paths, adopt_fence_mark=adopt_fence_mark)
+        endpoints = tuple(url.strip() for url in etcd.split(",")) if etcd is not None else ()
+        code = run(paths, adopt_fence_mark=adopt_fence_mark, etcd=endpoints)
     except (StartupError, ConfigError) as exc:
         # Exit 1; under --json the code is USAGE: the config, the rule sets or
         # the paths given do not allow a start (details.reason says so).

@@ -12,11 +12,12 @@ import logging
 import os
 import signal
 import socket as stdsocket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import trio
 
-from lockd.config import ConfigError, Paths, Settings, load_settings
+from lockd.config import BackendSettings, ConfigError, Paths, Settings, load_settings
 from lockd.daemon import fdlimit, fencemark, systemd
 from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.cold import ColdLeases
@@ -28,6 +29,7 @@ from lockd.daemon.listener import (
     bind_socket,
 )
 from lockd.daemon.ratelimit import RateLimiter
+from lockd.daemon.remote import RemoteService
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
@@ -36,6 +38,9 @@ from lockd.identity import IdentityConfig
 from lockd.logfmt import kv, setup_logging
 from lockd.rules.files import RuleSetError
 from lockd.rules.policy import PolicyManager
+
+if TYPE_CHECKING:
+    from lockd.daemon.backends.etcd.backend import EtcdBackend
 
 log = logging.getLogger("lockd.daemon.serve")
 
@@ -49,7 +54,8 @@ class Daemon:
     paths: Paths
     settings: Settings
     policy: PolicyManager
-    store: Store
+    #: None when the lock state lives in etcd (``backend``).
+    store: Store | None
     service: LockService
     server: LockServer
     listen_sock: stdsocket.socket
@@ -59,6 +65,7 @@ class Daemon:
 
     #: (st_dev, st_ino) of the socket file we bound, to unlink only our own.
     socket_identity: tuple[int, int] | None = None
+    backend: EtcdBackend | None = None
 
     def close(self) -> None:
         self.listen_sock.close()
@@ -69,13 +76,24 @@ class Daemon:
                     self.paths.socket.unlink()
             except OSError:
                 pass
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
         if self.lock_fd is not None:
             os.close(self.lock_fd)
 
 
-def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = False) -> Daemon:
-    """Load config, rules and database, and take the socket. Raises StartupError."""
+def build(
+    paths: Paths,
+    *,
+    clock: Clock | None = None,
+    adopt_fence_mark: bool = False,
+    etcd: tuple[str, ...] = (),
+) -> Daemon:
+    """Load config, rules and database, and take the socket. Raises StartupError.
+
+    ``etcd``: endpoints from ``--etcd``; they make the backend etcd whatever
+    ``[backend] kind`` says (its other keys still apply).
+    """
     clock = clock or SystemClock()
     # Hold stop/reload signals until the server's receiver runs: the socket
     # answers before then, and a SIGTERM in that window must still mean a
@@ -83,6 +101,8 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
     signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
     try:
         settings = load_settings(paths.config_dir)
+        if etcd:
+            settings = replace(settings, backend=settings.backend.with_etcd(etcd))
     except ConfigError as exc:
         raise StartupError(f"config: {exc}") from None
     setup_logging(settings.log_level)
@@ -91,29 +111,14 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
         policy.load_initial()
     except RuleSetError as exc:
         raise StartupError(f"rule set: {exc}") from None
-    # Loading makes objects per lease (rows, keys; long-lived ones for keys
-    # loaded at once): the cyclic collector would walk the growing heap
-    # again and again for nothing. run() freezes what is left after.
-    gc.disable()
-    try:
-        store = Store(paths.db, read_boot_id(), synchronous=settings.sqlite_synchronous)
-        fence = store.stored_fence()
-        if store.mark is not None:
-            try:
-                fence = fencemark.check_at_start(store.mark, fence, adopt=adopt_fence_mark)
-            except fencemark.FenceMarkError as exc:
-                store.close()
-                raise StartupError(f"database: {exc}") from None
-        engine = LockEngine(fence=fence)
-        # Each lease's key and deadline only; the engine reads a key's full
-        # rows when it first needs the key (lockd.daemon.cold).
-        engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.boot_ms())
-    except (StoreError, OSError) as exc:
-        raise StartupError(
-            f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"
-        ) from None
-    finally:
-        gc.enable()
+    backend: EtcdBackend | None = None
+    if settings.backend.kind == "etcd":
+        # The lock state lives in etcd: no database is opened at all.
+        store: Store | None = None
+        engine = LockEngine()
+        backend = _etcd_backend(settings.backend, clock)
+    else:
+        store, engine = _open_store(paths, clock, adopt_fence_mark, settings)
     service = LockService(
         engine,
         store,
@@ -123,6 +128,8 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
         max_pending_per_connection=settings.max_pending_per_connection,
     )
     service.commit()  # leases that ran out while the daemon was down
+    if backend is not None:
+        service.remote = RemoteService(service, backend)
     identity = IdentityConfig(
         daemon_uid=os.getuid(),
         admin_groups=frozenset(settings.admin_groups),
@@ -163,7 +170,8 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
             lock_fd = acquire_path_lock(paths.socket, paths.socket_mode)
             sock, owns = bind_socket(paths.socket, paths.socket_mode), True
         except (SocketInUseError, UnsafeSocketDirError, OSError) as exc:
-            store.close()
+            if store is not None:
+                store.close()
             if lock_fd is not None:
                 os.close(lock_fd)
             if isinstance(exc, SocketInUseError | UnsafeSocketDirError):
@@ -173,20 +181,81 @@ def build(paths: Paths, *, clock: Clock | None = None, adopt_fence_mark: bool = 
         kv(
             event="started",
             socket=paths.socket if owns else "inherited",
-            db=paths.db,
+            **_backend_fields(paths, settings, engine),
             config=paths.config_dir,
-            leases=engine.held_count,
-            fence=engine.fence,
             max_connections=max_connections,
             nofile=nofile,
             rules=(policy.rules_result()["policy"] or {}).get("file", "open default"),
         )
     )
     daemon = Daemon(paths, settings, policy, store, service, server, sock, owns, lock_fd)
+    daemon.backend = backend
     if owns:
         st = paths.socket.stat()
         daemon.socket_identity = (st.st_dev, st.st_ino)
     return daemon
+
+
+def _open_store(
+    paths: Paths, clock: Clock, adopt_fence_mark: bool, settings: Settings
+) -> tuple[Store, LockEngine]:
+    """The SQLite database and the engine loaded from it (the embedded backend)."""
+    # Loading makes objects per lease (rows, keys; long-lived ones for keys
+    # loaded at once): the cyclic collector would walk the growing heap
+    # again and again for nothing. run() freezes what is left after.
+    gc.disable()
+    try:
+        store = Store(paths.db, read_boot_id(), synchronous=settings.sqlite_synchronous)
+        fence = store.stored_fence()
+        if store.mark is not None:
+            try:
+                fence = fencemark.check_at_start(store.mark, fence, adopt=adopt_fence_mark)
+            except fencemark.FenceMarkError as exc:
+                store.close()
+                raise StartupError(f"database: {exc}") from None
+        engine = LockEngine(fence=fence)
+        # Each lease's key and deadline only; the engine reads a key's full
+        # rows when it first needs the key (lockd.daemon.cold).
+        engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.boot_ms())
+    except (StoreError, OSError) as exc:
+        raise StartupError(
+            f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"
+        ) from None
+    finally:
+        gc.enable()
+    return store, engine
+
+
+def _etcd_backend(config: BackendSettings, clock: Clock) -> EtcdBackend:
+    # Imported here: httpx costs the SQLite daemon's start-up for nothing.
+    from lockd.daemon.backends.etcd.backend import EtcdBackend
+    from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
+
+    gateway = EtcdGateway(
+        GatewaySettings(
+            endpoints=config.endpoints,
+            timeout=config.etcd_timeout,
+            ca_file=config.ca_file,
+            cert_file=config.cert_file,
+            key_file=config.key_file,
+            username=config.username,
+            password_file=config.password_file,
+        )
+    )
+    return EtcdBackend(gateway, config, clock)
+
+
+def _backend_fields(paths: Paths, settings: Settings, engine: LockEngine) -> dict[str, object]:
+    """What the start-up log line says about where the lock state lives."""
+    config = settings.backend
+    if config.kind == "etcd":
+        return {
+            "backend": "etcd",
+            "endpoints": ",".join(config.endpoints),
+            "prefix": config.prefix,
+            "node": config.node_name,
+        }
+    return {"db": paths.db, "leases": engine.held_count, "fence": engine.fence}
 
 
 #: Seconds between checks that the database files are still ours.
@@ -218,18 +287,24 @@ async def _watch_store(store: Store) -> None:
 
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_store, daemon.store)
+        if daemon.store is not None:
+            nursery.start_soon(_watch_store, daemon.store)
+        if daemon.backend is not None:
+            await nursery.start(daemon.backend.run)
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
         # A rule set written between build() and the watch being armed raised
         # no event; look once more now (a no-op when nothing changed).
         daemon.policy.reload()
         await daemon.server.serve(daemon.listen_sock)
+        if daemon.backend is not None:
+            await daemon.backend.close()
+            await daemon.backend.etcd.aclose()
         nursery.cancel_scope.cancel()
 
 
-def run(paths: Paths, *, adopt_fence_mark: bool = False) -> int:
+def run(paths: Paths, *, adopt_fence_mark: bool = False, etcd: tuple[str, ...] = ()) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit status."""
-    daemon = build(paths, adopt_fence_mark=adopt_fence_mark)
+    daemon = build(paths, adopt_fence_mark=adopt_fence_mark, etcd=etcd)
     # Start-up leaves a large heap of long-lived objects (the CEL grammar,
     # compiled rules, modules): freeze them out of the cyclic collector's
     # way, and let gen-0 run less often -- request garbage is freed by

@@ -46,6 +46,7 @@ from typing import Any
 import trio
 
 from lockd.daemon import fdlimit, sockio, systemd
+from lockd.daemon.backends import RemoteHold
 from lockd.daemon.engine import Lease, Parked, Waiter
 from lockd.daemon.protocol import (
     Acquire,
@@ -59,6 +60,7 @@ from lockd.daemon.protocol import (
     encode_result,
     parse_request,
 )
+from lockd.daemon.remote import RemoteReply
 from lockd.daemon.service import (
     AcquireStep,
     LockService,
@@ -118,7 +120,8 @@ class _Outgoing:
 class _Wait:
     """One acquire waiting in a task of its own, as ``cancel`` sees it."""
 
-    step: AcquireStep
+    #: None for a request a remote backend decides (``_answer_remote``).
+    step: AcquireStep | None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: set by ``cancel``: answer CANCELLED, not the step's outcome.
     cancelled: bool = False
@@ -235,7 +238,7 @@ class LockServer:
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
         self._readable.close()
-        log.info(kv(event="stopped", held=self.service.gauges()["held"]))
+        log.info(kv(event="stopped", held=self.service.gauges().get("held")))
 
     def shutdown(self) -> None:
         """Begin a clean stop: parked acquires get SHUTTING_DOWN, leases stay."""
@@ -249,9 +252,21 @@ class LockServer:
         for waiter_id, event in list(self._events.items()):
             del waiter_id
             event.set()
+        for wait in self._remote_waits():
+            wait.scope.cancel()
         with trio.move_on_after(2):
-            while self._events:
+            while self._events or self._remote_waits():
                 await trio.sleep(0.01)
+
+    def _remote_waits(self) -> list[_Wait]:
+        """Blocking acquires a remote backend is deciding now."""
+        return [
+            wait
+            for conn in self.connections.values()
+            for waits in conn.waits.values()
+            for wait in waits
+            if wait.step is None
+        ]
 
     async def _signals(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -296,10 +311,11 @@ class LockServer:
 
     def _status_line(self) -> str:
         gauges = self.service.gauges()
-        held, waiters = gauges["held"], gauges["waiters"]
+        held, waiters = gauges.get("held"), gauges["waiters"]
         return (
-            f"{held} lock{'s' if held != 1 else ''} held, "
-            f"{waiters} waiter{'s' if waiters != 1 else ''}, "
+            # A remote backend knows no count of every host's holds.
+            (f"{held} lock{'s' if held != 1 else ''} held, " if held is not None else "")
+            + f"{waiters} waiter{'s' if waiters != 1 else ''}, "
             f"{len(self.connections)} connection{'s' if len(self.connections) != 1 else ''}"
         )
 
@@ -615,13 +631,17 @@ class LockServer:
         assert conn.writer is not None
         await conn.writer.wait_drained()
 
-    def _send(self, conn: Connection, data: bytes, grant: Lease | None = None) -> None:
+    def _send(self, conn: Connection, data: bytes, grant: Lease | RemoteHold | None = None) -> None:
         """Write one reply now (or queue it behind a slow one); release an undeliverable grant."""
         writer = conn.writer
         if (writer is None or not writer.write(data, grant)) and grant is not None:
             self._release_undelivered(grant)
 
-    def _release_undelivered(self, grant: Lease) -> None:
+    def _release_undelivered(self, grant: Lease | RemoteHold) -> None:
+        if not isinstance(grant, Lease):  # a remote backend's grant
+            assert self.service.remote is not None
+            self.service.remote.release_undelivered(grant)
+            return
         self.service.release_undelivered(grant)
         self._reschedule()
 
@@ -706,6 +726,9 @@ class LockServer:
             if isinstance(request, Cancel):
                 result = {"cancelled": self._cancel(conn, request.target)}
                 self._queue(conn, request.id, encode_result(request.id, result))
+            elif self.service.remote is not None and self.service.remote.decides(request):
+                self._answer_remote(conn, nursery, request, started)
+                handed_off = True
             elif isinstance(request, Acquire):
                 step = service.acquire(conn.caller, conn.id, request, pending=conn.waiting)
                 if isinstance(step, Reply):
@@ -758,6 +781,65 @@ class LockServer:
 
     def _observe(self, op: str, started: float) -> None:
         self.service.stats.observe(op, (time.perf_counter() - started) * 1000)
+
+    # ------------------------------------------------------- a remote backend
+
+    def _answer_remote(
+        self, conn: Connection, nursery: trio.Nursery, request: Request, started: float
+    ) -> None:
+        """A request a remote backend (etcd) decides, answered in a task of its own.
+
+        A blocking acquire is registered like a parked one, so ``cancel``
+        and shutdown can withdraw it (the backend leaves the queue when its
+        task is cancelled); a grant that is withdrawn or cannot be written
+        is released.
+        """
+        remote = self.service.remote
+        assert remote is not None
+        pending = conn.waiting
+        wait: _Wait | None = None
+        if isinstance(request, Acquire) and request.timeout_ms is not None:
+            wait = _Wait(None)
+            conn.waits.setdefault(request.id, []).append(wait)
+            conn.waiting += 1
+
+        async def run() -> None:
+            reply: RemoteReply | None = None
+            try:
+                with wait.scope if wait is not None else contextlib.nullcontext():
+                    reply = await remote.answer(conn.caller, conn.id, request, pending=pending)
+                    if wait is not None:
+                        wait.step = Reply(None)  # answered: a cancel now comes too late
+                if reply is None or (wait is not None and wait.cancelled):
+                    if reply is not None and reply.grant is not None:
+                        remote.release_undelivered(reply.grant)
+                    if self.shutting_down:
+                        raise shutting_down()
+                    raise ProtocolError(
+                        "CANCELLED",
+                        "the acquire was withdrawn by cancel",
+                        details={"key": getattr(request, "key", None)},
+                    )
+                self._send(conn, encode_result(request.id, reply.result), reply.grant)
+            except ProtocolError as exc:
+                self._reply_error(conn, request, exc)
+            except Exception:
+                self._reply_internal(conn, request)
+            finally:
+                self._flush()  # the error replies above wait in the outbox
+                if wait is not None:
+                    self._forget_wait(conn, request.id, wait)
+                self._observe(request.op, started)
+
+        nursery.start_soon(run)
+
+    def _forget_wait(self, conn: Connection, request_id: RequestId, wait: _Wait) -> None:
+        waits = conn.waits.get(request_id, [])
+        if wait in waits:
+            waits.remove(wait)
+        if not waits:
+            conn.waits.pop(request_id, None)
+        conn.waiting -= 1
 
     # -------------------------------------------------------- waiting acquires
 
@@ -846,6 +928,7 @@ class LockServer:
             step = wait.step
             if isinstance(step, Reply):
                 return step
+            assert step is not None, "remote waits are answered by _answer_remote"
             if isinstance(step, WaitForRoom):
                 with trio.move_on_after(step.delay_ms / 1000):
                     await self._shutdown_event.wait()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lockd import __version__
 from lockd.daemon.clock import Clock
@@ -74,6 +74,9 @@ from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller
 from lockd.logfmt import kv
 from lockd.timefmt import format_epoch_ms
+
+if TYPE_CHECKING:
+    from lockd.daemon.remote import RemoteService
 
 log = logging.getLogger("lockd.daemon.service")
 
@@ -137,7 +140,7 @@ def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
     )
 
 
-def _timed_out(req: Acquire) -> ProtocolError:
+def timed_out(req: Acquire) -> ProtocolError:
     return ProtocolError(
         "LOCK_TIMEOUT",
         f"key {req.key!r} was not granted within {req.timeout_ms} ms",
@@ -162,7 +165,7 @@ class LockService:
     def __init__(
         self,
         engine: LockEngine,
-        store: Store,
+        store: Store | None,
         policy: PolicyLike,
         ratelimiter: RateLimiterLike,
         clock: Clock,
@@ -177,6 +180,10 @@ class LockService:
         self.clock = clock
         self.stats = stats or StatsRecorder()
         self.max_pending_per_connection = max_pending_per_connection
+        #: set when a remote backend (etcd) holds the lock state: the engine
+        #: and store stay empty, and the server awaits ``remote.answer`` for
+        #: every request it decides (``remote.decides``).
+        self.remote: RemoteService | None = None
         #: called for each waiter the engine resolved, after the commit.
         self.on_resolved: Callable[[Waiter], None] = lambda waiter: None
         #: the server's own gauges (uptime, connections) for the ``stats`` op.
@@ -207,6 +214,7 @@ class LockService:
             self.engine.drain()
             self.on_batch_end(None)
             return
+        assert self.store is not None, "a remote backend never changes the engine"
         try:
             self.store.apply(changes)
         except BaseException as exc:
@@ -325,7 +333,9 @@ class LockService:
         if self.engine.requests_pending:
             self.commit_fact(what)
 
-    def gauges(self) -> dict[str, int]:
+    def gauges(self) -> dict[str, Any]:
+        if self.remote is not None:
+            return self.remote.backend.gauges()
         engine = self.engine
         return {
             "held": engine.held_count,
@@ -399,6 +409,17 @@ class LockService:
 
         ``pending`` is how many of the connection's acquires are waiting now.
         """
+        self.check_acquire(caller, req, pending=pending)
+        now = self._now()
+        if req.timeout_ms is None:
+            retry_after = self.take_attempt(caller, now)
+            if retry_after is not None:
+                raise self.rate_limited(retry_after)
+            return self._acquire_in_engine(caller, conn, req, now, None)
+        return self._acquire_within(caller, conn, req, now, now + req.timeout_ms)
+
+    def check_acquire(self, caller: Caller, req: Acquire, *, pending: int) -> None:
+        """What every acquire passes first: the rules, then the connection's pending limit."""
         self.authorize(caller, "acquire", req.key, mode=req.mode, limit=req.limit)
         limit = self.max_pending_per_connection
         if req.timeout_ms and pending >= limit:
@@ -407,13 +428,6 @@ class LockService:
                 f"{limit} requests are already waiting on this connection",
                 details={"field": None, "limit": limit},
             )
-        now = self._now()
-        if req.timeout_ms is None:
-            retry_after = self._take_attempt(caller, now)
-            if retry_after is not None:
-                raise self._rate_limited(retry_after)
-            return self._acquire_in_engine(caller, conn, req, now, None)
-        return self._acquire_within(caller, conn, req, now, now + req.timeout_ms)
 
     def acquire_after_wait(
         self, caller: Caller, conn: int, req: Acquire, room: WaitForRoom
@@ -426,7 +440,7 @@ class LockService:
         if waiter.lease is not None:
             return Reply(self.lease_view(waiter.lease), waiter.lease)
         if waiter.timed_out:
-            raise _timed_out(req)
+            raise timed_out(req)
         raise shutting_down()  # cancelled: the daemon is stopping
 
     def cancel_waiter(self, waiter: Waiter) -> None:
@@ -454,16 +468,16 @@ class LockService:
         (SPEC 6): a caller that retries on LOCK_TIMEOUT is paced by its own
         timeout, as it is when the key is busy, instead of spinning.
         """
-        retry_after = self._take_attempt(caller, now)
+        retry_after = self.take_attempt(caller, now)
         left = deadline - now
         if retry_after is None:
             return self._acquire_in_engine(caller, conn, req, now, max(0, left))
         if left <= 0:
             self.stats.count("rateLimited")
-            raise _timed_out(req)
+            raise timed_out(req)
         return WaitForRoom(min(retry_after, left), deadline)
 
-    def _take_attempt(self, caller: Caller, now: int) -> int | None:
+    def take_attempt(self, caller: Caller, now: int) -> int | None:
         """Count one acquire attempt; the ms to wait for room when over limit.
 
         Owners and services are not counted by the rate limit (SPEC 6).
@@ -472,7 +486,7 @@ class LockService:
             return None
         return self.ratelimiter.try_take(caller.principal, now)
 
-    def _rate_limited(self, retry_after_ms: int) -> ProtocolError:
+    def rate_limited(self, retry_after_ms: int) -> ProtocolError:
         self.stats.count("rateLimited")
         return ProtocolError(
             "RATE_LIMITED",
@@ -514,7 +528,7 @@ class LockService:
             return Reply(None)
         if isinstance(result, TimedOut):
             self.stats.count("timeouts")
-            raise _timed_out(req)
+            raise timed_out(req)
         return result
 
     # ------------------------------------------------------ the other ops
@@ -574,6 +588,9 @@ class LockService:
         return {"released": True}
 
     def connection_closed(self, conn: int, *, release_bound: bool = True) -> None:
+        if self.remote is not None:
+            self.remote.connection_closed(conn, release_bound=release_bound)
+            return
         self._end_batch("connection_closed")
         now = self.clock.boot_ms()
         for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):

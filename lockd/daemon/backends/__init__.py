@@ -1,6 +1,97 @@
-"""Where lock decisions are committed, when not in the embedded SQLite store.
+"""Where lock decisions are committed when not in the embedded SQLite store.
 
-``etcd/``: many hosts sharing an etcd v3 cluster (SPEC §11). So far the
-client and the queue and session building blocks; docs/etcd-design.md is
-the design of the backend still to be built on them.
+The embedded path (``engine.py`` + ``store.py``) decides in memory and is
+synchronous; a *remote* backend decides where other hosts decide too, so
+each of its answers is awaited. :class:`RemoteBackend` is what
+``LockService.answer_remote`` asks of one; ``etcd/`` is the one there is
+(SPEC §11, docs/etcd-design.md). The service keeps everything per host in
+front of it: validation, identity, rules, the rate limit, the reply views.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from lockd.daemon.holds import Refused
+from lockd.daemon.protocol import Acquire
+from lockd.identity import Caller
+
+
+class BackendUnavailable(Exception):
+    """The backend could not answer in time: ``BACKEND_UNAVAILABLE``, nothing decided."""
+
+
+class RemoteHold(Protocol):
+    """One holder as a remote backend reports it; ``expires_at`` is epoch ms."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def handle(self) -> str: ...
+    @property
+    def principal(self) -> str: ...
+    @property
+    def owner(self) -> str | None: ...
+    @property
+    def fence(self) -> int: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def expires_at(self) -> int: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def process(self) -> str | None: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def limit(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class RemoteStatus:
+    """A key's holders (oldest grant first) and how many wait for it, on every host."""
+
+    key: str
+    holds: Sequence[RemoteHold]
+    waiters: int
+
+
+class RemoteBackend(Protocol):
+    #: this daemon's node name (``stats`` shows it).
+    node: str
+
+    async def acquire(
+        self, req: Acquire, caller: Caller, conn: int, timeout: float | None
+    ) -> RemoteHold | Refused | None:
+        """Grant, refuse, or None: busy (tryAcquire) or ``timeout`` seconds passed."""
+
+    async def find(self, key: str, handle: str) -> RemoteHold | None:
+        """The live hold ``handle`` of ``key``, if it still holds."""
+
+    async def renew(self, hold: RemoteHold, ttl_ms: int) -> RemoteHold | None:
+        """The renewed hold, or None when it no longer holds."""
+
+    async def release(self, key: str, handle: str) -> bool: ...
+
+    async def status(self, key: str) -> RemoteStatus: ...
+
+    async def list_held(
+        self, prefix: str, limit: int, after: str | None
+    ) -> tuple[list[RemoteStatus], str | None]:
+        """Held keys in key order from after ``after``; the key to continue after, if more."""
+
+    async def break_lock(self, key: str) -> Sequence[RemoteHold]:
+        """End every hold of ``key``; the holds ended, oldest first."""
+
+    def release_undelivered(self, hold: RemoteHold) -> None:
+        """A grant whose reply could not be written: release it as soon as the backend answers."""
+
+    def connection_closed(self, conn: int) -> None:
+        """Release the ``releaseOnClose`` holds granted on connection ``conn``."""
+
+    def gauges(self) -> dict[str, object]: ...

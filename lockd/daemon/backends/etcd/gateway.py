@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 import trio
 
+from lockd.daemon.backends import BackendUnavailable
 from lockd.daemon.backends.etcd.wire import (
     Compare,
     DeleteOp,
@@ -85,7 +86,7 @@ BACKOFF_FIRST = 0.02
 BACKOFF_CAP = 0.25
 
 
-class EtcdUnavailable(Exception):
+class EtcdUnavailable(BackendUnavailable):
     """etcd could not be reached, or had no quorum, within the request's bound.
 
     ``maybe_committed`` is true when a write was possibly applied although no

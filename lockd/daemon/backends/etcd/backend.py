@@ -1,0 +1,509 @@
+"""The etcd backend: every lock decision is one etcd transaction (SPEC §11).
+
+Layout and records: ``records.py``; the queue of a key: ``waiting.py``; the
+design and why: docs/etcd-design.md. In short:
+
+- a grant puts ``h/<handle>`` on a lease of its own (the TTL, whole seconds)
+  and, for ``releaseOnClose``, ``b/<handle>`` on the daemon's session lease;
+  its fence is the key's create revision;
+- every decision reads the key's directory at revision R and commits only
+  if nothing in it was written after R (one compare over the directory); a
+  free key is taken in one transaction ("directory empty");
+- a write whose outcome is unknown, or a grant whose reply could not be
+  written, puts the hold on the clean-up list: it is deleted (and its lease
+  revoked) as soon as etcd answers again, so no late commit leaves an
+  orphan hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+from collections import defaultdict
+from dataclasses import replace
+
+import trio
+
+from lockd.config import BackendSettings
+from lockd.daemon.backends import RemoteHold, RemoteStatus
+from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, LeaseNotFound
+from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
+from lockd.daemon.backends.etcd.session import Session
+from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
+from lockd.daemon.backends.etcd.wire import (
+    Compare,
+    DeleteOp,
+    KeyValue,
+    Op,
+    PutOp,
+    RangeOp,
+    RangeResult,
+    prefix_end,
+)
+from lockd.daemon.clock import Clock
+from lockd.daemon.engine import new_handle_id
+from lockd.daemon.holds import Refused, is_retake, may_take_now, refusal
+from lockd.daemon.protocol import Acquire
+from lockd.identity import Caller
+from lockd.logfmt import kv
+
+log = logging.getLogger("lockd.etcd")
+
+#: etcd 3.4 grants no lease shorter than this; asking less gets this much.
+MIN_LEASE_TTL = 2
+#: etcd keys one clean-up transaction deletes at most (etcd allows 128 ops).
+CLEANUP_BATCH = 64
+#: records read per range while paging ``list``.
+LIST_CHUNK = 512
+
+
+def lease_seconds(ttl_ms: int) -> int:
+    """``ttlMs`` rounded up to whole seconds, at least etcd's minimum lease."""
+    return max(MIN_LEASE_TTL, math.ceil(ttl_ms / 1000))
+
+
+class EtcdBackend:
+    """One daemon's side of the locks kept in etcd. Run it with ``await nursery.start(b.run)``."""
+
+    def __init__(self, etcd: EtcdGateway, settings: BackendSettings, clock: Clock) -> None:
+        self.etcd = etcd
+        self.settings = settings
+        self.clock = clock
+        self.node = settings.node_name
+        self.layout = Layout(settings.prefix)
+        self._session: Session | None = None
+        self._session_ready = trio.Event()
+        self._seq = itertools.count(1)
+        self._queues: dict[str, KeyQueue] = {}
+        #: etcd keys to delete and leases to revoke once etcd answers (clean-up list).
+        self._doomed_keys: set[bytes] = set()
+        self._doomed_leases: set[int] = set()
+        self._cleanup_wanted = trio.Event()
+        #: releaseOnClose holds granted on each connection: conn -> hold keys.
+        self._bound: dict[int, dict[bytes, Hold]] = defaultdict(dict)
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the session and the clean-up list going until cancelled.
+
+        Starts even while etcd is down (``hello`` must answer): requests
+        then fail with BACKEND_UNAVAILABLE until a session is granted.
+        """
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._clean_up)
+            await nursery.start(self._keep_session)
+            task_status.started()
+
+    async def close(self) -> None:
+        """End the session now: this daemon's waiters and bindings go at once."""
+        if self._session is not None:
+            with trio.move_on_after(self.settings.etcd_timeout):
+                await self._session.close()
+
+    async def _keep_session(self, *, task_status: trio.TaskStatus[None]) -> None:
+        started = False
+        while True:
+            session = Session(self.etcd, self.settings.session_ttl)
+            async with trio.open_nursery() as nursery:
+                try:
+                    await nursery.start(session.run)
+                except EtcdUnavailable as exc:
+                    log.warning(kv(event="etcd_unavailable", during="session", error=exc))
+                else:
+                    self._session = session
+                    self._session_ready.set()
+                    log.info(
+                        kv(event="etcd_session", node=self.node, lease=f"{session.lease_id:x}")
+                    )
+                if not started:
+                    started = True
+                    task_status.started()
+                if self._session is session:
+                    await session.lost.wait()
+                nursery.cancel_scope.cancel()
+            if self._session is not session:
+                await trio.sleep(RETRY_INTERVAL * 4)
+                continue
+            # Lost: waiters and bindings went with it; queues re-queue their waiters.
+            self._session, self._session_ready = None, trio.Event()
+            for key_queue in self._queues.values():
+                key_queue.changed.set()
+
+    async def _wait_session(self) -> int:
+        """The session lease, waiting for one within the etcd timeout."""
+        if self._session is None:
+            with trio.move_on_after(self.settings.etcd_timeout):
+                await self._session_ready.wait()
+            if self._session is None:
+                raise EtcdUnavailable("no etcd session lease (etcd unreachable)")
+        return self._session.lease_id
+
+    # -------------------------------------------------------------- helpers
+
+    async def new_hold(self, template: Hold, ttl_s: int) -> Hold:
+        """``template`` with a fresh handle and a lease of ``ttl_s`` just granted."""
+        sent = self.clock.wall_ms()
+        grant = await self.etcd.lease_grant(ttl_s)
+        return replace(
+            template,
+            handle=new_handle_id(),
+            lease=grant.id,
+            ttl_ms=grant.ttl * 1000,
+            expires_at=sent + grant.ttl * 1000,
+        )
+
+    async def hold_puts(self, hold: Hold) -> list[Op]:
+        ops: list[Op] = [
+            PutOp(self.layout.hold(hold.key, hold.handle), hold.value(), lease=hold.lease)
+        ]
+        if hold.bound:
+            session = await self._wait_session()
+            ops.append(PutOp(self.layout.binding(hold.key, hold.handle), self.node, lease=session))
+        return ops
+
+    async def new_waiter_record(self, key: str, like: Waiter) -> Waiter:
+        """A waiter record like ``like`` under a new key, on the current session lease."""
+        session = await self._wait_session()
+        etcd_key = self.layout.waiter(key, session, next(self._seq))
+        return replace(like, etcd_key=etcd_key, create_revision=0, lease=session, node=self.node)
+
+    def track(self, hold: Hold, conn: int | None = None) -> None:
+        """Remember a bound hold's connection, to release it when the connection closes."""
+        if hold.bound and conn is not None:
+            self._bound[conn][self.layout.hold(hold.key, hold.handle)] = hold
+
+    def delete_later(self, etcd_key: bytes) -> None:
+        self._doomed_keys.add(etcd_key)
+        self._cleanup_wanted.set()
+
+    def revoke_later(self, lease: int) -> None:
+        self._doomed_leases.add(lease)
+        self._cleanup_wanted.set()
+
+    def release_undelivered(self, hold: RemoteHold) -> None:
+        assert isinstance(hold, Hold)
+        self.delete_later(self.layout.hold(hold.key, hold.handle))
+        self.delete_later(self.layout.binding(hold.key, hold.handle))
+        self.revoke_later(hold.lease)
+
+    async def _clean_up(self) -> None:
+        """Delete doomed keys and revoke doomed leases, retrying until etcd answers."""
+        while True:
+            await self._cleanup_wanted.wait()
+            self._cleanup_wanted = trio.Event()
+            try:
+                while self._doomed_keys:
+                    batch = sorted(self._doomed_keys)[:CLEANUP_BATCH]
+                    await self.etcd.txn([], [DeleteOp(key) for key in batch])
+                    self._doomed_keys.difference_update(batch)
+                while self._doomed_leases:
+                    lease = next(iter(self._doomed_leases))
+                    with contextlib.suppress(LeaseNotFound):
+                        await self.etcd.lease_revoke(lease)
+                    self._doomed_leases.discard(lease)
+            except EtcdUnavailable:
+                self._cleanup_wanted.set()
+                await trio.sleep(RETRY_INTERVAL)
+
+    async def _read(self, key: str) -> Directory:
+        result = await self.etcd.range(RangeOp(self.layout.directory(key), prefix=True))
+        return Directory.parse(self.layout, key, result.kvs, result.header.revision)
+
+    def _guard(self, key: str, revision: int) -> Compare:
+        """Nothing in the key's directory was written after ``revision``."""
+        return Compare(self.layout.directory(key), "mod_revision", "<", revision + 1, prefix=True)
+
+    def _directory_of(self, key: str, read: object, revision: int) -> Directory:
+        assert isinstance(read, RangeResult)
+        return Directory.parse(self.layout, key, read.kvs, revision)
+
+    # -------------------------------------------------------------- acquire
+
+    async def acquire(
+        self, req: Acquire, caller: Caller, conn: int, timeout: float | None
+    ) -> Hold | Refused | None:
+        template = Hold(
+            key=req.key,
+            handle="",
+            principal=caller.principal,
+            owner=req.owner,
+            mode=req.mode,
+            limit=req.limit,
+            node=self.node,
+            pid=caller.pid,
+            process=caller.process,
+            ttl_ms=0,
+            expires_at=0,
+            lease=0,
+            bound=req.release_on_close,
+        )
+        ttl_s = lease_seconds(req.ttl_ms)
+        if timeout is None:
+            tried = await self._try(template, ttl_s, conn, waiting=False)
+            assert not isinstance(tried, Directory)
+            return tried
+        # A blocking acquire keeps trying while etcd is down, within its timeout.
+        deadline = trio.current_time() + timeout
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    outcome = await self._try(template, ttl_s, conn, waiting=True)
+                    break
+                except EtcdUnavailable as exc:
+                    log.debug(kv(event="acquire_retry", key=req.key, error=exc))
+                    await trio.sleep(RETRY_INTERVAL)
+        if trio.current_time() >= deadline:
+            return None
+        if isinstance(outcome, Directory):  # must wait
+            return await self._wait(template, ttl_s, conn, outcome, deadline)
+        return outcome
+
+    async def _try(
+        self, template: Hold, ttl_s: int, conn: int, *, waiting: bool
+    ) -> Hold | Refused | Directory | None:
+        hold = await self.new_hold(template, ttl_s)
+        outcome = await self._take_now(hold, conn, waiting=waiting)
+        if not isinstance(outcome, Hold):
+            self.revoke_later(hold.lease)
+        return outcome
+
+    async def _take_now(
+        self, hold: Hold, conn: int, *, waiting: bool
+    ) -> Hold | Refused | Directory | None:
+        """Take the key now if the rules allow; else busy (None) or the directory to queue on."""
+        key, directory_key = hold.key, self.layout.directory(hold.key)
+        puts = await self.hold_puts(hold)
+        # The fast path: a free key is taken in one transaction.
+        compares = [Compare(directory_key, "create_revision", "==", 0, prefix=True)]
+        ops: list[Op] = puts
+        while True:
+            try:
+                result = await self.etcd.txn(compares, ops, [RangeOp(directory_key, prefix=True)])
+            except BaseException:
+                self.release_undelivered(hold)
+                raise
+            if result.succeeded:
+                granted = replace(hold, fence=result.header.revision)
+                self.track(granted, conn)
+                return granted
+            directory = self._directory_of(key, result.responses[0], result.header.revision)
+            own = directory.own_hold(hold.principal, hold.owner)
+            refused = refusal(
+                key,
+                hold.mode,
+                hold.limit,
+                key_limit=directory.limit_in_force(),
+                own_hold=(own.mode, own.limit) if own is not None else None,
+            )
+            if refused is not None:
+                return refused
+            ops = [DeleteOp(dead) for dead in directory.dead]
+            if own is not None and is_retake(own.principal, own.owner, hold.principal, hold.owner):
+                ops += [
+                    DeleteOp(self.layout.hold(key, own.handle)),
+                    DeleteOp(self.layout.binding(key, own.handle)),
+                ]
+                self.revoke_later(own.lease)
+            elif not may_take_now(directory.fits(hold.mode, hold.limit), len(directory.waiters)):
+                return directory if waiting else None
+            ops += puts
+            compares = [self._guard(key, directory.revision)]
+
+    async def _wait(
+        self, template: Hold, ttl_s: int, conn: int, directory: Directory, deadline: float
+    ) -> Hold | None:
+        """Queue behind the key's waiters until granted or the deadline (trio clock)."""
+        key = template.key
+        waiter: LocalWaiter | None = None
+        key_queue: KeyQueue | None = None
+        like = Waiter(
+            b"", 0, template.principal, template.owner, template.mode, template.limit, self.node
+        )
+        try:
+            with trio.move_on_at(deadline):
+                record = await self.new_waiter_record(key, like)
+                waiter, directory = await self._enqueue(key, record, template, ttl_s)
+                key_queue = self._queue(key, directory.revision)
+                key_queue.join(waiter, directory)
+                await waiter.done.wait()
+            granted = waiter.granted if waiter is not None else None
+            if granted is None and waiter is not None and key_queue is not None:
+                granted = await key_queue.leave(waiter)  # the grant may have come first
+        except BaseException:
+            # Cancelled (connection gone, cancel, stop): leave; a grant that
+            # crossed is released, nobody will get its handle.
+            if waiter is not None and key_queue is not None:
+                crossed = await key_queue.leave(waiter)
+                if crossed is not None:
+                    self.release_undelivered(crossed)
+            raise
+        if granted is not None:
+            self.track(granted, conn)
+        return granted
+
+    async def _enqueue(
+        self, key: str, record: Waiter, template: Hold, ttl_s: int
+    ) -> tuple[LocalWaiter, Directory]:
+        """Write the waiter key (retrying while etcd is down) and read the queue after it."""
+        directory_key = self.layout.directory(key)
+        while True:
+            put = PutOp(record.etcd_key, record.value(), lease=record.lease)
+            try:
+                result = await self.etcd.txn([], [put, RangeOp(directory_key, prefix=True)])
+            except EtcdUnavailable as exc:
+                self.delete_later(record.etcd_key)
+                log.debug(kv(event="enqueue_retry", key=key, error=exc))
+                await trio.sleep(RETRY_INTERVAL)
+                record = await self.new_waiter_record(key, record)
+                continue
+            except BaseException:
+                self.delete_later(record.etcd_key)
+                raise
+            directory = self._directory_of(key, result.responses[1], result.header.revision)
+            return LocalWaiter(record, template, ttl_s), directory
+
+    def _queue(self, key: str, revision: int) -> KeyQueue:
+        key_queue = self._queues.get(key)
+        if key_queue is None:
+            key_queue = self._queues[key] = KeyQueue(self, key, revision)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._serve_queue, key_queue)
+        return key_queue
+
+    async def _serve_queue(self, key_queue: KeyQueue) -> None:
+        try:
+            await key_queue.run()
+        finally:
+            if self._queues.get(key_queue.key) is key_queue:
+                del self._queues[key_queue.key]
+
+    # ----------------------------------------------------- the other ops
+
+    async def find(self, key: str, handle: str) -> Hold | None:
+        hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
+        result = await self.etcd.txn([], [RangeOp(hold_key), RangeOp(binding_key)])
+        holds, bindings = result.responses
+        assert isinstance(holds, RangeResult) and isinstance(bindings, RangeResult)
+        if not holds.kvs:
+            return None
+        hold = Hold.parse(key, handle, holds.kvs[0])
+        if hold.bound and not bindings.kvs:
+            self.delete_later(hold_key)  # its daemon's session ended: the hold is dead
+            return None
+        return hold
+
+    async def renew(self, hold: RemoteHold, ttl_ms: int) -> Hold | None:
+        assert isinstance(hold, Hold)
+        hold_key = self.layout.hold(hold.key, hold.handle)
+        ttl_s = lease_seconds(ttl_ms)
+        sent = self.clock.wall_ms()
+        if ttl_s * 1000 == hold.ttl_ms:
+            try:
+                ttl = await self.etcd.lease_keepalive(hold.lease)
+            except LeaseNotFound:
+                return None
+            renewed = replace(hold, expires_at=sent + ttl * 1000)
+        else:
+            grant = await self.etcd.lease_grant(ttl_s)
+            renewed = replace(
+                hold, lease=grant.id, ttl_ms=grant.ttl * 1000, expires_at=sent + grant.ttl * 1000
+            )
+        # Rewrite the record (its expiry), unless it changed since it was read.
+        result = await self.etcd.txn(
+            [Compare(hold_key, "mod_revision", "==", hold.mod_revision)],
+            [PutOp(hold_key, renewed.value(), lease=renewed.lease)],
+        )
+        if renewed.lease != hold.lease:
+            self.revoke_later(renewed.lease if not result.succeeded else hold.lease)
+        return renewed if result.succeeded else None
+
+    async def release(self, key: str, handle: str) -> bool:
+        hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
+        result = await self.etcd.txn(
+            [],
+            [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
+        )
+        holds, bindings = result.responses
+        if not getattr(holds, "prev_kvs", None):
+            return False
+        hold = Hold.parse(key, handle, holds.prev_kvs[0])  # type: ignore[union-attr]
+        self.revoke_later(hold.lease)
+        for bound in self._bound.values():
+            bound.pop(hold_key, None)
+        # A bound hold whose binding had gone was dead already: not the holder.
+        return not hold.bound or bool(getattr(bindings, "prev_kvs", None))
+
+    async def status(self, key: str) -> RemoteStatus:
+        directory = await self._read(key)
+        return RemoteStatus(key, directory.holds, len(directory.waiters))
+
+    async def list_held(
+        self, prefix: str, limit: int, after: str | None
+    ) -> tuple[list[RemoteStatus], str | None]:
+        """Held keys under ``prefix`` in key order after ``after``, at most ``limit``.
+
+        Reads the records from the first candidate key on, in chunks, all at
+        the first chunk's revision, until it has ``limit`` + 1 held keys (to
+        know whether more remain): a page costs its own records.
+        """
+        layout = self.layout
+        low = layout.locks + prefix.encode().hex().encode()
+        high = prefix_end(low)
+        start = max(low, layout.after(after)) if after is not None else low
+        revision = 0
+        page: list[RemoteStatus] = []
+        current: str | None = None
+        records: list[KeyValue] = []
+
+        def flush() -> None:
+            if current is not None:
+                directory = Directory.parse(layout, current, records, revision)
+                if directory.holds:
+                    page.append(RemoteStatus(current, directory.holds, len(directory.waiters)))
+
+        while len(page) <= limit:
+            read = RangeOp(start, range_end=high, limit=LIST_CHUNK, revision=revision)
+            result = await self.etcd.range(read)
+            revision = revision or result.header.revision
+            for record in result.kvs:
+                key = layout.lock_key(record.key)
+                if key != current:
+                    flush()
+                    current, records = key, []
+                records.append(record)
+            if not result.more:
+                flush()
+                break
+            start = result.kvs[-1].key + b"\0"
+        if len(page) > limit:
+            return page[:limit], page[limit - 1].key
+        return page, None
+
+    async def break_lock(self, key: str) -> list[Hold]:
+        directory_key = self.layout.directory(key)
+        result = await self.etcd.txn(
+            [],
+            [
+                RangeOp(directory_key, prefix=True),
+                DeleteOp(directory_key + b"h/", prefix=True),
+                DeleteOp(directory_key + b"b/", prefix=True),
+            ],
+        )
+        directory = self._directory_of(key, result.responses[0], result.header.revision)
+        for hold in directory.holds:
+            self.revoke_later(hold.lease)
+        return directory.holds
+
+    def connection_closed(self, conn: int) -> None:
+        bound = self._bound.pop(conn, None)
+        for hold in (bound or {}).values():
+            self.release_undelivered(hold)
+
+    def gauges(self) -> dict[str, object]:
+        waiters = sum(len(q.waiters) for q in self._queues.values())
+        return {"node": self.node, "waiters": waiters}

@@ -1,0 +1,239 @@
+"""Where the etcd backend keeps a lock's state, and how its records read back.
+
+Every record of one lock key lives in that key's **directory**
+``<prefix>k/<hex of the key>/``, so one range read returns the key's holds,
+bindings and waiters together, at one revision, and one compare over the
+directory guards a decision (docs/etcd-design.md §2-3):
+
+- ``h/<handle id>``: a hold, on its own lease (the TTL); its create
+  revision is its fence;
+- ``b/<handle id>``: the binding of a ``releaseOnClose`` hold, on the
+  daemon's session lease: a bound hold is live only while both exist;
+- ``w/<session lease, hex>/<seq>``: a waiter, on the session lease; queue
+  order is its create revision, then its key.
+
+Lock keys are hex-encoded: any UTF-8 (``/`` included) becomes a path part,
+and hex keeps byte order, so etcd's key order is the lock keys' order and
+``list`` pages with plain range reads. No I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockd.daemon.backends.etcd import queue
+from lockd.daemon.backends.etcd.wire import KeyValue
+from lockd.daemon.holds import EXCLUSIVE, SHARED
+
+
+class Layout:
+    """The etcd keys of one lockd installation, under ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.root = prefix.encode()
+        #: every lock key's directory starts with this.
+        self.locks = self.root + b"k/"
+
+    def directory(self, key: str) -> bytes:
+        return self.locks + key.encode().hex().encode() + b"/"
+
+    def hold(self, key: str, handle: str) -> bytes:
+        return self.directory(key) + b"h/" + handle.encode()
+
+    def binding(self, key: str, handle: str) -> bytes:
+        return self.directory(key) + b"b/" + handle.encode()
+
+    def waiter(self, key: str, session: int, seq: int) -> bytes:
+        return self.directory(key) + b"w/%016x/%012d" % (session, seq)
+
+    def lock_key(self, etcd_key: bytes) -> str:
+        """The lock key a record of ``etcd_key`` belongs to."""
+        hex_key = etcd_key[len(self.locks) :].split(b"/", 1)[0]
+        return bytes.fromhex(hex_key.decode()).decode()
+
+    def after(self, key: str) -> bytes:
+        """The first etcd key past every record of lock key ``key`` (for paging)."""
+        return self.directory(key)[:-1] + b"0"  # "0" sorts right after "/"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One holder of a lock key, as its record says.
+
+    ``expires_at`` (epoch ms) is the earliest moment the hold can end: the
+    lease's TTL counted from when its grant or last keepalive was *sent*.
+    """
+
+    key: str
+    handle: str
+    principal: str
+    owner: str | None
+    mode: str
+    limit: int
+    node: str
+    pid: int | None
+    process: str | None
+    ttl_ms: int
+    expires_at: int
+    lease: int
+    bound: bool
+    #: revisions etcd gave the record (0 before it is written).
+    fence: int = 0
+    mod_revision: int = 0
+
+    def value(self) -> bytes:
+        return json.dumps(
+            {
+                "principal": self.principal,
+                "owner": self.owner,
+                "mode": self.mode,
+                "limit": self.limit,
+                "node": self.node,
+                "pid": self.pid,
+                "process": self.process,
+                "ttlMs": self.ttl_ms,
+                "expiresAt": self.expires_at,
+                "bound": self.bound,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def parse(cls, key: str, handle: str, kv: KeyValue) -> Hold:
+        doc: dict[str, Any] = json.loads(kv.value)
+        return cls(
+            key=key,
+            handle=handle,
+            principal=doc["principal"],
+            owner=doc["owner"],
+            mode=doc["mode"],
+            limit=doc["limit"],
+            node=doc["node"],
+            pid=doc["pid"],
+            process=doc["process"],
+            ttl_ms=doc["ttlMs"],
+            expires_at=doc["expiresAt"],
+            lease=kv.lease,
+            bound=doc["bound"],
+            fence=kv.create_revision,
+            mod_revision=kv.mod_revision,
+        )
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A queued request, as its record says."""
+
+    etcd_key: bytes
+    create_revision: int
+    principal: str
+    owner: str | None
+    mode: str
+    limit: int
+    node: str
+    #: the session lease it hangs on.
+    lease: int = 0
+
+    def value(self) -> bytes:
+        doc = {
+            "principal": self.principal,
+            "owner": self.owner,
+            "mode": self.mode,
+            "limit": self.limit,
+            "node": self.node,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, kv: KeyValue) -> Waiter:
+        doc: dict[str, Any] = json.loads(kv.value)
+        return cls(
+            etcd_key=kv.key,
+            create_revision=kv.create_revision,
+            principal=doc["principal"],
+            owner=doc["owner"],
+            mode=doc["mode"],
+            limit=doc["limit"],
+            node=doc["node"],
+            lease=kv.lease,
+        )
+
+    @property
+    def claim(self) -> queue.Claim:
+        return queue.Claim(self.etcd_key, self.create_revision, _mode(self.mode), self.limit)
+
+
+@dataclass
+class Directory:
+    """One lock key's records at one revision, sorted out."""
+
+    key: str
+    revision: int
+    #: live holds, oldest grant first.
+    holds: list[Hold] = field(default_factory=list)
+    #: etcd keys of bound holds whose binding is gone: dead, to delete.
+    dead: list[bytes] = field(default_factory=list)
+    #: waiters in queue order.
+    waiters: list[Waiter] = field(default_factory=list)
+    #: every etcd key present (to tell which of our waiters are still queued).
+    present: set[bytes] = field(default_factory=set)
+
+    @classmethod
+    def parse(cls, layout: Layout, key: str, kvs: Sequence[KeyValue], revision: int) -> Directory:
+        base = len(layout.directory(key))
+        bindings: set[bytes] = set()
+        found: list[tuple[bytes, KeyValue]] = []
+        waiters: list[Waiter] = []
+        for kv in kvs:
+            kind, _, name = kv.key[base:].partition(b"/")
+            if kind == b"b":
+                bindings.add(name)
+            elif kind == b"h":
+                found.append((name, kv))
+            elif kind == b"w":
+                waiters.append(Waiter.parse(kv))
+        directory = cls(key, revision, present={kv.key for kv in kvs})
+        for name, kv in found:
+            hold = Hold.parse(key, name.decode(), kv)
+            if hold.bound and name not in bindings:
+                directory.dead.append(kv.key)
+            else:
+                directory.holds.append(hold)
+        directory.holds.sort(key=lambda h: h.fence)
+        directory.waiters = sorted(waiters, key=lambda w: (w.create_revision, w.etcd_key))
+        return directory
+
+    def hold_claims(self, layout: Layout) -> list[queue.Claim]:
+        return [
+            queue.Claim(layout.hold(self.key, h.handle), h.fence, _mode(h.mode), h.limit)
+            for h in self.holds
+        ]
+
+    def limit_in_force(self) -> int | None:
+        """The limit every request must name while the key has claims (oldest claim's)."""
+        claims: list[tuple[int, int]] = [(h.fence, h.limit) for h in self.holds]
+        claims += [(w.create_revision, w.limit) for w in self.waiters]
+        return min(claims)[1] if claims else None
+
+    def own_hold(self, principal: str, owner: str | None) -> Hold | None:
+        """The caller's hold with this owner (a re-take takes it back), oldest first."""
+        if owner is None:
+            return None
+        for hold in self.holds:
+            if hold.owner == owner and hold.principal == principal:
+                return hold
+        return None
+
+    def fits(self, mode: str, limit: int) -> bool:
+        return queue.fits(_mode(mode), limit, self.hold_claims_light())
+
+    def hold_claims_light(self) -> list[queue.Claim]:
+        """Holds as claims for ``fits`` (keys do not matter there)."""
+        return [queue.Claim(b"", h.fence, _mode(h.mode), h.limit) for h in self.holds]
+
+
+def _mode(mode: str) -> queue.Mode:
+    return SHARED if mode == SHARED else EXCLUSIVE

@@ -1,0 +1,218 @@
+"""The queue of one lock key, as this daemon takes part in it (docs/etcd-design.md §5).
+
+A blocking acquire that cannot win at once writes a waiter key (on the
+session lease) and joins the :class:`KeyQueue` of its lock key: one per key
+with local waiters, one task and one watch each. The queue task
+
+1. reads the key's directory, applies ``queue.decide`` to what it read, and
+   grants those of *its own* waiters that the rules grant now, all in one
+   transaction guarded by the revision it read (delete the waiter keys, put
+   the holds); a failed guard hands back the directory as it is now, and it
+   decides again;
+2. then sleeps until the watch reports a deletion in the directory (a hold
+   released, broken or expired, a binding gone, a waiter granted or gone).
+   The watch runs from the revision after the first read and never stops
+   while the queue lives, so no deletion between a read and the next wait
+   can be missed.
+
+Nothing is granted from memory: a grant is a transaction over what was read.
+A waiter whose key vanished (the session lease ran out during an etcd
+outage) is written again at the tail, as after a daemon restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import trio
+
+from lockd.daemon.backends.etcd import queue
+from lockd.daemon.backends.etcd.gateway import EtcdUnavailable, WatchCompacted
+from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
+from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, Op, PutOp, RangeOp, WatchRequest
+from lockd.logfmt import kv
+
+if TYPE_CHECKING:
+    from lockd.daemon.backends.etcd.backend import EtcdBackend
+
+log = logging.getLogger("lockd.etcd")
+
+#: seconds between attempts while etcd does not answer.
+RETRY_INTERVAL = 0.25
+
+
+@dataclass(eq=False)
+class LocalWaiter:
+    """One parked acquire of this daemon: its waiter record and, once granted, its hold."""
+
+    record: Waiter
+    #: the hold it will get, less what the grant fills in (lease, expiry, fence).
+    hold: Hold
+    ttl_s: int
+    granted: Hold | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class KeyQueue:
+    def __init__(self, backend: EtcdBackend, key: str, revision: int) -> None:
+        self.backend = backend
+        self.key = key
+        self.directory_key = backend.layout.directory(key)
+        self.waiters: dict[bytes, LocalWaiter] = {}
+        #: held while deciding, and by a waiter that leaves: never both at once.
+        self.lock = trio.Lock()
+        self.changed = trio.Event()
+        #: a directory read fresh enough to decide on (saves a read), if any.
+        self.fresh: Directory | None = None
+        self._watch_from = revision + 1
+
+    def join(self, waiter: LocalWaiter, directory: Directory) -> None:
+        """Take a waiter whose key is written; ``directory`` was read after it was."""
+        self.waiters[waiter.record.etcd_key] = waiter
+        if self.fresh is None or directory.revision >= self.fresh.revision:
+            self.fresh = directory
+        self.changed.set()
+
+    async def leave(self, waiter: LocalWaiter) -> Hold | None:
+        """Withdraw ``waiter`` (timeout, cancel, connection gone) unless it was granted.
+
+        Returns its hold when the grant came first. Shielded: a cancelled
+        acquire must still leave the queue.
+        """
+        with trio.CancelScope(shield=True):
+            async with self.lock:
+                key = waiter.record.etcd_key
+                if waiter.granted is None and key in self.waiters:
+                    del self.waiters[key]
+                    self.backend.delete_later(key)
+        return waiter.granted
+
+    # ------------------------------------------------------------ the task
+
+    async def run(self) -> None:
+        """Serve the queue until no local waiter is left in it."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch)
+            while self.waiters:
+                await self.changed.wait()
+                self.changed = trio.Event()
+                try:
+                    async with self.lock:
+                        await self._decide()
+                except EtcdUnavailable as exc:
+                    log.debug(kv(event="queue_retry", key=self.key, error=exc))
+                    self.fresh = None
+                    self.changed.set()
+                    await trio.sleep(RETRY_INTERVAL)
+            nursery.cancel_scope.cancel()
+
+    async def _watch(self) -> None:
+        """Set ``changed`` on every deletion in the directory, from the first read on."""
+        start = self._watch_from
+        request = WatchRequest(self.directory_key, prefix=True)
+        while True:
+            try:
+                async with self.backend.etcd.watch(replace(request, start_revision=start)) as w:
+                    try:
+                        async for response in w:
+                            if any(event.type == "DELETE" for event in response.events):
+                                self.changed.set()
+                    finally:
+                        start = w.next_revision or start
+            except WatchCompacted as exc:
+                start = exc.compact_revision
+                self.changed.set()  # what was compacted away is read instead
+            except EtcdUnavailable:
+                await trio.sleep(RETRY_INTERVAL)
+
+    async def _read(self) -> Directory:
+        backend = self.backend
+        result = await backend.etcd.range(RangeOp(self.directory_key, prefix=True))
+        return Directory.parse(backend.layout, self.key, result.kvs, result.header.revision)
+
+    async def _decide(self) -> None:
+        """Grant what the rules grant our waiters now; re-queue waiters that were lost."""
+        backend = self.backend
+        directory = self.fresh or await self._read()
+        self.fresh = None
+        while self.waiters:
+            lost = [w for k, w in self.waiters.items() if k not in directory.present]
+            if lost:
+                directory = await self._requeue(lost)
+                continue
+            decision = queue.decide(
+                directory.hold_claims(backend.layout), [w.claim for w in directory.waiters]
+            )
+            mine = [
+                self.waiters[c.etcd_key] for c in decision.granted if c.etcd_key in self.waiters
+            ]
+            if not mine:
+                return
+            result = await self._grant(directory, mine)
+            if result is None:
+                return
+            directory = result
+
+    async def _grant(self, directory: Directory, mine: list[LocalWaiter]) -> Directory | None:
+        """One guarded transaction granting ``mine``; None when it committed, else the new read."""
+        backend = self.backend
+        holds: list[Hold] = []
+        ops: list[Op] = [DeleteOp(key) for key in directory.dead]
+        with self._unless_committed(holds):
+            for waiter in mine:
+                hold = await backend.new_hold(waiter.hold, waiter.ttl_s)
+                holds.append(hold)
+                ops.append(DeleteOp(waiter.record.etcd_key))
+                ops += await backend.hold_puts(hold)
+            guard = Compare(
+                self.directory_key, "mod_revision", "<", directory.revision + 1, prefix=True
+            )
+            result = await backend.etcd.txn(
+                [guard], ops, [RangeOp(self.directory_key, prefix=True)]
+            )
+        if not result.succeeded:
+            for hold in holds:
+                backend.revoke_later(hold.lease)
+            read = result.responses[0]
+            assert hasattr(read, "kvs")
+            return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)
+        for waiter, hold in zip(mine, holds, strict=True):
+            waiter.granted = replace(hold, fence=result.header.revision)
+            del self.waiters[waiter.record.etcd_key]
+            waiter.done.set()
+        return None
+
+    @contextmanager
+    def _unless_committed(self, holds: list[Hold]) -> Iterator[None]:
+        """A grant that failed in any way may still have committed: clean its holds up."""
+        try:
+            yield
+        except BaseException:
+            for hold in holds:
+                self.backend.release_undelivered(hold)
+            raise
+
+    async def _requeue(self, lost: list[LocalWaiter]) -> Directory:
+        """Write lost waiters again, at the tail (their session ended under them)."""
+        backend = self.backend
+        ops: list[Op] = []
+        for waiter in lost:
+            del self.waiters[waiter.record.etcd_key]
+            waiter.record = await backend.new_waiter_record(self.key, waiter.record)
+            self.waiters[waiter.record.etcd_key] = waiter
+            record = waiter.record
+            ops.append(PutOp(record.etcd_key, record.value(), lease=record.lease))
+            log.info(kv(event="waiter_requeued", key=self.key))
+        try:
+            result = await backend.etcd.txn([], [*ops, RangeOp(self.directory_key, prefix=True)])
+        except BaseException:
+            for waiter in lost:
+                backend.delete_later(waiter.record.etcd_key)
+            raise
+        read = result.responses[-1]
+        assert hasattr(read, "kvs")
+        return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)

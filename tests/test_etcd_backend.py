@@ -1,0 +1,357 @@
+"""The etcd backend (lockd/daemon/backends/etcd/backend.py) on a real 3-member cluster.
+
+In process: two ``EtcdBackend`` objects with different node names stand for
+two hosts sharing one prefix. Daemon-level and failure tests live in the
+cross-host test files; these pin the backend's own decisions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from lockd.config import BackendSettings
+from lockd.daemon.backends.etcd.backend import EtcdBackend, lease_seconds
+from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, GatewaySettings
+from lockd.daemon.backends.etcd.records import Hold
+from lockd.daemon.backends.etcd.wire import RangeOp
+from lockd.daemon.clock import SystemClock
+from lockd.daemon.holds import Refused
+from lockd.daemon.protocol import Acquire
+from lockd.identity import Caller
+from tests.etcd_cluster import EtcdCluster
+
+_ids = itertools.count()
+
+ALICE = Caller("user", "alice", "member", 1000, 1000, 4242, frozenset(), "job")
+BOB = Caller("user", "bob", "member", 1001, 1001, 4343, frozenset(), "other")
+
+Backends = Callable[..., Awaitable[EtcdBackend]]
+
+
+def request(
+    key: str,
+    *,
+    ttl_ms: int = 30_000,
+    timeout_ms: int | None = None,
+    owner: str | None = None,
+    bound: bool = False,
+    mode: str = "exclusive",
+    limit: int = 1,
+) -> Acquire:
+    op = "tryAcquire" if timeout_ms is None else "acquire"
+    return Acquire(next(_ids), op, key, ttl_ms, timeout_ms, owner, bound, mode, limit)
+
+
+@pytest.fixture
+async def backends(etcd_cluster: EtcdCluster) -> AsyncIterator[Backends]:
+    """``await backends(node)``: a running backend on this test's own prefix."""
+    prefix = f"/test-backend/{time.monotonic_ns()}/"
+    async with trio.open_nursery() as nursery:
+
+        async def start(
+            node: str = "n1", timeout: float = 5.0, endpoints: list[str] | None = None
+        ) -> EtcdBackend:
+            settings = BackendSettings(
+                kind="etcd",
+                endpoints=tuple(endpoints or etcd_cluster.endpoints),
+                prefix=prefix,
+                node=node,
+                etcd_timeout=timeout,
+                session_ttl=2,
+            )
+            gateway = EtcdGateway(GatewaySettings(settings.endpoints, timeout=timeout))
+            backend = EtcdBackend(gateway, settings, SystemClock())
+            await nursery.start(backend.run)
+            return backend
+
+        yield start
+        nursery.cancel_scope.cancel()
+
+
+async def acquired(
+    backend: EtcdBackend, req: Acquire, caller: Caller = ALICE, conn: int = 1
+) -> Hold:
+    timeout = req.timeout_ms / 1000 if req.timeout_ms is not None else None
+    outcome = await backend.acquire(req, caller, conn, timeout)
+    assert isinstance(outcome, Hold), outcome
+    return outcome
+
+
+async def records(backend: EtcdBackend, key: str) -> list[bytes]:
+    result = await backend.etcd.range(RangeOp(backend.layout.directory(key), prefix=True))
+    return [kv.key for kv in result.kvs]
+
+
+@asynccontextmanager
+async def parked(
+    backend: EtcdBackend, req: Acquire, caller: Caller, results: list[object]
+) -> AsyncIterator[trio.CancelScope]:
+    """A blocking acquire running in the background; its outcome lands in ``results``."""
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                assert req.timeout_ms is not None
+                results.append(await backend.acquire(req, caller, 1, req.timeout_ms / 1000))
+
+        before = len(await records(backend, req.key))
+        nursery.start_soon(run)
+        with trio.fail_after(10):  # its waiter key is written
+            while len(await records(backend, req.key)) <= before:
+                await trio.sleep(0.01)
+        yield scope
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- grants
+
+
+@pytest.mark.parametrize(
+    ("ttl_ms", "seconds"), [(1, 2), (1500, 2), (2000, 2), (2001, 3), (60_000, 60)]
+)
+def test_ttls_are_whole_seconds_at_least_etcds_minimum(ttl_ms: int, seconds: int) -> None:
+    assert lease_seconds(ttl_ms) == seconds
+
+
+async def test_try_acquire_grants_a_free_key_and_reports_the_effective_ttl(
+    backends: Backends,
+) -> None:
+    backend = await backends("web-1")
+    before = int(time.time() * 1000)
+    hold = await acquired(backend, request("k", ttl_ms=1500))
+    assert hold.ttl_ms == 2000 and hold.node == "web-1" and hold.pid == ALICE.pid
+    assert before + 2000 <= hold.expires_at <= int(time.time() * 1000) + 2000
+    # The fence is the hold key's create revision.
+    kv = (await backend.etcd.get(backend.layout.hold("k", hold.handle))).kvs[0]
+    assert hold.fence == kv.create_revision
+    assert await backend.acquire(request("k"), BOB, 2, None) is None  # busy
+    status = await backend.status("k")
+    assert [h.handle for h in status.holds] == [hold.handle] and status.waiters == 0
+    assert await backend.release("k", hold.handle)
+    assert not await backend.release("k", hold.handle)
+    assert (await backend.status("k")).holds == []
+
+
+async def test_fences_increase_across_hosts(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    fences = []
+    for backend in (one, two, one, two):
+        hold = await acquired(backend, request("f"))
+        fences.append(hold.fence)
+        assert await backend.release("f", hold.handle)
+    assert fences == sorted(set(fences))
+
+
+async def test_a_retake_from_another_host_fences_the_old_handle(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    old = await acquired(one, request("r", owner="run-1"))
+    new = await acquired(two, request("r", owner="run-1"))
+    assert new.fence > old.fence and new.handle != old.handle and new.node == "n2"
+    assert await one.find("r", old.handle) is None  # renew answers lease_lost
+    assert not await one.release("r", old.handle)
+    assert await two.acquire(request("r", owner="run-2"), ALICE, 1, None) is None
+    assert await two.acquire(request("r", owner="run-1"), BOB, 1, None) is None  # not the principal
+
+
+async def test_refusals_name_the_field(backends: Backends) -> None:
+    backend = await backends()
+    await acquired(backend, request("s", limit=3))
+    refused = await backend.acquire(request("s", limit=2), BOB, 1, None)
+    assert isinstance(refused, Refused) and refused.field == "limit"
+    assert refused.details == {"limit": 3}
+    await acquired(backend, request("m", owner="o"))
+    refused = await backend.acquire(request("m", owner="o", mode="shared"), ALICE, 1, None)
+    assert isinstance(refused, Refused) and refused.field == "mode"
+
+
+async def test_shared_holds_and_semaphores(backends: Backends) -> None:
+    backend = await backends()
+    a = await acquired(backend, request("sh", mode="shared"))
+    b = await acquired(backend, request("sh", mode="shared"), BOB)
+    assert a.fence < b.fence
+    assert await backend.acquire(request("sh"), BOB, 1, None) is None
+    assert len((await backend.status("sh")).holds) == 2
+    await acquired(backend, request("sem", limit=2))
+    await acquired(backend, request("sem", limit=2), BOB)
+    assert await backend.acquire(request("sem", limit=2), BOB, 1, None) is None
+
+
+# ---------------------------------------------------------------- renew
+
+
+async def test_renew_keeps_the_fence_and_moves_the_expiry(backends: Backends) -> None:
+    backend = await backends()
+    hold = await acquired(backend, request("n", ttl_ms=2000))
+    await trio.sleep(0.3)
+    found = await backend.find("n", hold.handle)
+    assert found is not None
+    same = await backend.renew(found, 2000)
+    assert same is not None and same.fence == hold.fence and same.expires_at > hold.expires_at
+    found = await backend.find("n", hold.handle)
+    assert found is not None and found.expires_at == same.expires_at
+    longer = await backend.renew(found, 10_000)
+    assert longer is not None and longer.ttl_ms == 10_000 and longer.fence == hold.fence
+    await trio.sleep(2.5)  # the first lease (2 s) is revoked, the new one holds
+    found = await backend.find("n", hold.handle)
+    assert found is not None and found.lease == longer.lease
+
+
+async def test_a_hold_ends_with_its_ttl(backends: Backends) -> None:
+    backend = await backends()
+    hold = await acquired(backend, request("e", ttl_ms=1))
+    await trio.sleep(3.5)
+    assert await backend.find("e", hold.handle) is None
+    assert (await backend.status("e")).holds == []
+
+
+# ---------------------------------------------------------------- waiting
+
+
+async def test_waiters_are_granted_in_order_across_hosts(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(one, request("q"))
+    results: list[object] = []
+    async with (
+        parked(two, request("q", timeout_ms=20_000), BOB, results),
+        parked(one, request("q", timeout_ms=20_000), ALICE, results),
+    ):
+        assert (await one.status("q")).waiters == 2
+        assert await one.release("q", holder.handle)
+        await until(lambda: len(results) == 1)
+        first = results[0]
+        assert isinstance(first, Hold) and first.principal == "user:bob" and first.node == "n2"
+        assert await two.release("q", first.handle)
+        await until(lambda: len(results) == 2)
+    second = results[1]
+    assert isinstance(second, Hold) and second.principal == "user:alice"
+    assert second.fence > first.fence
+
+
+async def test_consecutive_shared_waiters_are_granted_together(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    writer = await acquired(one, request("rw"))
+    results: list[object] = []
+    async with (
+        parked(one, request("rw", timeout_ms=20_000, mode="shared"), ALICE, results),
+        parked(two, request("rw", timeout_ms=20_000, mode="shared"), BOB, results),
+        parked(two, request("rw", timeout_ms=20_000), BOB, results),
+    ):
+        assert await one.release("rw", writer.handle)
+        await until(lambda: len(results) == 2)
+        assert all(isinstance(r, Hold) and r.mode == "shared" for r in results)
+        assert (await one.status("rw")).waiters == 1  # the writer behind them waits
+        for r in list(results):
+            assert isinstance(r, Hold)
+            assert await one.release("rw", r.handle)
+        await until(lambda: len(results) == 3)
+    assert isinstance(results[2], Hold) and results[2].mode == "exclusive"
+
+
+async def test_a_waiter_that_times_out_leaves_the_queue(backends: Backends) -> None:
+    backend = await backends()
+    holder = await acquired(backend, request("t"))
+    started = trio.current_time()
+    assert await backend.acquire(request("t", timeout_ms=700), BOB, 1, 0.7) is None
+    assert trio.current_time() - started >= 0.7
+    await until_records(backend, "t", 1)
+    assert await backend.release("t", holder.handle)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_takes_nothing(backends: Backends) -> None:
+    backend = await backends()
+    holder = await acquired(backend, request("c"))
+    results: list[object] = []
+    async with parked(backend, request("c", timeout_ms=20_000), BOB, results) as scope:
+        scope.cancel()
+    assert results == []
+    await until_records(backend, "c", 1)  # the holder's key alone
+    assert await backend.release("c", holder.handle)
+    assert (await backend.status("c")).holds == []
+
+
+async def until_records(backend: EtcdBackend, key: str, count: int) -> None:
+    with trio.fail_after(10):
+        while len(await records(backend, key)) != count:
+            await trio.sleep(0.02)
+
+
+# ------------------------------------------------------ ends of holds
+
+
+async def test_release_on_close_ends_with_the_connection(backends: Backends) -> None:
+    backend = await backends()
+    bound = await acquired(backend, request("b", bound=True), conn=7)
+    kept = await acquired(backend, request("b2"), conn=7)
+    assert len(await records(backend, "b")) == 2  # hold + binding
+    backend.connection_closed(7)
+    await until_records(backend, "b", 0)
+    assert await backend.find("b", bound.handle) is None
+    assert await backend.find("b2", kept.handle) is not None
+
+
+async def test_a_bound_hold_dies_with_its_daemons_session(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    bound = await acquired(one, request("d", bound=True))
+    await one.close()  # as if its host died: the session lease ends
+    assert await two.find("d", bound.handle) is None
+    assert await acquired(two, request("d"), BOB)
+
+
+async def test_an_undelivered_grant_is_released(backends: Backends) -> None:
+    backend = await backends()
+    hold = await acquired(backend, request("u"))
+    backend.release_undelivered(hold)
+    await until_records(backend, "u", 0)
+
+
+async def test_break_ends_every_hold(backends: Backends) -> None:
+    backend = await backends()
+    assert await backend.break_lock("x") == []
+    a = await acquired(backend, request("x", mode="shared"))
+    await acquired(backend, request("x", mode="shared"), BOB)
+    broken = await backend.break_lock("x")
+    assert len(broken) == 2 and broken[0].fence == a.fence
+    assert (await backend.status("x")).holds == []
+
+
+# ---------------------------------------------------------------- list
+
+
+async def test_list_pages_in_key_order(backends: Backends) -> None:
+    backend = await backends()
+    keys = ["a/1", "a/2", "a/3", "b", "a/2x"]
+    for key in keys:
+        await acquired(backend, request(key))
+    page, after = await backend.list_held("", 2, None)
+    assert [st.key for st in page] == ["a/1", "a/2"] and after == "a/2"
+    page, after = await backend.list_held("", 2, after)
+    assert [st.key for st in page] == ["a/2x", "a/3"] and after == "a/3"
+    page, after = await backend.list_held("", 2, after)
+    assert [st.key for st in page] == ["b"] and after is None
+    page, after = await backend.list_held("a/2", 10, None)
+    assert [st.key for st in page] == ["a/2", "a/2x"] and after is None
+
+
+# ---------------------------------------------------------------- outages
+
+
+async def test_an_unreachable_cluster_fails_within_the_timeout(backends: Backends) -> None:
+    backend = await backends(timeout=1.0, endpoints=["http://127.0.0.1:9"])
+    started = trio.current_time()
+    with pytest.raises(EtcdUnavailable):
+        await backend.acquire(request("down"), ALICE, 1, None)
+    assert trio.current_time() - started < 10
+    # A blocking acquire keeps trying until its own timeout instead.
+    assert await backend.acquire(request("down", timeout_ms=1500), ALICE, 1, 1.5) is None
