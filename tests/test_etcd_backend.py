@@ -355,3 +355,32 @@ async def test_an_unreachable_cluster_fails_within_the_timeout(backends: Backend
     assert trio.current_time() - started < 10
     # A blocking acquire keeps trying until its own timeout instead.
     assert await backend.acquire(request("down", timeout_ms=1500), ALICE, 1, 1.5) is None
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def test_released_leases_are_reused_with_a_fresh_ttl(backends: Backends) -> None:
+    backend = await backends()
+    first = await acquired(backend, request("p", ttl_ms=3000))
+    assert await backend.release("p", first.handle)
+    assert len(backend.leases) == 1
+    await trio.sleep(1.2)  # the kept lease has ~1.8 s left: a keepalive renews it
+    again = await acquired(backend, request("p", ttl_ms=3000))
+    assert again.lease == first.lease and len(backend.leases) == 0
+    assert again.expires_at >= first.expires_at + 1000
+    await trio.sleep(2.0)  # past the first grant's end: the keepalive kept it alive
+    assert await backend.find("p", again.handle) is not None
+    # A busy try gives its lease back too.
+    assert await backend.acquire(request("p", ttl_ms=3000), BOB, 1, None) is None
+    assert len(backend.leases) == 1
+
+
+async def test_a_kept_lease_that_ended_is_replaced(backends: Backends) -> None:
+    backend = await backends()
+    first = await acquired(backend, request("z", ttl_ms=2000))
+    assert await backend.release("z", first.handle)
+    await backend.etcd.lease_revoke(first.lease)  # ended under the pool
+    again = await acquired(backend, request("z", ttl_ms=2000))
+    assert again.lease != first.lease
+    assert await backend.find("z", again.handle) is not None

@@ -28,7 +28,13 @@ import trio
 
 from lockd.config import BackendSettings
 from lockd.daemon.backends import RemoteHold, RemoteStatus
-from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, LeaseNotFound
+from lockd.daemon.backends.etcd.gateway import (
+    EtcdError,
+    EtcdGateway,
+    EtcdUnavailable,
+    LeaseNotFound,
+)
+from lockd.daemon.backends.etcd.leases import KeptLease, LeasePool, Refresh
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
 from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
@@ -76,6 +82,7 @@ class EtcdBackend:
         self._session: Session | None = None
         self._session_ready = trio.Event()
         self._seq = itertools.count(1)
+        self.leases = LeasePool()
         self._queues: dict[str, KeyQueue] = {}
         #: etcd keys to delete and leases to revoke once etcd answers (clean-up list).
         self._doomed_keys: set[bytes] = set()
@@ -112,7 +119,7 @@ class EtcdBackend:
             async with trio.open_nursery() as nursery:
                 try:
                     await nursery.start(session.run)
-                except EtcdUnavailable as exc:
+                except (EtcdUnavailable, EtcdError) as exc:
                     log.warning(kv(event="etcd_unavailable", during="session", error=exc))
                 else:
                     self._session = session
@@ -145,17 +152,66 @@ class EtcdBackend:
 
     # -------------------------------------------------------------- helpers
 
-    async def new_hold(self, template: Hold, ttl_s: int) -> Hold:
-        """``template`` with a fresh handle and a lease of ``ttl_s`` just granted."""
+    async def new_hold(
+        self, template: Hold, ttl_s: int, *, reuse: bool = True
+    ) -> tuple[Hold, Refresh | None]:
+        """``template`` with a fresh handle and a lease of ``ttl_s``: a kept one, else a new one.
+
+        A kept lease comes with the :class:`Refresh` running for it; pass
+        both to :meth:`settle` once the hold is granted, or to
+        :meth:`recycle` when it was not.
+        """
+        kept = self.leases.take(ttl_s, self.clock.wall_ms()) if reuse else None
+        if kept is not None:
+            refresh = Refresh(kept)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._refresh, refresh)
+            hold = replace(
+                template,
+                handle=new_handle_id(),
+                lease=kept.id,
+                ttl_ms=kept.ttl * 1000,
+                expires_at=kept.alive_until,
+            )
+            return hold, refresh
         sent = self.clock.wall_ms()
         grant = await self.etcd.lease_grant(ttl_s)
-        return replace(
+        hold = replace(
             template,
             handle=new_handle_id(),
             lease=grant.id,
             ttl_ms=grant.ttl * 1000,
             expires_at=sent + grant.ttl * 1000,
         )
+        return hold, None
+
+    async def _refresh(self, refresh: Refresh) -> None:
+        sent = self.clock.wall_ms()
+        try:
+            ttl = await self.etcd.lease_keepalive(refresh.lease.id)
+            refresh.lease.alive_until = sent + ttl * 1000
+        except (EtcdUnavailable, LeaseNotFound):
+            pass  # the grant's put fails on a lost lease; else the old bound stands
+        finally:
+            refresh.done.set()
+
+    async def settle(self, hold: Hold, refresh: Refresh | None) -> Hold:
+        """A granted hold's expiry, once the keepalive of its reused lease answered."""
+        if refresh is None:
+            return hold
+        return replace(hold, expires_at=max(hold.expires_at, await refresh.wait()))
+
+    def recycle(self, hold: Hold, refresh: Refresh | None) -> None:
+        """Keep the lease of a hold that was not granted, for the next grant."""
+        self.keep_lease(
+            refresh.lease
+            if refresh is not None
+            else KeptLease(hold.lease, hold.ttl_ms // 1000, hold.expires_at)
+        )
+
+    def keep_lease(self, lease: KeptLease) -> None:
+        if not self.leases.keep(lease):
+            self.revoke_later(lease.id)
 
     async def hold_puts(self, hold: Hold) -> list[Op]:
         ops: list[Op] = [
@@ -209,6 +265,10 @@ class EtcdBackend:
             except EtcdUnavailable:
                 self._cleanup_wanted.set()
                 await trio.sleep(RETRY_INTERVAL)
+            except EtcdError as exc:  # refused (a bug, or lost rights): say so, drop the batch
+                log.error(kv(event="etcd_cleanup_failed", error=exc))
+                self._doomed_keys.clear()
+                self._doomed_leases.clear()
 
     async def _read(self, key: str) -> Directory:
         result = await self.etcd.range(RangeOp(self.layout.directory(key), prefix=True))
@@ -266,10 +326,18 @@ class EtcdBackend:
     async def _try(
         self, template: Hold, ttl_s: int, conn: int, *, waiting: bool
     ) -> Hold | Refused | Directory | None:
-        hold = await self.new_hold(template, ttl_s)
-        outcome = await self._take_now(hold, conn, waiting=waiting)
-        if not isinstance(outcome, Hold):
-            self.revoke_later(hold.lease)
+        hold, refresh = await self.new_hold(template, ttl_s)
+        try:
+            outcome = await self._take_now(hold, conn, waiting=waiting)
+        except LeaseNotFound:
+            if refresh is None:
+                raise
+            # The kept lease ended before its keepalive arrived: a new one.
+            hold, refresh = await self.new_hold(template, ttl_s, reuse=False)
+            outcome = await self._take_now(hold, conn, waiting=waiting)
+        if isinstance(outcome, Hold):
+            return await self.settle(outcome, refresh)
+        self.recycle(hold, refresh)
         return outcome
 
     async def _take_now(
@@ -419,7 +487,8 @@ class EtcdBackend:
             [PutOp(hold_key, renewed.value(), lease=renewed.lease)],
         )
         if renewed.lease != hold.lease:
-            self.revoke_later(renewed.lease if not result.succeeded else hold.lease)
+            unused = hold if result.succeeded else renewed
+            self.keep_lease(KeptLease(unused.lease, unused.ttl_ms // 1000, unused.expires_at))
         return renewed if result.succeeded else None
 
     async def release(self, key: str, handle: str) -> bool:
@@ -432,7 +501,7 @@ class EtcdBackend:
         if not getattr(holds, "prev_kvs", None):
             return False
         hold = Hold.parse(key, handle, holds.prev_kvs[0])  # type: ignore[union-attr]
-        self.revoke_later(hold.lease)
+        self.keep_lease(KeptLease(hold.lease, hold.ttl_ms // 1000, hold.expires_at))
         for bound in self._bound.values():
             bound.pop(hold_key, None)
         # A bound hold whose binding had gone was dead already: not the holder.

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from lockd.daemon.backends.etcd import queue
-from lockd.daemon.backends.etcd.gateway import EtcdUnavailable, WatchCompacted
+from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
+from lockd.daemon.backends.etcd.leases import Refresh
 from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
 from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, Op, PutOp, RangeOp, WatchRequest
 from lockd.logfmt import kv
@@ -103,7 +104,9 @@ class KeyQueue:
                 try:
                     async with self.lock:
                         await self._decide()
-                except EtcdUnavailable as exc:
+                except (EtcdUnavailable, EtcdError) as exc:
+                    # EtcdError: a kept lease that ended under the grant, or
+                    # a refusal; deciding again from a new read is safe.
                     log.debug(kv(event="queue_retry", key=self.key, error=exc))
                     self.fresh = None
                     self.changed.set()
@@ -161,11 +164,13 @@ class KeyQueue:
         """One guarded transaction granting ``mine``; None when it committed, else the new read."""
         backend = self.backend
         holds: list[Hold] = []
+        refreshes: list[Refresh | None] = []
         ops: list[Op] = [DeleteOp(key) for key in directory.dead]
         with self._unless_committed(holds):
             for waiter in mine:
-                hold = await backend.new_hold(waiter.hold, waiter.ttl_s)
+                hold, refresh = await backend.new_hold(waiter.hold, waiter.ttl_s)
                 holds.append(hold)
+                refreshes.append(refresh)
                 ops.append(DeleteOp(waiter.record.etcd_key))
                 ops += await backend.hold_puts(hold)
             guard = Compare(
@@ -175,14 +180,16 @@ class KeyQueue:
                 [guard], ops, [RangeOp(self.directory_key, prefix=True)]
             )
         if not result.succeeded:
-            for hold in holds:
-                backend.revoke_later(hold.lease)
+            for hold, refresh in zip(holds, refreshes, strict=True):
+                backend.recycle(hold, refresh)
             read = result.responses[0]
             assert hasattr(read, "kvs")
             return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)
-        for waiter, hold in zip(mine, holds, strict=True):
-            waiter.granted = replace(hold, fence=result.header.revision)
+        for waiter in mine:
             del self.waiters[waiter.record.etcd_key]
+        for waiter, hold, refresh in zip(mine, holds, refreshes, strict=True):
+            granted = replace(hold, fence=result.header.revision)
+            waiter.granted = await backend.settle(granted, refresh)
             waiter.done.set()
         return None
 

@@ -1,0 +1,73 @@
+"""Leases kept for reuse, so a grant costs one etcd transaction, not a lease grant too.
+
+A hold needs a lease of its own (its TTL) before the transaction that puts
+it. Granting one per acquire is one more raft write on the reply's path,
+and revoking it at release one more in the background. Instead the backend
+keeps the leases that releases free (and the ones a busy ``tryAcquire`` did
+not use), per TTL, and hands one to the next grant of that TTL. The grant
+refreshes it with a keepalive sent alongside its transaction (keepalives
+are not raft writes on etcd 3.4), so the hold gets the full TTL from the
+keepalive's sending on.
+
+Each kept lease carries ``alive_until``: the earliest moment it can end
+(epoch ms; the TTL counted from its last grant or keepalive *sent*). One
+that would end within :data:`MARGIN_MS` is not handed out: the keepalive
+must reach etcd before the lease ends, or the grant's put fails with
+"lease not found" (then the caller takes a freshly granted lease).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+#: leases kept per TTL; more are revoked.
+MAX_PER_TTL = 16
+#: a lease kept must live at least this much longer to be handed out.
+MARGIN_MS = 1000
+
+
+@dataclass
+class KeptLease:
+    id: int
+    ttl: int  # seconds, as granted
+    alive_until: int  # epoch ms, a lower bound of its end
+
+
+@dataclass(eq=False)
+class Refresh:
+    """A keepalive of a reused lease, running beside the grant's transaction."""
+
+    lease: KeptLease
+    done: trio.Event = field(default_factory=trio.Event)
+
+    async def wait(self) -> int:
+        """The lease's new ``alive_until`` (unchanged when the keepalive failed)."""
+        await self.done.wait()
+        return self.lease.alive_until
+
+
+class LeasePool:
+    def __init__(self) -> None:
+        self._kept: dict[int, list[KeptLease]] = {}
+
+    def take(self, ttl: int, now_ms: int) -> KeptLease | None:
+        """A kept lease of ``ttl`` seconds that lives long enough, newest first."""
+        kept = self._kept.get(ttl)
+        while kept:
+            lease = kept.pop()
+            if lease.alive_until - now_ms > MARGIN_MS:
+                return lease
+        return None  # the ones left behind end by themselves
+
+    def keep(self, lease: KeptLease) -> bool:
+        """Keep ``lease`` for a later grant; False when the pool is full (revoke it)."""
+        kept = self._kept.setdefault(lease.ttl, [])
+        if len(kept) >= MAX_PER_TTL:
+            return False
+        kept.append(lease)
+        return True
+
+    def __len__(self) -> int:
+        return sum(len(kept) for kept in self._kept.values())
