@@ -304,7 +304,9 @@ async def test_release_on_close_ends_with_the_connection(backends: Backends) -> 
 async def test_a_bound_hold_dies_with_its_daemons_session(backends: Backends) -> None:
     one, two = await backends("n1"), await backends("n2")
     bound = await acquired(one, request("d", bound=True))
-    await one.close()  # as if its host died: the session lease ends
+    lease = one.session_lease
+    assert lease is not None
+    await one.etcd.lease_revoke(lease)  # as if its host died: the session lease ends
     assert await two.find("d", bound.handle) is None
     assert await acquired(two, request("d"), BOB)
 
@@ -384,3 +386,35 @@ async def test_a_kept_lease_that_ended_is_replaced(backends: Backends) -> None:
     again = await acquired(backend, request("z", ttl_ms=2000))
     assert again.lease != first.lease
     assert await backend.find("z", again.handle) is not None
+
+
+# ---------------------------------------------------------------- sessions
+
+
+async def test_a_clean_stop_keeps_bound_holds_as_ttl_holds(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    bound = await acquired(one, request("stop", bound=True), conn=3)
+    await one.close()
+    kept = await two.find("stop", bound.handle)
+    assert kept is not None and not kept.bound and kept.fence == bound.fence
+    assert len(await records(two, "stop")) == 1  # the binding went, the hold stayed
+
+
+async def test_waiters_survive_the_loss_of_their_session(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(two, request("lost"))
+    bound = await acquired(one, request("lost-bound", bound=True))
+    results: list[object] = []
+    async with parked(one, request("lost", timeout_ms=30_000), BOB, results):
+        session = one.session_lease
+        assert session is not None
+        await one.etcd.lease_revoke(session)  # as after an outage past its TTL
+        # The bound hold died with the session; the waiter is queued again.
+        assert await two.find("lost-bound", bound.handle) is None
+        await until(lambda: one.session_lease not in (None, session))
+        with trio.fail_after(10):
+            while (await two.status("lost")).waiters != 1:
+                await trio.sleep(0.02)
+        assert await two.release("lost", holder.handle)
+        await until(lambda: len(results) == 1)
+    assert isinstance(results[0], Hold) and results[0].principal == "user:bob"

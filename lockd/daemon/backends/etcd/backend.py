@@ -107,10 +107,34 @@ class EtcdBackend:
             task_status.started()
 
     async def close(self) -> None:
-        """End the session now: this daemon's waiters and bindings go at once."""
-        if self._session is not None:
-            with trio.move_on_after(self.settings.etcd_timeout):
+        """A clean stop: bound holds become TTL holds, then the session ends now.
+
+        As with the embedded store, a stop is not the clients leaving: the
+        ``releaseOnClose`` holds of this daemon's connections stay as plain
+        TTL holds (their bindings would go with the session). Its waiters
+        leave the queues at once with the session.
+        """
+        with trio.move_on_after(self.settings.etcd_timeout):
+            for bound in self._bound.values():
+                for hold in bound.values():
+                    await self._unbind(hold)
+            self._bound.clear()
+            if self._session is not None:
                 await self._session.close()
+
+    async def _unbind(self, hold: Hold) -> None:
+        """Rewrite a bound hold as a TTL hold (same lease, same fence), if it still holds."""
+        current = await self.find(hold.key, hold.handle)
+        if current is None or not current.bound:
+            return
+        hold_key = self.layout.hold(hold.key, hold.handle)
+        await self.etcd.txn(
+            [Compare(hold_key, "mod_revision", "==", current.mod_revision)],
+            [
+                PutOp(hold_key, replace(current, bound=False).value(), lease=current.lease),
+                DeleteOp(self.layout.binding(hold.key, hold.handle)),
+            ],
+        )
 
     async def _keep_session(self, *, task_status: trio.TaskStatus[None]) -> None:
         started = False
@@ -140,6 +164,11 @@ class EtcdBackend:
             self._session, self._session_ready = None, trio.Event()
             for key_queue in self._queues.values():
                 key_queue.changed.set()
+
+    @property
+    def session_lease(self) -> int | None:
+        """The session lease in force, if any (None while etcd has granted none)."""
+        return self._session.lease_id if self._session is not None else None
 
     async def _wait_session(self) -> int:
         """The session lease, waiting for one within the etcd timeout."""
