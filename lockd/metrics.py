@@ -34,7 +34,8 @@ COUNTERS: dict[str, str] = {
 GAUGES: dict[str, str] = {
     "uptimeMs": "Time since the daemon started.",
     "connections": "Open client connections.",
-    "held": "Keys held now.",
-    "waiters": "Acquires parked in wait queues now.",
-    "fence": "The last fence issued (never goes backwards).",
+    "held": "Keys held now (null with the etcd backend: no host counts every host's keys).",
+    "waiters": "Acquires parked in wait queues now (with etcd: this daemon's).",
+    "fence": "The last fence issued (never goes backwards; with etcd: by this daemon).",
+    "node": "This daemon's node name (etcd backend; null with SQLite).",
 }

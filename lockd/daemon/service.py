@@ -341,6 +341,7 @@ class LockService:
             "held": engine.held_count,
             "waiters": engine.waiter_count,
             "fence": engine.fence,
+            "node": None,  # one host: the etcd backend names each host's node
         }
 
     def authorize(

@@ -83,6 +83,8 @@ class EtcdBackend:
         self._session_ready = trio.Event()
         self._seq = itertools.count(1)
         self.leases = LeasePool()
+        #: the highest fence this daemon handed out (``stats``).
+        self.last_fence = 0
         self._queues: dict[str, KeyQueue] = {}
         #: etcd keys to delete and leases to revoke once etcd answers (clean-up list).
         self._doomed_keys: set[bytes] = set()
@@ -258,7 +260,8 @@ class EtcdBackend:
         return replace(like, etcd_key=etcd_key, create_revision=0, lease=session, node=self.node)
 
     def track(self, hold: Hold, conn: int | None = None) -> None:
-        """Remember a bound hold's connection, to release it when the connection closes."""
+        """Note a grant: the last fence, and a bound hold's connection (released when it closes)."""
+        self.last_fence = max(self.last_fence, hold.fence)
         if hold.bound and conn is not None:
             self._bound[conn][self.layout.hold(hold.key, hold.handle)] = hold
 
@@ -603,5 +606,6 @@ class EtcdBackend:
             self.release_undelivered(hold)
 
     def gauges(self) -> dict[str, object]:
+        """``stats`` gauges: this daemon's own (counting every host's keys would need a scan)."""
         waiters = sum(len(q.waiters) for q in self._queues.values())
-        return {"node": self.node, "waiters": waiters}
+        return {"held": None, "waiters": waiters, "fence": self.last_fence, "node": self.node}
