@@ -11,6 +11,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 import trio
@@ -18,7 +19,7 @@ import trio
 from lockd.config import BackendSettings
 from lockd.daemon.backends.etcd.backend import EtcdBackend, lease_seconds
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, GatewaySettings
-from lockd.daemon.backends.etcd.records import Hold
+from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.wire import RangeOp
 from lockd.daemon.clock import SystemClock
 from lockd.daemon.holds import Refused
@@ -418,3 +419,22 @@ async def test_waiters_survive_the_loss_of_their_session(backends: Backends) -> 
         assert await two.release("lost", holder.handle)
         await until(lambda: len(results) == 1)
     assert isinstance(results[0], Hold) and results[0].principal == "user:bob"
+
+
+async def test_a_blocking_acquire_tries_once_whatever_its_timeout(backends: Backends) -> None:
+    backend = await backends()
+    hold = await acquired(backend, request("zero", timeout_ms=0))
+    assert await backend.acquire(request("zero", timeout_ms=0), BOB, 1, 0.0) is None
+    assert (await backend.status("zero")).waiters == 0
+    assert await backend.release("zero", hold.handle)
+
+
+def test_a_waiter_is_lost_only_when_written_before_the_read() -> None:
+    layout = Layout("/p/")
+    key = layout.waiter("k", 1, 1)
+    waiter = Waiter(key, 0, "user:a", None, "exclusive", 1, "n1")
+    empty = Directory("k", revision=10)
+    assert not empty.lost(waiter)  # its write is under way
+    assert not empty.lost(replace(waiter, create_revision=11))  # written after the read
+    assert empty.lost(replace(waiter, create_revision=9))  # gone (its session ended)
+    assert not Directory("k", revision=10, present={key}).lost(replace(waiter, create_revision=9))

@@ -132,3 +132,23 @@ def test_a_bad_backend_setting_stops_the_start(daemon_paths: DaemonProcess) -> N
     daemon_paths.write_config("")
     result = daemon_paths.serve_once("--etcd", "127.0.0.1:2379")
     assert result.returncode == 1 and "--etcd" in result.stderr
+
+
+def test_sigterm_with_parked_waiters_stops_cleanly(
+    etcd_daemon: DaemonProcess, client: LockClient
+) -> None:
+    held = client.try_acquire("parked", ttl=60, release_on_close=True)
+    assert held is not None
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(etcd_daemon.socket))
+        send(sock, id=1, op="acquire", key="parked", ttlMs=5000, timeoutMs=60000)
+        deadline = time.monotonic() + 10
+        while client.status("parked").waiters == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert etcd_daemon.stop() == 0
+        assert replies(sock, 1)[0]["error"]["code"] == "SHUTTING_DOWN"  # type: ignore[index]
+    etcd_daemon.start()
+    with LockClient(etcd_daemon.socket) as again:
+        status = again.status("parked")
+    # The stop kept the releaseOnClose hold as a TTL hold; its waiter left.
+    assert status.held and status.fence == held.fence and status.waiters == 0

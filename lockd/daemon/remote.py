@@ -124,6 +124,10 @@ class RemoteService:
             service.stats.count("timeouts")
             raise timed_out(req)
         service.stats.count("grants")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                kv(event="granted", key=req.key, principal=caller.principal, fence=outcome.fence)
+            )
         return RemoteReply(self.handle_view(outcome), outcome)
 
     # ------------------------------------------------------ the other ops
@@ -134,6 +138,8 @@ class RemoteService:
             if not await backend.release(request.key, request.handle):
                 return {"released": False, "reason": "not_holder"}
             service.stats.count("releases")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(kv(event="released", key=request.key, principal=caller.principal))
             return {"released": True}
         if isinstance(request, Renew):
             hold = await backend.find(request.key, request.handle)

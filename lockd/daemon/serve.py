@@ -298,8 +298,9 @@ async def _main(daemon: Daemon) -> None:
         await daemon.server.serve(daemon.listen_sock)
         if daemon.backend is not None:
             await daemon.backend.close()
-            await daemon.backend.etcd.aclose()
         nursery.cancel_scope.cancel()
+    if daemon.backend is not None:
+        await daemon.backend.etcd.aclose()
 
 
 def run(paths: Paths, *, adopt_fence_mark: bool = False, etcd: tuple[str, ...] = ()) -> int:

@@ -93,6 +93,7 @@ class EtcdBackend:
         #: releaseOnClose holds granted on each connection: conn -> hold keys.
         self._bound: dict[int, dict[bytes, Hold]] = defaultdict(dict)
         self._nursery: trio.Nursery | None = None
+        self._closing = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -116,6 +117,7 @@ class EtcdBackend:
         TTL holds (their bindings would go with the session). Its waiters
         leave the queues at once with the session.
         """
+        self._closing = True
         with trio.move_on_after(self.settings.etcd_timeout):
             for bound in self._bound.values():
                 for hold in bound.values():
@@ -162,6 +164,8 @@ class EtcdBackend:
             if self._session is not session:
                 await trio.sleep(RETRY_INTERVAL * 4)
                 continue
+            if self._closing:
+                return  # ended by close(): no new session for a daemon that stops
             # Lost: waiters and bindings went with it; queues re-queue their waiters.
             self._session, self._session_ready = None, trio.Event()
             for key_queue in self._queues.values():
@@ -339,18 +343,23 @@ class EtcdBackend:
             tried = await self._try(template, ttl_s, conn, waiting=False)
             assert not isinstance(tried, Directory)
             return tried
-        # A blocking acquire keeps trying while etcd is down, within its timeout.
+        # A blocking acquire tries once whatever its timeout (0 included), as
+        # the embedded engine does; while etcd is down it keeps trying,
+        # within its timeout.
         deadline = trio.current_time() + timeout
-        with trio.move_on_at(deadline):
-            while True:
-                try:
-                    outcome = await self._try(template, ttl_s, conn, waiting=True)
-                    break
-                except EtcdUnavailable as exc:
-                    log.debug(kv(event="acquire_retry", key=req.key, error=exc))
+        outcome: Hold | Refused | Directory | None = None
+        try:
+            outcome = await self._try(template, ttl_s, conn, waiting=True)
+        except EtcdUnavailable as exc:
+            log.debug(kv(event="acquire_retry", key=req.key, error=exc))
+            with trio.move_on_at(deadline):
+                while True:
                     await trio.sleep(RETRY_INTERVAL)
-        if trio.current_time() >= deadline:
-            return None
+                    try:
+                        outcome = await self._try(template, ttl_s, conn, waiting=True)
+                        break
+                    except EtcdUnavailable as again:
+                        log.debug(kv(event="acquire_retry", key=req.key, error=again))
         if isinstance(outcome, Directory):  # must wait
             return await self._wait(template, ttl_s, conn, outcome, deadline)
         return outcome
@@ -465,6 +474,7 @@ class EtcdBackend:
                 self.delete_later(record.etcd_key)
                 raise
             directory = self._directory_of(key, result.responses[1], result.header.revision)
+            record = replace(record, create_revision=result.header.revision)
             return LocalWaiter(record, template, ttl_s), directory
 
     def _queue(self, key: str, revision: int) -> KeyQueue:

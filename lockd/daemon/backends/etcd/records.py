@@ -206,6 +206,15 @@ class Directory:
         directory.waiters = sorted(waiters, key=lambda w: (w.create_revision, w.etcd_key))
         return directory
 
+    def lost(self, waiter: Waiter) -> bool:
+        """True when ``waiter``'s key was written before this read and is gone from it.
+
+        A waiter written after the read (``create_revision`` above it, or 0
+        while its write is under way) is simply not in it yet.
+        """
+        written = 0 < waiter.create_revision <= self.revision
+        return written and waiter.etcd_key not in self.present
+
     def hold_claims(self, layout: Layout) -> list[queue.Claim]:
         return [
             queue.Claim(layout.hold(self.key, h.handle), h.fence, _mode(h.mode), h.limit)

@@ -143,7 +143,7 @@ class KeyQueue:
         directory = self.fresh or await self._read()
         self.fresh = None
         while self.waiters:
-            lost = [w for k, w in self.waiters.items() if k not in directory.present]
+            lost = [w for w in self.waiters.values() if directory.lost(w.record)]
             if lost:
                 directory = await self._requeue(lost)
                 continue
@@ -208,18 +208,24 @@ class KeyQueue:
         backend = self.backend
         ops: list[Op] = []
         for waiter in lost:
-            del self.waiters[waiter.record.etcd_key]
+            old = waiter.record.etcd_key
+            del self.waiters[old]
             waiter.record = await backend.new_waiter_record(self.key, waiter.record)
             self.waiters[waiter.record.etcd_key] = waiter
             record = waiter.record
-            ops.append(PutOp(record.etcd_key, record.value(), lease=record.lease))
+            # Deleting the old key too: a queue must never keep a waiter nobody serves.
+            ops += [DeleteOp(old), PutOp(record.etcd_key, record.value(), lease=record.lease)]
             log.info(kv(event="waiter_requeued", key=self.key))
         try:
             result = await backend.etcd.txn([], [*ops, RangeOp(self.directory_key, prefix=True)])
         except BaseException:
             for waiter in lost:
+                # Maybe written: deleted later, then found lost and written again.
+                waiter.record = replace(waiter.record, create_revision=1)
                 backend.delete_later(waiter.record.etcd_key)
             raise
+        for waiter in lost:
+            waiter.record = replace(waiter.record, create_revision=result.header.revision)
         read = result.responses[-1]
         assert hasattr(read, "kvs")
         return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)
