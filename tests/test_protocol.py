@@ -545,3 +545,17 @@ def test_shared_with_a_limit_above_one_names_the_limit_field() -> None:
     assert_invalid(acquire(mode="shared", limit=2), "limit")
     request = parse_request(line(acquire(mode="shared", limit=1)))
     assert isinstance(request, Acquire) and request.mode == "shared"
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(rid=st.integers() | st.text(), result=_JSON_VALUES)
+def test_reply_lines_are_what_json_dumps_makes(rid: int | str, result: Any) -> None:
+    """The encoder built once writes byte for byte what json.dumps would (ASCII, compact)."""
+    expected = json.dumps({"id": rid, "ok": True, "result": result}, separators=(",", ":"))
+    assert encode_result(rid, result) == expected.encode("ascii") + b"\n"

@@ -692,7 +692,6 @@ class LockServer:
         except Exception:
             self.service.stats.count("internalErrors")
             log.exception(kv(event="internal_error", op="group_commit"))
-        self._reschedule()
 
     def _batch_ended(self, error: BaseException | None) -> None:
         """Send the replies of a batch whose commit is done, or fail those it acknowledged.
@@ -701,6 +700,8 @@ class LockServer:
         durable get STORAGE_UNAVAILABLE (INTERNAL when it failed for a bug).
         """
         outbox, self._outbox = self._outbox, []
+        if error is not None:
+            self._reschedule()  # the rollback may have brought back an earlier deadline
         for out in outbox:
             if error is None or not out.needs_commit:
                 self._send(out.conn, out.data, out.grant)
