@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Fences reserved per write of the mark (one fsync pair per BLOCK grants).
-BLOCK = 1000
+BLOCK = 10_000
 _MAGIC = "lockd-fence-mark 1"
 
 
