@@ -7,18 +7,27 @@ does the waiting a step asks for, and writes the reply. It never touches the
 engine or the clock: the timer asks the service for the next deadline, the
 ``stats`` op and systemd's STATUS= line ask it for the gauges.
 
-One task reads each connection and answers every request that can be
+One task reads each connection and handles every request that can be
 answered at once inline, in order; only an ``acquire`` that has to wait
 (:class:`~lockd.daemon.service.WaitForRoom` or
 :class:`~lockd.daemon.engine.Parked`) gets a task of its own, so pipelined
-requests behind it are served while it waits. Replies are written under a
-per-connection lock and may come out of order; they carry the request id.
-Every reply that hands out a grant goes through :meth:`LockServer._reply`,
-which releases the grant when the reply cannot be written.
+requests behind it are served while it waits.
+
+Group commit: the replies of requests handled inline wait in an outbox.
+After a connection's requests of one read, the batch is committed -- one
+SQLite transaction for the requests of every connection served in that
+loop pass (:meth:`LockServer._batch_point`) -- and then every reply is
+written (:meth:`LockServer._batch_ended`); when the commit fails, each
+request of the batch is answered STORAGE_UNAVAILABLE. Replies are written
+by a per-connection :class:`~lockd.daemon.sockio.ReplyWriter` and may come
+out of order; they carry the request id. A reply that hands out a grant
+carries it, and the grant is released when the reply cannot be written.
 
 Parked acquires wait on a :class:`trio.Event` that the service's
 ``on_resolved`` sets when the engine resolves the waiter (grant, timeout) --
-after the commit, so a woken waiter's grant is already durable. A single
+after the commit, so a woken waiter's grant is already durable. A grant is
+written right there, inside the commit, before the replies of its batch
+(the releaser's among them). A single
 timer task sleeps until the engine's earliest deadline; every request moves
 that deadline earlier if needed.
 
@@ -528,7 +537,9 @@ class LockServer:
             log.debug(
                 kv(event="connected", conn=conn.id, principal=caller.principal, pid=caller.pid)
             )
-        self._readable.register(sock, select.EPOLLIN)
+        # Only a hint for _batch_point: a connection it cannot watch is served all the same.
+        with contextlib.suppress(OSError):
+            self._readable.register(sock, select.EPOLLIN)
         try:
             async with trio.open_nursery() as nursery:
                 conn.writer = writer = sockio.ReplyWriter(
@@ -544,7 +555,8 @@ class LockServer:
             self._flush()
             if conn.writer is not None:
                 conn.writer.closed = True
-            self._readable.unregister(sock)
+            with contextlib.suppress(OSError):
+                self._readable.unregister(sock)
             self._open_connections -= 1
             del self.connections[conn.id]
             try:
