@@ -24,7 +24,7 @@ from .test_engine import grant, make_engine, park
 
 def cold_of(leases: list[Lease]) -> ColdLeases:
     ordered = sorted(leases, key=lambda lease: (lease.key, lease.slot))
-    return ColdLeases([x.key.encode() for x in ordered], [x.expires_at for x in ordered])
+    return ColdLeases.of((x.key.encode(), x.expires_at) for x in ordered)
 
 
 class Loader:
@@ -60,7 +60,7 @@ def stored(key: str, fence: int, expires_at: int, owner: str | None = None, **kw
 
 def test_cold_leases_find_take_and_list_keys_in_order() -> None:
     keys = [b"a", b"b", b"b", b"c\xc3\xa9", b"d"]  # "b" has two holders
-    cold = ColdLeases(keys, [50, 20, 30, 10, 40])
+    cold = ColdLeases.of(zip(keys, [50, 20, 30, 10, 40], strict=True))
     assert (cold.key_count, cold.lease_count) == (4, 5)
     assert "b" in cold and "cé" in cold and "bb" not in cold and "" not in cold
     assert list(cold.keys_from("b", inclusive=True)) == ["b", "cé", "d"]
@@ -71,7 +71,7 @@ def test_cold_leases_find_take_and_list_keys_in_order() -> None:
 
 
 def test_cold_deadlines_come_in_time_order_and_skip_taken_keys() -> None:
-    cold = ColdLeases([b"a", b"b", b"c", b"d"], [30, 10, 10, 20])
+    cold = ColdLeases.of([(b"a", 30), (b"b", 10), (b"c", 10), (b"d", 20)])
     assert cold.next_deadline() == 10
     assert cold.take_due(15, limit=1) == ["b"]  # ties in key order
     assert cold.take("d")
@@ -80,14 +80,24 @@ def test_cold_deadlines_come_in_time_order_and_skip_taken_keys() -> None:
 
 
 def test_a_key_with_several_leases_is_taken_whole_by_its_first_deadline() -> None:
-    cold = ColdLeases([b"a", b"k", b"k", b"k"], [99, 50, 5, 70])
+    cold = ColdLeases.of([(b"a", 99), (b"k", 50), (b"k", 5), (b"k", 70)])
     assert cold.take_due(5, limit=10) == ["k"]
     assert (cold.key_count, cold.lease_count, cold.next_deadline()) == (1, 1, 99)
 
 
 def test_cold_leases_refuse_keys_out_of_order() -> None:
     with pytest.raises(ValueError, match="key order"):
-        ColdLeases([b"b", b"a"], [1, 2])
+        ColdLeases.of([(b"b", 1), (b"a", 2)])
+    with pytest.raises(ValueError, match="key order"):
+        ColdLeases.build([[(b"a", 1), (b"c", 2)], [(b"b", 3)]])
+
+
+def test_batches_join_into_one_index() -> None:
+    """A key's leases may straddle two batches of the store's stream."""
+    cold = ColdLeases.build([[(b"a", 5), (b"k", 3)], [], [(b"k", 1), (b"z", 2)]])
+    assert (cold.key_count, cold.lease_count) == (3, 4)
+    assert list(cold.keys_from("a", inclusive=True)) == ["a", "k", "z"]
+    assert cold.take_due(10, limit=10) == ["k", "z", "a"]
 
 
 # ---------------------------------------------------------------- the engine

@@ -37,13 +37,13 @@ class _KeyView:
 
     __slots__ = ("_blob", "_offsets")
 
-    def __init__(self, blob: bytes, offsets: array[int]) -> None:
+    def __init__(self, blob: bytearray, offsets: array[int]) -> None:
         self._blob, self._offsets = blob, offsets
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def __getitem__(self, i: int) -> bytes:
+    def __getitem__(self, i: int) -> bytearray:
         offsets = self._offsets
         return self._blob[offsets[i] : offsets[i + 1]]
 
@@ -51,36 +51,56 @@ class _KeyView:
 class ColdLeases:
     """The keys and deadlines of the leases loaded at start and not taken yet."""
 
-    def __init__(self, keys: Sequence[bytes] = (), expires: Sequence[int] = ()) -> None:
-        """From each lease's UTF-8 key and deadline, in key order (see :meth:`build`)."""
-        if len(keys) != len(expires):
-            raise ValueError("one deadline per key")
-        if not all(map(operator.le, keys, itertools.islice(keys, 1, None))):
-            raise ValueError("cold leases must come in key order")
-        self._blob = b"".join(keys)
-        self._offsets = array("Q", itertools.accumulate(map(len, keys), initial=0))
+    def __init__(self) -> None:
+        """No cold leases (see :meth:`build`)."""
+        self._blob = bytearray()
+        #: lease i's key is _blob[_offsets[i]:_offsets[i + 1]].
+        self._offsets = array("Q", [0])
         self._keys = _KeyView(self._blob, self._offsets)
-        self._expires = expires if isinstance(expires, array) else array("q", expires)
-        # Sorted once, here: by deadline, ties in key order (sorted is stable).
-        self._order = array("I", sorted(range(len(keys)), key=self._expires.__getitem__))
+        self._expires = array("q")
+        #: lease numbers by deadline, and how far the timer has walked them.
+        self._order = array("I")
         self._next = 0
-        self._taken = bytearray(len(keys))
+        self._taken = bytearray()
         #: keys and leases not taken yet.
-        self.lease_count = len(keys)
-        self.key_count = self.lease_count - sum(
-            map(operator.eq, keys, itertools.islice(keys, 1, None))
-        )
+        self.key_count = 0
+        self.lease_count = 0
 
     @classmethod
-    def build(cls, batches: Iterable[list[tuple[Any, ...]]]) -> ColdLeases:
-        """From batches of rows (UTF-8 key, deadline, ...), in (key, slot) order."""
-        keys: list[bytes] = []
-        expires = array("q")
+    def build(cls, batches: Iterable[Sequence[tuple[Any, ...]]]) -> ColdLeases:
+        """From batches of rows (UTF-8 key, deadline, ...), in (key, slot) order.
+
+        Each batch is taken apart by C loops (``map``, ``join``), not a
+        Python step per row: at a million rows that is most of the start.
+        """
+        cold = cls()
         first, second = operator.itemgetter(0), operator.itemgetter(1)
-        for rows in batches:  # C loops over each batch, not a Python step per row
-            keys.extend(map(first, rows))
-            expires.extend(map(second, rows))
-        return cls(keys, expires)
+        for rows in batches:
+            if rows:
+                cold._append(list(map(first, rows)), map(second, rows))
+        # Sorted once, here: by deadline, ties in key order (sorted is stable).
+        cold._order = array("I", sorted(range(cold.lease_count), key=cold._expires.__getitem__))
+        cold._taken = bytearray(cold.lease_count)
+        return cold
+
+    @classmethod
+    def of(cls, leases: Iterable[tuple[bytes, int]]) -> ColdLeases:
+        """From (UTF-8 key, deadline) pairs in key order, all at once."""
+        return cls.build([list(leases)])
+
+    def _append(self, keys: list[bytes], expires: Iterable[int]) -> None:
+        # The batch with the last key of the one before: a key's leases may straddle.
+        ordered = [bytes(self._keys[self.lease_count - 1]), *keys] if self.lease_count else keys
+        if not all(map(operator.le, ordered, itertools.islice(ordered, 1, None))):
+            raise ValueError("cold leases must come in key order")
+        repeats = sum(map(operator.eq, ordered, itertools.islice(ordered, 1, None)))
+        start = len(self._blob)
+        self._blob += b"".join(keys)
+        ends = itertools.accumulate(map(len, keys), initial=start)
+        self._offsets.extend(itertools.islice(ends, 1, None))  # ``start`` is there already
+        self._expires.extend(expires)
+        self.lease_count += len(keys)
+        self.key_count += len(keys) - repeats
 
     # ------------------------------------------------------------ keys
 
