@@ -29,6 +29,12 @@ are O(1) (O(number granted) for a hand-out to consecutive shared waiters).
 Leases and waiter deadlines sit in two heaps with lazy deletion, so neither
 the timer nor any operation scans all keys.
 
+Leases found at start are taken up cold (:meth:`LockEngine.restore_cold`,
+:mod:`lockd.daemon.cold`): only their keys and deadlines are in memory until
+a request, a ``list`` page or a deadline needs a key, and then an injected
+loader reads that key's leases (the store, in the daemon; a dict in tests).
+Loading is not a change: nobody can tell a cold key from a loaded one.
+
 Requests are all or nothing: a request's own changes are recorded in an undo
 log, and :meth:`LockEngine.rollback` puts the engine back exactly as it was
 before the request when its commit fails (disk full). Time passing and
@@ -448,14 +454,24 @@ class LockEngine:
         self._cold, self._load = cold, load
         self._advance(now, EXPIRY_CHUNK)
 
-    def _warm(self, keys: list[str]) -> None:
+    def _warm(self, keys: list[str], now: int | None = None) -> None:
         """Load cold keys already taken out of ``_cold`` into the engine's state.
 
         Not part of any request: loading changes nothing anyone can see.
+        With ``now`` (the timer's), a key whose every lease has run out by
+        then expires on its way in, without state made for it and undone:
+        a mass expiry after a restart costs a read per key, no more.
         """
         self._undo.stop()
         for group in _by_key(self._load(keys)):
-            self._adopt(group)
+            if now is None or any(lease.expires_at > now for lease in group):
+                self._adopt(group)
+                continue
+            group.sort(key=lambda lease: (lease.expires_at, lease.fence))
+            for lease in group:
+                self._fence = max(self._fence, lease.fence)
+                self._changes.expired.append(lease)
+                self._changes.rows[(lease.key, lease.slot)] = None
 
     def _adopt(self, group: list[Lease]) -> None:
         """Make a loaded cold key's state (all its leases) in the engine."""
@@ -1087,14 +1103,14 @@ class LockEngine:
                 and (lease_at is None or cold_at < lease_at)
                 and (waiter_at is None or cold_at <= waiter_at)
             ):
-                # Cold keys come due: load them, and the heap orders what
-                # follows. Loading a key costs about what expiring it does,
-                # so it counts against the budget. (A tie with a loaded lease
-                # goes to the loaded one: keys that are independent of each
-                # other may go in any order, and it keeps the loaded few.)
+                # Cold keys come due: expire them, or load them and let the
+                # heap order what follows. Each counts against the budget.
+                # Keys are independent of each other, so which of two keys
+                # goes first is nobody's business: a tie with a loaded lease
+                # goes to the loaded one.
                 room = LOAD_BATCH if budget is None else min(LOAD_BATCH, budget - applied)
                 taken = cold.take_due(now, room)
-                self._warm(taken)
+                self._warm(taken, now)
                 applied += len(taken)
                 continue
             if (
