@@ -486,11 +486,14 @@ class EtcdBackend:
         return key_queue
 
     async def _serve_queue(self, key_queue: KeyQueue) -> None:
-        try:
-            await key_queue.run()
-        finally:
+        def retire() -> None:
             if self._queues.get(key_queue.key) is key_queue:
                 del self._queues[key_queue.key]
+
+        try:
+            await key_queue.run(retire)
+        finally:
+            retire()
 
     # ----------------------------------------------------- the other ops
 

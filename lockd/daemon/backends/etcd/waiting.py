@@ -23,7 +23,7 @@ outage) is written again at the tail, as after a daemon restart.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -69,6 +69,9 @@ class KeyQueue:
         self.changed = trio.Event()
         #: a directory read fresh enough to decide on (saves a read), if any.
         self.fresh: Directory | None = None
+        #: the revision of the last deletion the watch reported: a read older
+        #: than it is not fresh (deciding on it would sleep through that event).
+        self.seen = 0
         self._watch_from = revision + 1
 
     def join(self, waiter: LocalWaiter, directory: Directory) -> None:
@@ -94,11 +97,19 @@ class KeyQueue:
 
     # ------------------------------------------------------------ the task
 
-    async def run(self) -> None:
-        """Serve the queue until no local waiter is left in it."""
+    async def run(self, retire: Callable[[], None]) -> None:
+        """Serve the queue until no local waiter is left in it.
+
+        ``retire`` is called the moment it finds none, before any await: a
+        waiter arriving after that starts a new queue instead of joining
+        one whose task is ending.
+        """
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch)
-            while self.waiters:
+            while True:
+                if not self.waiters:
+                    retire()
+                    break
                 await self.changed.wait()
                 self.changed = trio.Event()
                 try:
@@ -122,7 +133,9 @@ class KeyQueue:
                 async with self.backend.etcd.watch(replace(request, start_revision=start)) as w:
                     try:
                         async for response in w:
-                            if any(event.type == "DELETE" for event in response.events):
+                            deleted = [e for e in response.events if e.type == "DELETE"]
+                            if deleted:
+                                self.seen = max(self.seen, deleted[-1].kv.mod_revision)
                                 self.changed.set()
                     finally:
                         start = w.next_revision or start
@@ -140,8 +153,10 @@ class KeyQueue:
     async def _decide(self) -> None:
         """Grant what the rules grant our waiters now; re-queue waiters that were lost."""
         backend = self.backend
-        directory = self.fresh or await self._read()
-        self.fresh = None
+        fresh, self.fresh = self.fresh, None
+        directory = (
+            fresh if fresh is not None and fresh.revision >= self.seen else await self._read()
+        )
         while self.waiters:
             lost = [w for w in self.waiters.values() if directory.lost(w.record)]
             if lost:
