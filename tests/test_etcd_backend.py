@@ -438,3 +438,30 @@ def test_a_waiter_is_lost_only_when_written_before_the_read() -> None:
     assert not empty.lost(replace(waiter, create_revision=11))  # written after the read
     assert empty.lost(replace(waiter, create_revision=9))  # gone (its session ended)
     assert not Directory("k", revision=10, present={key}).lost(replace(waiter, create_revision=9))
+
+
+async def test_hand_offs_across_hosts_never_overlap_or_stall(backends: Backends) -> None:
+    """Four workers on two nodes take one key in turns: every acquire is granted
+    (a lost wake-up would leave one waiting out its timeout) and no two hold it at once."""
+    nodes = [await backends("n1"), await backends("n2")]
+    holding: list[str] = []
+    overlaps = 0
+    grants = 0
+
+    async def worker(name: str, backend: EtcdBackend) -> None:
+        nonlocal overlaps, grants
+        caller = Caller("user", name, "member", 1000, 1000, 1, frozenset(), None)
+        for _ in range(6):
+            hold = await backend.acquire(request("turns", timeout_ms=20_000), caller, 1, 20.0)
+            assert isinstance(hold, Hold), f"{name} waited out its timeout"
+            overlaps += len(holding)
+            holding.append(name)
+            grants += 1
+            await trio.sleep(0.005)
+            holding.remove(name)
+            assert await backend.release("turns", hold.handle)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(4):
+            nursery.start_soon(worker, f"w{n}", nodes[n % 2])
+    assert grants == 24 and overlaps == 0

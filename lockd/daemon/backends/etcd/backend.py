@@ -83,6 +83,7 @@ class EtcdBackend:
         self._session_ready = trio.Event()
         self._seq = itertools.count(1)
         self.leases = LeasePool()
+        self._granting: set[int] = set()  # TTLs with a lease being granted ahead
         #: the highest fence this daemon handed out (``stats``).
         self.last_fence = 0
         self._queues: dict[str, KeyQueue] = {}
@@ -243,6 +244,24 @@ class EtcdBackend:
             if refresh is not None
             else KeptLease(hold.lease, hold.ttl_ms // 1000, hold.expires_at)
         )
+
+    def prepare_lease(self, ttl_s: int) -> None:
+        """Have a lease of ``ttl_s`` kept for a waiter's grant: its hand-off skips the grant."""
+        if ttl_s in self._granting or self.leases.has(ttl_s, self.clock.wall_ms()):
+            return
+        self._granting.add(ttl_s)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._grant_ahead, ttl_s)
+
+    async def _grant_ahead(self, ttl_s: int) -> None:
+        try:
+            sent = self.clock.wall_ms()
+            grant = await self.etcd.lease_grant(ttl_s)
+            self.keep_lease(KeptLease(grant.id, grant.ttl, sent + grant.ttl * 1000))
+        except (EtcdUnavailable, EtcdError) as exc:
+            log.debug(kv(event="lease_ahead_failed", error=exc))  # the grant takes one then
+        finally:
+            self._granting.discard(ttl_s)
 
     def keep_lease(self, lease: KeptLease) -> None:
         if not self.leases.keep(lease):
@@ -439,6 +458,7 @@ class EtcdBackend:
                 waiter, directory = await self._enqueue(key, record, template, ttl_s)
                 key_queue = self._queue(key, directory.revision)
                 key_queue.join(waiter, directory)
+                self.prepare_lease(ttl_s)
                 await waiter.done.wait()
             granted = waiter.granted if waiter is not None else None
             if granted is None and waiter is not None and key_queue is not None:

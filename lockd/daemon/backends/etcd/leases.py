@@ -9,6 +9,9 @@ refreshes it with a keepalive sent alongside its transaction (keepalives
 are not raft writes on etcd 3.4), so the hold gets the full TTL from the
 keepalive's sending on.
 
+A parked waiter has a lease granted ahead for it (``prepare`` in the
+backend), so its hand-off is one transaction too.
+
 Each kept lease carries ``alive_until``: the earliest moment it can end
 (epoch ms; the TTL counted from its last grant or keepalive *sent*). One
 that would end within :data:`MARGIN_MS` is not handed out: the keepalive
@@ -68,6 +71,10 @@ class LeasePool:
             return False
         kept.append(lease)
         return True
+
+    def has(self, ttl: int, now_ms: int) -> bool:
+        """True when a lease of ``ttl`` seconds that lives long enough is kept."""
+        return any(lease.alive_until - now_ms > MARGIN_MS for lease in self._kept.get(ttl, ()))
 
     def __len__(self) -> int:
         return sum(len(kept) for kept in self._kept.values())

@@ -180,6 +180,8 @@ class Directory:
     waiters: list[Waiter] = field(default_factory=list)
     #: every etcd key present (to tell which of our waiters are still queued).
     present: set[bytes] = field(default_factory=set)
+    #: the records it was read from.
+    records: list[KeyValue] = field(default_factory=list)
 
     @classmethod
     def parse(cls, layout: Layout, key: str, kvs: Sequence[KeyValue], revision: int) -> Directory:
@@ -195,7 +197,7 @@ class Directory:
                 found.append((name, kv))
             elif kind == b"w":
                 waiters.append(Waiter.parse(kv))
-        directory = cls(key, revision, present={kv.key for kv in kvs})
+        directory = cls(key, revision, present={kv.key for kv in kvs}, records=list(kvs))
         for name, kv in found:
             hold = Hold.parse(key, name.decode(), kv)
             if hold.bound and name not in bindings:

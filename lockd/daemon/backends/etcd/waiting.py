@@ -34,7 +34,16 @@ from lockd.daemon.backends.etcd import queue
 from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
 from lockd.daemon.backends.etcd.leases import Refresh
 from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
-from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, Op, PutOp, RangeOp, WatchRequest
+from lockd.daemon.backends.etcd.wire import (
+    Compare,
+    DeleteOp,
+    Event,
+    KeyValue,
+    Op,
+    PutOp,
+    RangeOp,
+    WatchRequest,
+)
 from lockd.logfmt import kv
 
 if TYPE_CHECKING:
@@ -67,18 +76,16 @@ class KeyQueue:
         #: held while deciding, and by a waiter that leaves: never both at once.
         self.lock = trio.Lock()
         self.changed = trio.Event()
-        #: a directory read fresh enough to decide on (saves a read), if any.
-        self.fresh: Directory | None = None
-        #: the revision of the last deletion the watch reported: a read older
-        #: than it is not fresh (deciding on it would sleep through that event).
-        self.seen = 0
+        #: the directory's records as of ``revision``: the newest read, with
+        #: the watch's later events applied (None: unknown, read first).
+        self.records: dict[bytes, KeyValue] | None = None
+        self.revision = 0
         self._watch_from = revision + 1
 
     def join(self, waiter: LocalWaiter, directory: Directory) -> None:
         """Take a waiter whose key is written; ``directory`` was read after it was."""
         self.waiters[waiter.record.etcd_key] = waiter
-        if self.fresh is None or directory.revision >= self.fresh.revision:
-            self.fresh = directory
+        self._learn(directory)
         self.changed.set()
 
     async def leave(self, waiter: LocalWaiter) -> Hold | None:
@@ -119,13 +126,39 @@ class KeyQueue:
                     # EtcdError: a kept lease that ended under the grant, or
                     # a refusal; deciding again from a new read is safe.
                     log.debug(kv(event="queue_retry", key=self.key, error=exc))
-                    self.fresh = None
+                    self.records = None
                     self.changed.set()
                     await trio.sleep(RETRY_INTERVAL)
             nursery.cancel_scope.cancel()
 
+    def _learn(self, directory: Directory) -> None:
+        """Take a read of the directory, unless what is known is newer."""
+        if self.records is None or directory.revision > self.revision:
+            self.records = {record.key: record for record in directory.records}
+            self.revision = directory.revision
+
+    def _apply(self, events: list[Event]) -> None:
+        """Bring the known records up to the watch's events (older ones are in the read)."""
+        if self.records is None:
+            return
+        for event in events:
+            revision = event.kv.mod_revision
+            if revision <= self.revision:
+                continue
+            if event.type == "DELETE":
+                self.records.pop(event.kv.key, None)
+            else:
+                self.records[event.kv.key] = event.kv
+        if events:
+            self.revision = max(self.revision, events[-1].kv.mod_revision)
+
+    def _view(self) -> Directory:
+        assert self.records is not None
+        records = list(self.records.values())
+        return Directory.parse(self.backend.layout, self.key, records, self.revision)
+
     async def _watch(self) -> None:
-        """Set ``changed`` on every deletion in the directory, from the first read on."""
+        """Follow the directory from the first read on; a deletion may let a waiter go."""
         start = self._watch_from
         request = WatchRequest(self.directory_key, prefix=True)
         while True:
@@ -133,15 +166,15 @@ class KeyQueue:
                 async with self.backend.etcd.watch(replace(request, start_revision=start)) as w:
                     try:
                         async for response in w:
-                            deleted = [e for e in response.events if e.type == "DELETE"]
-                            if deleted:
-                                self.seen = max(self.seen, deleted[-1].kv.mod_revision)
+                            self._apply(response.events)
+                            if any(e.type == "DELETE" for e in response.events):
                                 self.changed.set()
                     finally:
                         start = w.next_revision or start
             except WatchCompacted as exc:
                 start = exc.compact_revision
-                self.changed.set()  # what was compacted away is read instead
+                self.records = None  # what was compacted away is read instead
+                self.changed.set()
             except EtcdUnavailable:
                 await trio.sleep(RETRY_INTERVAL)
 
@@ -153,14 +186,15 @@ class KeyQueue:
     async def _decide(self) -> None:
         """Grant what the rules grant our waiters now; re-queue waiters that were lost."""
         backend = self.backend
-        fresh, self.fresh = self.fresh, None
-        directory = (
-            fresh if fresh is not None and fresh.revision >= self.seen else await self._read()
-        )
+        if self.records is None:
+            self._learn(await self._read())
         while self.waiters:
+            # What the watch shows, as of its last event: a transaction
+            # guarded by that revision commits only if it is still so.
+            directory = self._view()
             lost = [w for w in self.waiters.values() if directory.lost(w.record)]
             if lost:
-                directory = await self._requeue(lost)
+                self._learn(await self._requeue(lost))
                 continue
             decision = queue.decide(
                 directory.hold_claims(backend.layout), [w.claim for w in directory.waiters]
@@ -173,7 +207,7 @@ class KeyQueue:
             result = await self._grant(directory, mine)
             if result is None:
                 return
-            directory = result
+            self._learn(result)
 
     async def _grant(self, directory: Directory, mine: list[LocalWaiter]) -> Directory | None:
         """One guarded transaction granting ``mine``; None when it committed, else the new read."""
@@ -206,6 +240,8 @@ class KeyQueue:
             granted = replace(hold, fence=result.header.revision)
             waiter.granted = await backend.settle(granted, refresh)
             waiter.done.set()
+        for waiter in self.waiters.values():  # the next hand-off's lease, ahead
+            backend.prepare_lease(waiter.ttl_s)
         return None
 
     @contextmanager
