@@ -91,15 +91,20 @@ def replies(sock: socket.socket, count: int) -> list[dict[str, object]]:
     return [json.loads(line) for line in data.splitlines()]
 
 
+def park(sock: socket.socket, daemon: DaemonProcess, client: LockClient, key: str) -> None:
+    """Send a blocking acquire (id 1) of ``key`` on ``sock``; return once it waits."""
+    sock.connect(str(daemon.socket))
+    send(sock, id=1, op="acquire", key=key, ttlMs=5000, timeoutMs=60000)
+    deadline = time.monotonic() + 10
+    while client.status(key).waiters == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_cancel_withdraws_a_parked_acquire(etcd_daemon: DaemonProcess, client: LockClient) -> None:
     held = client.try_acquire("busy", ttl=60)
     assert held is not None
     with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(etcd_daemon.socket))
-        send(sock, id=1, op="acquire", key="busy", ttlMs=5000, timeoutMs=60000)
-        deadline = time.monotonic() + 10
-        while client.status("busy").waiters == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        park(sock, etcd_daemon, client, "busy")
         send(sock, id=2, op="cancel", target=1)
         answers = {r["id"]: r for r in replies(sock, 2)}
     assert answers[2]["result"] == {"cancelled": True}
@@ -140,11 +145,7 @@ def test_sigterm_with_parked_waiters_stops_cleanly(
     held = client.try_acquire("parked", ttl=60, release_on_close=True)
     assert held is not None
     with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(etcd_daemon.socket))
-        send(sock, id=1, op="acquire", key="parked", ttlMs=5000, timeoutMs=60000)
-        deadline = time.monotonic() + 10
-        while client.status("parked").waiters == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        park(sock, etcd_daemon, client, "parked")
         assert etcd_daemon.stop() == 0
         assert replies(sock, 1)[0]["error"]["code"] == "SHUTTING_DOWN"  # type: ignore[index]
     etcd_daemon.start()

@@ -165,29 +165,7 @@ class RemoteService:
     async def _break(self, caller: Caller, request: Break) -> dict[str, Any]:
         self.service.authorize(caller, "break", request.key)
         broken = await self.backend.break_lock(request.key)
-        if not broken:
-            log.info(kv(event="break_free_key", key=request.key, by=caller.principal))
-            return {"broken": False}
-        self.service.stats.count("breaks")
-        oldest = broken[0]
-        log.warning(
-            kv(
-                event="broken",
-                key=request.key,
-                by=caller.principal,
-                holder=oldest.principal,
-                fence=oldest.fence,
-                holders=len(broken),
-                reason=request.reason,
-            )
-        )
-        return {
-            "broken": True,
-            "holders": len(broken),
-            "heldBy": oldest.principal,
-            "owner": oldest.owner,
-            "fence": oldest.fence,
-        }
+        return self.service.break_result(caller, request.key, request.reason, broken)
 
     # ------------------------------------------------------------ views
 

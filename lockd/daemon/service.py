@@ -36,7 +36,7 @@ engine's gauges (:meth:`gauges`); it never touches the engine or the clock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,6 +98,17 @@ class PolicyLike(Protocol):
     ) -> Decision: ...
 
     def rules_result(self) -> dict[str, Any]: ...
+
+
+class BrokenHold(Protocol):
+    """What a break reports of a hold it ended (an engine lease or a remote hold)."""
+
+    @property
+    def principal(self) -> str: ...
+    @property
+    def owner(self) -> str | None: ...
+    @property
+    def fence(self) -> int: ...
 
 
 class RateLimiterLike(Protocol):
@@ -614,6 +625,12 @@ class LockService:
         self.authorize(caller, "break", key)
         broken = self.engine.break_lock(self._now(), key)
         self.commit_request()
+        return self.break_result(caller, key, reason, broken)
+
+    def break_result(
+        self, caller: Caller, key: str, reason: str, broken: Sequence[BrokenHold]
+    ) -> dict[str, Any]:
+        """Log, count and answer a break that ended ``broken`` (oldest first), any backend."""
         if not broken:
             log.info(kv(event="break_free_key", key=key, by=caller.principal, reason=reason))
             return {"broken": False}
