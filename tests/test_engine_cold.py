@@ -89,15 +89,15 @@ def test_a_key_with_several_leases_is_taken_whole_by_its_first_deadline() -> Non
 @given(
     counts=st.lists(st.integers(1, 3), min_size=1, max_size=300),
     probes=st.lists(st.integers(0, 700), max_size=20),
+    batch=st.integers(1, 40),
 )
 def test_cold_keys_are_found_through_the_posts_as_in_a_sorted_list(
-    counts: list[int], probes: list[int]
+    counts: list[int], probes: list[int], batch: int
 ) -> None:
-    """Keys with several leases straddle the first-level index's posts."""
+    """Keys with several leases straddle the first-level index's posts and the batches."""
     keys = [f"k{2 * i:04d}" for i in range(len(counts))]  # odd numbers: absent
-    cold = ColdLeases.of(
-        (k.encode(), 1) for k, n in zip(keys, counts, strict=True) for _ in range(n)
-    )
+    rows = [(k.encode(), 1) for k, n in zip(keys, counts, strict=True) for _ in range(n)]
+    cold = ColdLeases.build(rows[i : i + batch] for i in range(0, len(rows), batch))
     assert (cold.key_count, cold.lease_count) == (len(keys), sum(counts))
     taken = set()
     for p in probes:

@@ -87,7 +87,6 @@ class ColdLeases:
         # Sorted once, here: by deadline, ties in key order (sorted is stable).
         cold._order = array("I", sorted(range(cold.lease_count), key=cold._expires.__getitem__))
         cold._taken = bytearray(cold.lease_count)
-        cold._posts = [bytes(cold._keys[i]) for i in range(0, cold.lease_count, POST_EVERY)]
         return cold
 
     @classmethod
@@ -101,6 +100,7 @@ class ColdLeases:
         if not all(map(operator.le, ordered, itertools.islice(ordered, 1, None))):
             raise ValueError("cold leases must come in key order")
         repeats = sum(map(operator.eq, ordered, itertools.islice(ordered, 1, None)))
+        self._posts.extend(keys[-self.lease_count % POST_EVERY :: POST_EVERY])
         start = len(self._blob)
         self._blob += b"".join(keys)
         ends = itertools.accumulate(map(len, keys), initial=start)
