@@ -775,8 +775,9 @@ class LockEngine:
             # A batch first: settling a key may take it out of the index.
             want = limit + 1 - len(keys)
             hot = self._sorted_keys.irange(minimum=cursor, inclusive=(inclusive, True))
-            cold = itertools.islice(self._cold.keys_from(cursor, inclusive), want)
+            cold = list(itertools.islice(self._cold.keys_from(cursor, inclusive), want))
             batch = list(itertools.islice(heapq.merge(hot, cold), want))
+            in_cold = set(cold)
             exhausted = len(batch) < want
             if batch:
                 cursor, inclusive = batch[-1], False
@@ -785,9 +786,7 @@ class LockEngine:
                     exhausted = True
                     del batch[at:]
                     break
-            loaded = (
-                self._load([k for k in batch if k in self._cold]) if self._cold.key_count else ()
-            )
+            loaded = self._load([k for k in batch if k in in_cold]) if in_cold else ()
             for group in _by_key(loaded):
                 key = group[0].key
                 if self._behind and any(lease.expires_at <= now for lease in group):
