@@ -58,6 +58,15 @@ def stored(key: str, fence: int, expires_at: int, owner: str | None = None, **kw
 # ---------------------------------------------------------------- ColdLeases
 
 
+def take_due(cold: ColdLeases, now: int, limit: int) -> list[str]:
+    """What the engine does with due keys: read their rows, then take them."""
+    keys = cold.due(now, limit)
+    assert cold.due(now, limit) == keys  # looking takes nothing
+    for key in keys:
+        assert cold.take(key)
+    return keys
+
+
 def test_cold_leases_find_take_and_list_keys_in_order() -> None:
     keys = [b"a", b"b", b"b", b"c\xc3\xa9", b"d"]  # "b" has two holders
     cold = ColdLeases.of(zip(keys, [50, 20, 30, 10, 40], strict=True))
@@ -73,15 +82,15 @@ def test_cold_leases_find_take_and_list_keys_in_order() -> None:
 def test_cold_deadlines_come_in_time_order_and_skip_taken_keys() -> None:
     cold = ColdLeases.of([(b"a", 30), (b"b", 10), (b"c", 10), (b"d", 20)])
     assert cold.next_deadline() == 10
-    assert cold.take_due(15, limit=1) == ["b"]  # ties in key order
+    assert take_due(cold, 15, limit=1) == ["b"]  # ties in key order
     assert cold.take("d")
-    assert cold.take_due(100, limit=10) == ["c", "a"]
+    assert take_due(cold, 100, limit=10) == ["c", "a"]
     assert cold.next_deadline() is None and cold.key_count == 0
 
 
 def test_a_key_with_several_leases_is_taken_whole_by_its_first_deadline() -> None:
     cold = ColdLeases.of([(b"a", 99), (b"k", 50), (b"k", 5), (b"k", 70)])
-    assert cold.take_due(5, limit=10) == ["k"]
+    assert take_due(cold, 5, limit=10) == ["k"]
     assert (cold.key_count, cold.lease_count, cold.next_deadline()) == (1, 1, 99)
 
 
@@ -123,7 +132,7 @@ def test_batches_join_into_one_index() -> None:
     cold = ColdLeases.build([[(b"a", 5), (b"k", 3)], [], [(b"k", 1), (b"z", 2)]])
     assert (cold.key_count, cold.lease_count) == (3, 4)
     assert list(cold.keys_from("a", inclusive=True)) == ["a", "k", "z"]
-    assert cold.take_due(10, limit=10) == ["k", "z", "a"]
+    assert take_due(cold, 10, limit=10) == ["k", "z", "a"]
 
 
 # ---------------------------------------------------------------- the engine
@@ -139,6 +148,25 @@ def test_untouched_keys_are_never_loaded() -> None:
     assert e.release(3, "k9", "h-k9-10")
     assert loader.loaded == ["k7", "k8", "k9"]
     assert (e.held_count, e.lease_count) == (49, 49)
+    e.check_invariants()
+
+
+def test_a_failed_read_leaves_the_key_cold_and_nothing_lost() -> None:
+    e, loader = cold_engine([stored("k", 1, 100), stored("z", 2, 10_000)], fence=2)
+
+    def failing(keys: list[str]) -> Iterable[Lease]:
+        raise OSError("disk on fire")
+
+    e._load = failing
+    with pytest.raises(OSError):
+        e.status(1, "z")
+    with pytest.raises(OSError):
+        e.advance(200)
+    assert "z" in e._cold and "k" in e._cold and e.held_count == 2
+    e._load = loader
+    e.advance(200)
+    assert [lease.key for lease in e.drain().expired] == ["k"]
+    assert e.release(201, "z", "h-z-2")
     e.check_invariants()
 
 

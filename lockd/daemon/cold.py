@@ -178,17 +178,22 @@ class ColdLeases:
         self._next = at
         return self._expires[order[at]] if at < len(order) else None
 
-    def take_due(self, now: int, limit: int) -> list[str]:
-        """Take up to ``limit`` keys with a deadline <= ``now``, earliest first."""
+    def due(self, now: int, limit: int) -> list[str]:
+        """Up to ``limit`` keys with a deadline <= ``now``, earliest first (not taken)."""
         keys: list[str] = []
-        while len(keys) < limit:
-            at = self.next_deadline()
-            if at is None or at > now:
+        seen: set[int] = set()
+        if self.next_deadline() is None:
+            return keys
+        order, taken, expires, view = self._order, self._taken, self._expires, self._keys
+        for at in range(self._next, len(order)):
+            i = order[at]
+            if expires[i] > now or len(keys) >= limit:
                 break
-            i = self._order[self._next]
-            raw = self._keys[i]
-            while i > 0 and self._keys[i - 1] == raw:  # the key's first lease
+            if taken[i]:
+                continue
+            while i > 0 and view[i - 1] == view[i]:  # the key's first lease
                 i -= 1
-            self._take(i)
-            keys.append(raw.decode())
+            if i not in seen:
+                seen.add(i)
+                keys.append(view[i].decode())
         return keys

@@ -455,7 +455,7 @@ class LockEngine:
         self._advance(now, EXPIRY_CHUNK)
 
     def _warm(self, keys: list[str], now: int | None = None) -> None:
-        """Load cold keys already taken out of ``_cold`` into the engine's state.
+        """Load cold keys into the engine's state (they are cold no more).
 
         Not part of any request: loading changes nothing anyone can see.
         With ``now`` (the timer's), a key whose every lease has run out by
@@ -463,7 +463,11 @@ class LockEngine:
         a mass expiry after a restart costs a read per key, no more.
         """
         self._undo.stop()
-        for group in _by_key(self._load(keys)):
+        # Read first: a read that fails leaves the keys cold, none of them lost.
+        leases = list(self._load(keys))
+        for key in keys:
+            self._cold.take(key)
+        for group in _by_key(leases):
             if now is None or any(lease.expires_at > now for lease in group):
                 self._adopt(group)
                 continue
@@ -482,7 +486,7 @@ class LockEngine:
 
     def _warm_key(self, key: str) -> None:
         """Load ``key`` if it is still cold (before anything looks at it)."""
-        if self._cold.key_count and key not in self._keys and self._cold.take(key):
+        if self._cold.key_count and key not in self._keys and key in self._cold:
             self._warm([key])
 
     def _restore_key(self, group: list[Lease]) -> None:
@@ -1108,9 +1112,9 @@ class LockEngine:
                 # goes first is nobody's business: a tie with a loaded lease
                 # goes to the loaded one.
                 room = LOAD_BATCH if budget is None else min(LOAD_BATCH, budget - applied)
-                taken = cold.take_due(now, room)
-                self._warm(taken, now)
-                applied += len(taken)
+                due = cold.due(now, room)
+                self._warm(due, now)
+                applied += len(due)
                 continue
             if (
                 lease_at is not None
