@@ -67,17 +67,26 @@ class RemoteService:
     async def answer(
         self, caller: Caller, conn: int, request: Request, *, pending: int
     ) -> RemoteReply:
-        """Decide ``request``; raises ProtocolError (BACKEND_UNAVAILABLE among them)."""
+        """Decide ``request``; raises ProtocolError (BACKEND_UNAVAILABLE among them).
+
+        Every request but a blocking acquire (which waits within its own
+        ``timeoutMs``) is answered within the backend's timeout as a whole,
+        however many calls to etcd it takes; a write cut short is cleaned
+        up by the backend (a grant that may have committed is released).
+        """
         try:
-            if isinstance(request, Acquire):
+            if isinstance(request, Acquire) and request.timeout_ms is not None:
                 return await self._acquire(caller, conn, request, pending)
-            return RemoteReply(await self._answer(caller, request))
-        except BackendUnavailable as exc:
+            with trio.fail_after(self.backend.timeout):
+                if isinstance(request, Acquire):
+                    return await self._acquire(caller, conn, request, pending)
+                return RemoteReply(await self._answer(caller, request))
+        except (BackendUnavailable, trio.TooSlowError) as exc:
             self.service.stats.count("backendUnavailable")
             log.warning(kv(event="backend_unavailable", op=request.op, error=exc))
             raise ProtocolError(
                 "BACKEND_UNAVAILABLE",
-                "the etcd backend did not answer in time; nothing was decided, retry later",
+                "the etcd backend did not answer in time; retry later",
             ) from None
 
     def release_undelivered(self, grant: RemoteHold) -> None:

@@ -64,6 +64,8 @@ class RemoteStatus:
 class RemoteBackend(Protocol):
     #: this daemon's node name (``stats`` shows it).
     node: str
+    #: seconds a request may take before BACKEND_UNAVAILABLE (``etcd_timeout``).
+    timeout: float
 
     async def acquire(
         self, req: Acquire, caller: Caller, conn: int, timeout: float | None

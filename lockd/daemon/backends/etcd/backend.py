@@ -78,6 +78,7 @@ class EtcdBackend:
         self.settings = settings
         self.clock = clock
         self.node = settings.node_name
+        self.timeout = settings.etcd_timeout
         self.layout = Layout(settings.prefix)
         self._session: Session | None = None
         self._session_ready = trio.Event()
