@@ -67,6 +67,14 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def rotated(items: list[Any], by: int) -> list[Any]:
+    """The same systems in a different order each round: no position bias."""
+    if not items:
+        return items
+    k = by % len(items)
+    return items[k:] + items[:k]
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, NaN when either side is missing or b is zero."""
     if not b or math.isnan(a) or math.isnan(b):
@@ -237,14 +245,23 @@ class WorkerError(RuntimeError):
 
 
 def run_workers(
-    spec: LockerSpec, keys: Sequence[str], work: str, duration_s: float, **params: Any
+    spec: LockerSpec | Sequence[LockerSpec],
+    keys: Sequence[str],
+    work: str,
+    duration_s: float,
+    **params: Any,
 ) -> list[Any]:
     """Run one worker process per key, started together, for ``duration_s``.
 
-    Workers connect first and report ready; only then is the stop time fixed
-    and the start signal given, so connection set-up is never timed. Returns
-    each worker's result in key order.
+    ``spec`` builds every worker's locker, or, as a sequence, worker ``i``'s
+    is ``spec[i]`` (workers of one system on several daemons). Workers
+    connect first and report ready; only then is the stop time fixed and the
+    start signal given, so connection set-up is never timed. Returns each
+    worker's result in key order.
     """
+    specs = [spec] * len(keys) if isinstance(spec, LockerSpec) else list(spec)
+    if len(specs) != len(keys):
+        raise ValueError(f"{len(specs)} locker specs for {len(keys)} workers")
     ctx = _mp_context()
     results = ctx.Queue()
     go = ctx.Event()
@@ -252,7 +269,7 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(i, spec, key, work, params, results, go, stop_at),
+            args=(i, specs[i], key, work, params, results, go, stop_at),
             daemon=True,
         )
         for i, key in enumerate(keys)
@@ -307,10 +324,11 @@ def proc_cpu_s(pid: int) -> float:
 class LockdDaemon:
     """A real ``lockd serve`` with socket, database and config in a /tmp folder.
 
-    Default settings (no ``lockd.toml``): what a user gets. The benchmark
-    runs as the daemon's own user, so its role is ``owner`` and the rate limit
-    never counts it. ``cprofile`` runs the daemon under cProfile and writes the
-    stats there when it stops.
+    Default settings (no ``lockd.toml``): what a user gets, unless
+    ``config`` gives its text (e.g. a ``[backend]`` table: lockd on etcd).
+    The benchmark runs as the daemon's own user, so its role is ``owner`` and
+    the rate limit never counts it. ``cprofile`` runs the daemon under
+    cProfile and writes the stats there when it stops.
     """
 
     cprofile: Path | None = None
@@ -322,6 +340,8 @@ class LockdDaemon:
     tree: Path | None = None
     #: the name it goes by in the tables (``lockd@REV`` for an earlier one).
     label: str = "lockd"
+    #: the text of its ``lockd.toml`` (None: no file, every default).
+    config: str | None = None
     root: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
 
@@ -344,6 +364,9 @@ class LockdDaemon:
 
     def start(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="lockd-bench-", dir="/tmp"))
+        if self.config is not None:
+            (self.root / "cfg").mkdir()
+            (self.root / "cfg" / "lockd.toml").write_text(self.config)
         cmd = [sys.executable]
         if self.cprofile is not None:
             cmd += ["-m", "cProfile", "-o", str(self.cprofile)]

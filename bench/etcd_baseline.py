@@ -1,12 +1,17 @@
-"""etcd baselines on a real 3-member loopback cluster: etcd3's ``Lock``, and the
-gateway client's floor.
+"""lockd on etcd against etcd3's ``Lock``, on one real 3-member loopback cluster,
+with the gateway client's floors beside them.
 
-This is the anchor the etcd backend will be measured against (issue 14:
-lockd-on-etcd >= 2x etcd3 on B1, hand-off p50 <= 3 ms with 0 lost wake-ups
-on B2). The backend itself is not built yet; when it is, it joins these
-tables as a third system in the same run.
+Issue 14's goals: lockd-on-etcd >= 2x etcd3 on B1, hand-off p50 <= 3 ms,
+p99 <= 20 ms, 0 lost wake-ups and strict FIFO on B2. The ratios against
+etcd3 are printed under each table.
 
 Systems:
+
+- ``lockd-etcd``: real ``lockd serve`` daemons with ``[backend] kind =
+  "etcd"`` on the cluster, driven through the real ``lockd_client`` exactly
+  like bench/run.py drives lockd on SQLite. B1 uses one daemon; B2 two
+  daemons (``node`` bench-a and bench-b, standing for two hosts) with two
+  of the four processes on each, so hand-offs cross hosts.
 
 - ``etcd3``: the ``etcd3`` package's ``Lock`` (gRPC). Per pair it grants a
   lease, runs a put-if-absent transaction and a delete transaction: three
@@ -49,6 +54,7 @@ systems alike: this measures the clients and etcd's raft path, not the disk.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -57,7 +63,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +72,24 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from common import (  # noqa: E402  (bench modules are run as scripts)
+    LockdDaemon,
+    LockdLocker,
     analyse_handoffs,
     fmt_num,
+    fmt_ratio,
     handoff_loop,
     now_ns,
     pairs_loop,
+    proc_cpu_s,
+    ratio,
+    rotated,
+    run_workers,
     table,
 )
 
+from tests.etcd_cluster import EtcdBackend, EtcdCluster, data_root  # noqa: E402
+
+LOCKD = "lockd-etcd"
 HANDOFF_PROCS = 4
 HOLD_S = 0.001  # as bench/run.py
 STALL_MS = 1000.0
@@ -275,13 +291,52 @@ def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
     return trio.run(run)
 
 
+# ------------------------------------------------------------------ lockd side
+
+
+@contextlib.contextmanager
+def lockd_on_etcd(endpoints: list[str], nodes: Sequence[str]) -> Iterator[list[LockdDaemon]]:
+    """One ``lockd serve`` per node name, all on ``endpoints`` under one fresh prefix."""
+    prefix = f"/lockd-bench/{os.getpid()}-{now_ns()}/"
+    etcd = EtcdBackend(endpoints=tuple(endpoints), prefix=prefix)
+    daemons = [
+        LockdDaemon(label=f"lockd-etcd@{node}", config=etcd.as_node(node).toml()) for node in nodes
+    ]
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(daemon.running()) for daemon in daemons]
+
+
+def lockd_pairs(daemon: LockdDaemon, key: str, duration_s: float) -> dict[str, Any]:
+    """B1 through the real client in this process; the daemon's CPU per pair as well."""
+    locker = LockdLocker(str(daemon.socket))
+    locker.prepare(key)
+    daemon_cpu = proc_cpu_s(daemon.pid)
+    result = pairs_loop(locker, key, now_ns() + int(duration_s * 1e9))
+    result["daemon_cpu_s"] = proc_cpu_s(daemon.pid) - daemon_cpu
+    locker.close()
+    return result
+
+
+def lockd_handoffs(daemons: Sequence[LockdDaemon], key: str, duration_s: float) -> dict[str, Any]:
+    """B2: HANDOFF_PROCS processes, spread over the daemons in turn, on one key."""
+    specs = [daemons[i % len(daemons)].spec() for i in range(HANDOFF_PROCS)]
+    per_process = run_workers(specs, [key] * HANDOFF_PROCS, "handoff", duration_s, hold_s=HOLD_S)
+    analysis = analyse_handoffs(per_process)
+    analysis["stalls"] = stalls(per_process)
+    analysis["timeouts"] = 0  # lockd's acquires wait LOCKD_WAIT_S; a stall would fail the run
+    return analysis
+
+
 # ------------------------------------------------------------------ the runs
 
 
 def pairs_row(result: dict[str, Any]) -> dict[str, float]:
     seconds = (result["end_ns"] - result["start_ns"]) / 1e9
     pairs = max(result["pairs"], 1)
-    return {"pairs_s": result["pairs"] / seconds, "cpu_us": result["client_cpu_s"] / pairs * 1e6}
+    row = {"pairs_s": result["pairs"] / seconds, "cpu_us": result["client_cpu_s"] / pairs * 1e6}
+    if "daemon_cpu_s" in result:
+        row["daemon_cpu_us"] = result["daemon_cpu_s"] / pairs * 1e6
+    return row
 
 
 def stalls(per_process: Sequence[Sequence[Sequence[int]]]) -> int:
@@ -323,45 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
-    from tests.etcd_cluster import EtcdCluster, data_root
-
-    rounds, b1_s, b2_s = (2, 2.0, 4.0) if args.quick else (5, 4.0, 10.0)
     skip = etcd3_skip_reason(args.etcd3_python)
-    systems = ["gateway", "h11"] if skip else ["etcd3", "gateway", "h11"]
     root = data_root()
     cluster = EtcdCluster(root)
     cluster.start()
     try:
-        # Every client talks to the leader, as a client near it would.
-        endpoint = cluster.leader().client_url
+        print(f"etcd 3-member loopback cluster, data on {root}", file=sys.stderr)
         load = os.getloadavg()[0]
-        print(f"etcd 3-member loopback cluster, data on {root}, load {load:.1f}", file=sys.stderr)
-        b1: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
-        b2: list[dict[str, Any]] = []
-        for n in range(rounds):
-            for system in systems[n % len(systems) :] + systems[: n % len(systems)]:
-                key = f"/bench/b1/{system}/{n}"
-                if system == "etcd3":
-                    result = run_etcd3(args.etcd3_python, endpoint, key, "pairs", 1, b1_s)[0]
-                elif system == "h11":
-                    result = h11_pairs(endpoint, key, b1_s)
-                else:
-                    result = gateway_pairs(endpoint, key, b1_s)
-                b1[system].append(pairs_row(result))
-                print(f"round {n + 1}/{rounds} B1 {system}: {b1[system][-1]}", file=sys.stderr)
-            if not skip:
-                workers = run_etcd3(
-                    args.etcd3_python, endpoint, f"/bench/b2/{n}", "handoff", HANDOFF_PROCS, b2_s
-                )
-                per_process = [w["records"] for w in workers]
-                analysis = analyse_handoffs(per_process)
-                analysis["stalls"] = stalls(per_process)
-                analysis["timeouts"] = sum(w["timeouts"] for w in workers)
-                b2.append(analysis)
-                print(
-                    f"round {n + 1}/{rounds} B2 etcd3: p50 {analysis['p50_ms']:.2f} ms",
-                    file=sys.stderr,
-                )
+        b1, b2 = measure(cluster, None if skip else args.etcd3_python, args.quick)
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -371,62 +395,117 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def measure(
+    cluster: EtcdCluster, etcd3_python: str | None, quick: bool
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[dict[str, Any]]]]:
+    """B1 and B2 rounds, systems interleaved (each round starts with the next one)."""
+    rounds, b1_s, b2_s = (2, 2.0, 4.0) if quick else (5, 4.0, 10.0)
+    systems = (
+        [LOCKD, "gateway", "h11"] if etcd3_python is None else ["etcd3", LOCKD, "gateway", "h11"]
+    )
+    b2_systems = [LOCKD] if etcd3_python is None else ["etcd3", LOCKD]
+    # Every client talks to the leader, as a client near it would; the
+    # daemons know every member (leader first), as a configured host would.
+    leader = cluster.leader()
+    endpoint = leader.client_url
+    endpoints = [endpoint, *(m.client_url for m in cluster.members if m is not leader)]
+    b1: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    b2: dict[str, list[dict[str, Any]]] = {s: [] for s in b2_systems}
+    with lockd_on_etcd(endpoints, ["bench-a", "bench-b"]) as daemons:
+        for n in range(rounds):
+            for system in rotated(systems, n):
+                key = f"/bench/b1/{system}/{n}"
+                if system == "etcd3":
+                    assert etcd3_python is not None
+                    result = run_etcd3(etcd3_python, endpoint, key, "pairs", 1, b1_s)[0]
+                elif system == LOCKD:
+                    result = lockd_pairs(daemons[0], f"b1:{n}", b1_s)
+                elif system == "h11":
+                    result = h11_pairs(endpoint, key, b1_s)
+                else:
+                    result = gateway_pairs(endpoint, key, b1_s)
+                b1[system].append(pairs_row(result))
+                print(f"round {n + 1}/{rounds} B1 {system}: {b1[system][-1]}", file=sys.stderr)
+            for system in rotated(b2_systems, n):
+                if system == LOCKD:
+                    analysis = lockd_handoffs(daemons, f"b2:{n}", b2_s)
+                else:
+                    assert etcd3_python is not None
+                    analysis = etcd3_handoffs(etcd3_python, endpoint, f"/bench/b2/{n}", b2_s)
+                b2[system].append(analysis)
+                p50 = analysis["p50_ms"]
+                print(f"round {n + 1}/{rounds} B2 {system}: p50 {p50:.2f} ms", file=sys.stderr)
+    return b1, b2
+
+
+def etcd3_handoffs(python: str, endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
+    workers = run_etcd3(python, endpoint, key, "handoff", HANDOFF_PROCS, duration_s)
+    per_process = [w["records"] for w in workers]
+    analysis = analyse_handoffs(per_process)
+    analysis["stalls"] = stalls(per_process)
+    analysis["timeouts"] = sum(w["timeouts"] for w in workers)
+    return analysis
+
+
 def report(
-    b1: dict[str, list[dict[str, float]]], b2: list[dict[str, Any]], skip: str | None, load: float
+    b1: dict[str, list[dict[str, float]]],
+    b2: dict[str, list[dict[str, Any]]],
+    skip: str | None,
+    load: float,
 ) -> str:
-    lines = [f"etcd baselines (3 members on loopback; load average {load:.1f} at start)", ""]
-    lines.append("B1 uncontended acquire+release pairs/s, one process (median over rounds)")
+    lines = [f"lockd on etcd and etcd baselines (3 members on loopback; load {load:.1f} at start)"]
+    lines += ["", "B1 uncontended acquire+release pairs/s, one process (median over rounds)"]
     rows = []
     for system, results in b1.items():
+        daemon_cpu = [r["daemon_cpu_us"] for r in results if "daemon_cpu_us" in r]
         rows.append(
             [
                 system,
                 fmt_num(statistics.median(r["pairs_s"] for r in results)),
                 fmt_num(statistics.median(r["cpu_us"] for r in results)),
+                fmt_num(statistics.median(daemon_cpu)) if daemon_cpu else "-",
                 str(len(results)),
             ]
         )
-    lines.append(table(["system", "pairs/s", "client CPU us/pair", "rounds"], rows))
+    lines.append(
+        table(["system", "pairs/s", "client CPU us/pair", "daemon CPU us/pair", "rounds"], rows)
+    )
     if skip:
         lines += ["", f"  etcd3: {skip}"]
-    if b2:
-        lines += ["", f"B2 hand-off, {HANDOFF_PROCS} processes, etcd3 (median over rounds)"]
-
-        def med(field: str) -> float:
-            return statistics.median(r[field] for r in b2)
-
-        rows = [
-            [
-                "etcd3",
-                f"{med('p50_ms'):.2f}",
-                f"{med('p99_ms'):.2f}",
-                f"{max(r['max_ms'] for r in b2):.1f}",
-                f"{med('fifo_fraction'):.0%}",
-                f"{med('regrab_fraction'):.0%}",
-                str(sum(r["stalls"] for r in b2)),
-                str(sum(r["timeouts"] for r in b2)),
-                str(sum(r["overlaps"] for r in b2)),
-                str(sum(r["handoffs"] for r in b2)),
-            ]
-        ]
+    else:
+        lockd, etcd3 = (statistics.median(r["pairs_s"] for r in b1[s]) for s in (LOCKD, "etcd3"))
+        lines.append(f"  {LOCKD} / etcd3: {fmt_ratio(ratio(lockd, etcd3))} (goal: >= 2x)")
+    lines += ["", f"B2 hand-off, {HANDOFF_PROCS} processes (median over rounds; {LOCKD}: "]
+    lines[-1] += "two daemons, two processes on each)"
+    rows = [_b2_row(system, results) for system, results in b2.items()]
+    headers = ["system", "p50 ms", "p99 ms", "max ms", "FIFO", "re-grab", "stalls"]
+    headers += ["timeouts", "overlaps", "hand-offs"]
+    lines.append(table(headers, rows))
+    if not skip:
+        p50 = {s: statistics.median(r["p50_ms"] for r in b2[s]) for s in b2}
         lines.append(
-            table(
-                [
-                    "system",
-                    "p50 ms",
-                    "p99 ms",
-                    "max ms",
-                    "FIFO",
-                    "re-grab",
-                    "stalls",
-                    "timeouts",
-                    "overlaps",
-                    "hand-offs",
-                ],
-                rows,
-            )
+            f"  p50 etcd3 / {LOCKD}: {fmt_ratio(ratio(p50['etcd3'], p50[LOCKD]))}"
+            " (goal: p50 <= 3 ms, p99 <= 20 ms, 0 stalls, FIFO 100 %)"
         )
     return "\n".join(lines)
+
+
+def _b2_row(system: str, results: list[dict[str, Any]]) -> list[str]:
+    def med(field: str) -> float:
+        return statistics.median(r[field] for r in results)
+
+    return [
+        system,
+        f"{med('p50_ms'):.2f}",
+        f"{med('p99_ms'):.2f}",
+        f"{max(r['max_ms'] for r in results):.1f}",
+        f"{med('fifo_fraction'):.0%}",
+        f"{med('regrab_fraction'):.0%}",
+        str(sum(r["stalls"] for r in results)),
+        str(sum(r["timeouts"] for r in results)),
+        str(sum(r["overlaps"] for r in results)),
+        str(sum(r["handoffs"] for r in results)),
+    ]
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from common import (
     pairs_loop,
     proc_cpu_s,
     ratio,
+    rotated,
     run_meta,
     run_workers,
     save_run,
@@ -86,14 +87,6 @@ SECTIONS = ("a", "b", "c", "store")
 def log(msg: str) -> None:
     """Progress on stderr, so stdout carries only the report."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def rotated(items: list[Any], by: int) -> list[Any]:
-    """The same systems in a different order each round: no position bias."""
-    if not items:
-        return items
-    k = by % len(items)
-    return items[k:] + items[:k]
 
 
 # ------------------------------------------------------------------------ (a)
