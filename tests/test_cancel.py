@@ -19,6 +19,8 @@ from lockd.daemon.protocol import Cancel, ProtocolError, parse_request
 from .conftest import DaemonProcess
 from .test_protocol_live import RawConn
 
+pytestmark = pytest.mark.both_backends
+
 
 def replies_by_id(raw: RawConn, count: int) -> dict[Any, dict[str, Any]]:
     got = {}

@@ -54,7 +54,9 @@ from lockd.exitcodes import (
     EXIT_USAGE,
 )
 
-from .conftest import DaemonProcess
+from .conftest import Backend, DaemonProcess
+
+pytestmark = pytest.mark.both_backends
 
 HANDLE_RE = re.compile(r"^[A-Za-z0-9_-]{22,}$")
 
@@ -305,14 +307,14 @@ def check_openmetrics(text: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def shared() -> Iterator[DaemonProcess]:
+def shared(backend: Backend) -> Iterator[DaemonProcess]:
     """One daemon for the tests of this module that use keys of their own.
 
     Starting a daemon per test costs most of this file's run time; tests that
     need a fresh daemon (exact counters, config, rules) use ``daemon``.
     """
     root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
-    proc = DaemonProcess.in_folder(root)
+    proc = backend.daemon_in(root)
     proc.start()
     try:
         yield proc

@@ -152,6 +152,7 @@ def test_bad_shared_and_limit_are_usage_errors(args: list[str]) -> None:
     assert "limit" in result.stderr
 
 
+@pytest.mark.both_backends
 def test_status_and_busy_name_the_real_holders_pid(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as client:
         client.acquire("pid:k", ttl=60, timeout=1, owner="me")

@@ -42,6 +42,7 @@ def the_error(result: subprocess.CompletedProcess[str], *, log: bool = False) ->
     return error
 
 
+@pytest.mark.both_backends
 def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) -> None:
     env = daemon.env
     with LockClient(daemon.socket) as client:
@@ -101,6 +102,7 @@ def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) 
     assert busy["status"] == 409 and busy["details"]["holder"]["owner"] == "first"
 
 
+@pytest.mark.both_backends
 def test_run_json_lease_lost_is_one_error_line(daemon: DaemonProcess) -> None:
     script = 'lockd locks break "$LOCKD_KEY" --reason test >/dev/null; sleep 5'
     result = lockd(

@@ -49,7 +49,7 @@ from lockd.run.lease import take_lease
 from lockd.run.options import Reporter, RunOptions
 from lockd.run.process import exit_status
 
-from .conftest import LOCKD, DaemonProcess
+from .conftest import LOCKD, Backend, DaemonProcess
 
 PY = sys.executable
 
@@ -148,13 +148,13 @@ def pid_gone(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def shared() -> Iterator[DaemonProcess]:
+def shared(backend: Backend) -> Iterator[DaemonProcess]:
     """One daemon for the tests of this module that leave it running (each uses its own keys).
 
     Starting a daemon costs ~0.5 s; the test that freezes the daemon gets its own.
     """
     root = Path(tempfile.mkdtemp(prefix="lockd-run-", dir="/tmp"))
-    proc = DaemonProcess.in_folder(root)
+    proc = backend.daemon_in(root)
     proc.start()
     try:
         yield proc
@@ -313,6 +313,7 @@ def test_exit_status_passthrough(
     assert not held(client, "k")  # released after the command exited
 
 
+@pytest.mark.both_backends
 def test_env_reaches_command_and_handle_is_live(shared: DaemonProcess, client: LockClient) -> None:
     code = (
         "import json, os; from lockd_client import LockClient;"
@@ -331,6 +332,7 @@ def test_env_reaches_command_and_handle_is_live(shared: DaemonProcess, client: L
     assert not held(client, "env:key")
 
 
+@pytest.mark.both_backends
 def test_busy_key_exits_1_with_one_line(
     shared: DaemonProcess, client: LockClient, short_tmp: Path
 ) -> None:
@@ -380,6 +382,7 @@ def test_wait_times_out_with_conflict_code(shared: DaemonProcess, client: LockCl
     assert "timed out after 200ms" in result.stderr
 
 
+@pytest.mark.both_backends
 def test_wait_gets_the_key_in_fifo_order(
     shared: DaemonProcess, client: LockClient, short_tmp: Path
 ) -> None:
@@ -420,6 +423,7 @@ def test_command_not_found_exits_127_and_releases(
 # -- dying and signals --------------------------------------------------------------------
 
 
+@pytest.mark.both_backends
 def test_sigkill_frees_the_key_at_once_and_kills_command(
     shared: DaemonProcess, client: LockClient, short_tmp: Path
 ) -> None:
@@ -521,6 +525,7 @@ def test_sigint_while_waiting_exits_130_and_leaves_the_queue(
 # -- losing the lease ---------------------------------------------------------------------
 
 
+@pytest.mark.both_backends
 def test_break_sends_sigterm_and_exits_6(
     shared: DaemonProcess, client: LockClient, short_tmp: Path
 ) -> None:
@@ -595,6 +600,7 @@ def test_on_lost_ignore_lets_command_finish_then_exits_6(
     assert "COMMAND exited with status 0" in stderr
 
 
+@pytest.mark.both_backends
 def test_owner_retake_takes_the_lease_from_the_first_run(
     shared: DaemonProcess, client: LockClient, short_tmp: Path
 ) -> None:
@@ -635,6 +641,7 @@ def test_unresponsive_daemon_acts_before_the_lease_expires(
     assert "about to run out" in (proc.stderr.read() if proc.stderr else "")
 
 
+@pytest.mark.both_backends
 def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as own:
         assert own.try_acquire("survive", ttl=30, release_on_close=True) is not None
@@ -643,6 +650,7 @@ def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonPr
         assert own.status("survive").held
 
 
+@pytest.mark.both_backends
 @pytest.mark.parametrize(
     "how",
     ["kill9", "sigterm"],

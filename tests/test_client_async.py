@@ -29,6 +29,8 @@ from lockd_client.trio import TrioLockClient
 
 from .conftest import DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 RACES = 300
 
 

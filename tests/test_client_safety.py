@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 from lockd_client import Handle, LockClient, LockdError, LockLostError
 
-from .conftest import LOCKD, DaemonProcess
+from .conftest import LOCKD, Backend, DaemonProcess
+
+pytestmark = pytest.mark.both_backends
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
@@ -39,11 +41,15 @@ def waiters(client: LockClient, key: str) -> int:
 # -- lock() ---------------------------------------------------------------------------------
 
 
-def test_lock_raises_lock_lost_when_the_ttl_ran_out_inside(daemon: DaemonProcess) -> None:
+def test_lock_raises_lock_lost_when_the_ttl_ran_out_inside(
+    daemon: DaemonProcess, backend: Backend
+) -> None:
     with LockClient(daemon.socket) as client:
         lock = client.lock("safe:ttl", ttl=0.2, timeout=1, auto_renew=False)
         with pytest.raises(LockLostError) as caught, lock as handle:
-            time.sleep(0.4)
+            time.sleep(backend.effective_ttl_ms(200) / 1000)
+            # etcd ends an expired lease a moment later (leaseExpiresAt is the earliest end)
+            wait_for(lambda: not client.status("safe:ttl").held, "the lease to run out")
         assert caught.value.key == "safe:ttl" and caught.value.fence == handle.fence
         assert "not_holder" in str(caught.value) and handle.lost
 

@@ -32,7 +32,7 @@ from lockd_client import (
     LockTimeoutError,
 )
 
-from .conftest import LOCKD, DaemonProcess
+from .conftest import LOCKD, Backend, DaemonProcess
 from .test_protocol_live import RawConn, running_daemon
 
 #: Generous bounds for "at once" on a loaded 2-core box.
@@ -114,9 +114,9 @@ def park_raw(
 
 
 @pytest.fixture(scope="module")
-def shared() -> Iterator[DaemonProcess]:
+def shared(backend: Backend) -> Iterator[DaemonProcess]:
     """One daemon for the semantics tests; each test uses its own keys."""
-    with running_daemon() as proc:
+    with running_daemon(backend=backend) as proc:
         yield proc
 
 
@@ -129,6 +129,7 @@ def client(shared: DaemonProcess) -> Iterator[LockClient]:
 # ------------------------------------------------------------ hand-off
 
 
+@pytest.mark.both_backends
 def test_fifo_handoff_to_four_threads_in_parking_order(
     shared: DaemonProcess, client: LockClient
 ) -> None:
@@ -150,8 +151,9 @@ def test_fifo_handoff_to_four_threads_in_parking_order(
     assert not client.status(key).held
 
 
+@pytest.mark.both_backends
 def test_release_break_and_expiry_hand_to_the_head_at_once(
-    shared: DaemonProcess, client: LockClient
+    shared: DaemonProcess, client: LockClient, backend: Backend
 ) -> None:
     key = "handoff"
     holder = client.acquire(key, ttl=60, timeout=1)
@@ -173,20 +175,22 @@ def test_release_break_and_expiry_hand_to_the_head_at_once(
     assert second.granted_at - broken_at < PROMPT
     assert client.release(first.handle).reason == "not_holder"
 
-    # expiry: the holder's lease is renewed to 250 ms and runs out
+    # expiry: the holder's lease is renewed to 250 ms (etcd: 2 s) and runs out
     third = park(client, shared.socket, key)
     assert client.renew(second.handle, ttl=0.25).renewed
     renewed_at = time.monotonic()
+    ttl = backend.effective_ttl_ms(250) / 1000
     third.finish()
     assert third.handle is not None and third.granted_at is not None
-    assert third.granted_at - renewed_at >= 0.2
-    assert third.granted_at - renewed_at < 0.25 + PROMPT
+    assert third.granted_at - renewed_at >= ttl - 0.05
+    assert third.granted_at - renewed_at < ttl + PROMPT
     assert third.handle.fence > second.handle.fence > first.handle.fence
     assert client.renew(second.handle, ttl=1).reason == "lease_lost"
 
 
+@pytest.mark.both_backends
 def test_waiter_whose_connection_closes_leaves_the_queue(
-    shared: DaemonProcess, client: LockClient
+    shared: DaemonProcess, client: LockClient, backend: Backend
 ) -> None:
     key = "leaver"
     holder = client.acquire(key, ttl=60, timeout=1)
@@ -197,11 +201,12 @@ def test_waiter_whose_connection_closes_leaves_the_queue(
     wait_for(lambda: waiters(client, key) == 1, what="the closed waiter to leave")
     assert client.release(holder).released
     behind.finish()
-    assert behind.handle is not None and behind.handle.fence == holder.fence + 1
+    assert behind.handle is not None and backend.fence_follows(holder.fence, behind.handle.fence)
     status = client.status(key)
     assert status.held and status.fence == behind.handle.fence
 
 
+@pytest.mark.both_backends
 def test_closed_waiter_alone_leaves_the_key_free(shared: DaemonProcess, client: LockClient) -> None:
     key = "leaver-alone"
     holder = client.acquire(key, ttl=60, timeout=1)
@@ -232,8 +237,9 @@ def stall(raw: RawConn, key: str) -> int:
     return sent
 
 
+@pytest.mark.both_backends
 def test_grant_whose_reply_cannot_be_written_is_released(
-    shared: DaemonProcess, client: LockClient
+    shared: DaemonProcess, client: LockClient, backend: Backend
 ) -> None:
     """The head waiter's connection is stuck, then gone: the key goes on."""
     key = "undelivered"
@@ -246,12 +252,14 @@ def test_grant_whose_reply_cannot_be_written_is_released(
         assert client.release(holder).released
         # The stuck waiter was the head: it got the key, but cannot be told.
         status = client.status(key)
-        assert status.held and status.fence == holder.fence + 1 and status.waiters == 1
+        assert status.held and backend.fence_follows(holder.fence, status.fence)
+        assert status.waiters == 1
     finally:
         raw.close()
     behind.finish()
     assert behind.handle is not None and behind.error is None
-    assert behind.handle.fence == holder.fence + 2
+    assert backend.fence_follows(holder.fence, behind.handle.fence, grants=2)
+    assert behind.handle.fence > status.fence
     wait_for(
         lambda: "event=released_undelivered key=undelivered " in shared.read_log(),
         timeout=PROMPT,
@@ -259,6 +267,7 @@ def test_grant_whose_reply_cannot_be_written_is_released(
     )
 
 
+@pytest.mark.both_backends
 def test_release_on_close_frees_at_once_on_disconnect(
     shared: DaemonProcess, client: LockClient
 ) -> None:
@@ -281,6 +290,7 @@ def test_release_on_close_frees_at_once_on_disconnect(
     wait_for(lambda: not client.status("roc:alone").held, timeout=PROMPT, what="roc release")
 
 
+@pytest.mark.both_backends
 def test_owner_retake_fences_the_earlier_handle_and_jumps_the_queue(
     shared: DaemonProcess, client: LockClient
 ) -> None:
@@ -309,6 +319,7 @@ def test_owner_retake_fences_the_earlier_handle_and_jumps_the_queue(
     assert queued.handle is not None and queued.handle.fence > second.fence
 
 
+@pytest.mark.both_backends
 def test_hold_without_owner_is_never_reentered(client: LockClient) -> None:
     handle = client.acquire("no-owner", ttl=60, timeout=1)
     assert client.try_acquire("no-owner", ttl=60) is None
@@ -320,14 +331,21 @@ def test_hold_without_owner_is_never_reentered(client: LockClient) -> None:
     assert client.release(handle).released
 
 
-def test_short_ttl_expires_and_status_says_so_right_after(client: LockClient) -> None:
-    ttl = 0.2
-    handle = client.acquire("short", ttl=ttl, timeout=1)
+@pytest.mark.both_backends
+def test_short_ttl_expires_and_status_says_so_right_after(
+    client: LockClient, backend: Backend
+) -> None:
+    ttl_ms = backend.effective_ttl_ms(200)  # etcd: 2 s, its shortest lease
+    handle = client.acquire("short", ttl=0.2, timeout=1)
     granted = time.monotonic()
+    ttl = ttl_ms / 1000
     status = client.status("short")
-    assert status.held and status.expires_in_ms is not None and status.expires_in_ms <= 200
-    # Wait out the lease itself (200 ms), then one status must say free.
+    assert status.held and status.expires_in_ms is not None and status.expires_in_ms <= ttl_ms
+    # Wait out the lease itself, then one status must say free (on etcd, once
+    # etcd has ended the lease: leaseExpiresAt is the earliest end, SPEC §11).
     time.sleep(max(0.0, granted + ttl + 0.01 - time.monotonic()))
+    if backend.is_etcd:
+        wait_for(lambda: not client.status("short").held, timeout=PROMPT, what="etcd's expiry")
     status = client.status("short")
     assert not status.held
     assert (status.held_by, status.owner, status.fence, status.expires_in_ms) == (
@@ -341,6 +359,7 @@ def test_short_ttl_expires_and_status_says_so_right_after(client: LockClient) ->
     wait_for(lambda: client.stats()["counters"]["expiries"] >= 1, timeout=PROMPT)
 
 
+@pytest.mark.both_backends
 def test_list_with_prefix_and_limit(client: LockClient) -> None:
     for key in ("app:b", "app:a", "app:c", "other:a"):
         client.acquire(key, ttl=60, timeout=1, owner=f"o-{key}")
@@ -353,6 +372,7 @@ def test_list_with_prefix_and_limit(client: LockClient) -> None:
     assert client.list(prefix="nothing-here") == []
 
 
+@pytest.mark.both_backends
 def test_list_pages_of_the_default_size_and_following_them(client: LockClient) -> None:
     # 1,001 locks: the default page is 1,000, so a second page of one follows.
     keys = [f"many:{i:04d}" for i in range(1001)]
@@ -374,6 +394,7 @@ def test_list_pages_of_the_default_size_and_following_them(client: LockClient) -
         assert handle is not None and client.release(handle).released
 
 
+@pytest.mark.both_backends
 def test_break_result_and_warning_log(shared: DaemonProcess, client: LockClient) -> None:
     handle = client.acquire("breakme", ttl=60, timeout=1, owner="job-9")
     result = client.break_lock("breakme", "operator: stuck job")
@@ -399,6 +420,7 @@ def test_break_result_and_warning_log(shared: DaemonProcess, client: LockClient)
     assert 'reason="operator: stuck job"' in line
 
 
+@pytest.mark.both_backends
 def test_hello_through_the_client(client: LockClient) -> None:
     hello = client.hello()
     assert set(hello) == {"protocol", "version", "principal", "role", "uid", "pid"}
@@ -406,6 +428,7 @@ def test_hello_through_the_client(client: LockClient) -> None:
     assert hello["role"] == "owner" and hello["uid"] == 0 and hello["pid"] == os.getpid()
 
 
+@pytest.mark.both_backends
 def test_stats_counters_move(shared: DaemonProcess, client: LockClient) -> None:
     before = client.stats()["counters"]
     h = client.acquire("stats", ttl=60, timeout=1)
@@ -441,6 +464,7 @@ def test_stats_counters_move(shared: DaemonProcess, client: LockClient) -> None:
 HANDLE_RE = re.compile(r"^[A-Za-z0-9_-]{22,}$")
 
 
+@pytest.mark.both_backends
 def test_handle_ids_never_leave_their_caller(daemon_paths: DaemonProcess) -> None:
     """Long, random, and absent from status, list, break and the log (debug level)."""
     daemon_paths.write_config('log_level = "debug"\n')
@@ -586,6 +610,7 @@ def test_second_daemon_on_the_same_database_refuses_at_once(
     assert client.status("db-owner").fence == handle.fence
 
 
+@pytest.mark.both_backends
 def test_sigterm_answers_parked_acquires_and_keeps_leases(daemon_paths: DaemonProcess) -> None:
     daemon_paths.start()
     with LockClient(str(daemon_paths.socket)) as client:

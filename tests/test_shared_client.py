@@ -15,6 +15,8 @@ from lockd_client.aio import AsyncLockClient
 
 from .conftest import LOCKD, DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 
 def lockd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

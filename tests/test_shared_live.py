@@ -9,14 +9,16 @@ from typing import Any
 
 import pytest
 
-from .conftest import DaemonProcess
+from .conftest import Backend, DaemonProcess
 from .helpers_users import wait_for
 from .test_protocol_live import RawConn, check_error, running_daemon, unique
 
+pytestmark = pytest.mark.both_backends
+
 
 @pytest.fixture(scope="module")
-def lockd() -> Iterator[DaemonProcess]:
-    with running_daemon() as proc:
+def lockd(backend: Backend) -> Iterator[DaemonProcess]:
+    with running_daemon(backend=backend) as proc:
         yield proc
 
 
