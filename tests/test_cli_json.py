@@ -42,7 +42,6 @@ def the_error(result: subprocess.CompletedProcess[str], *, log: bool = False) ->
     return error
 
 
-@pytest.mark.both_backends
 def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) -> None:
     env = daemon.env
     with LockClient(daemon.socket) as client:

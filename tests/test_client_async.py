@@ -216,6 +216,7 @@ async def test_trio_operations(daemon: DaemonProcess) -> None:
         assert (await client.release(handle)).released
 
 
+@pytest.mark.sqlite_only("the asyncio twin runs on etcd; the daemon sees the same requests")
 async def test_trio_many_tasks_share_one_connection(daemon: DaemonProcess) -> None:
     order: list[int] = []
     async with TrioLockClient(daemon.socket) as client:
@@ -248,6 +249,7 @@ async def test_trio_cancel_scope_withdraws_and_lock_cleans_up(daemon: DaemonProc
         assert not (await holder.status("trio:cancelled-block")).held
 
 
+@pytest.mark.sqlite_only("the asyncio twin runs on etcd; the daemon sees the same requests")
 async def test_trio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess) -> None:
     rng = random.Random(12)
     cancelled = granted = 0

@@ -15,6 +15,7 @@ a prefix of its own); tests that kill etcd members start their own.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -499,14 +500,15 @@ def _answers(conn: RawConn, request: dict[str, Any]) -> bool:
 # ------------------------------------------------------------ TLS and etcd auth
 
 
-def test_a_daemon_over_tls_with_client_certificate_and_etcd_auth(
+def test_a_daemon_over_tls_as_an_etcd_user_limited_to_its_prefix(
     new_etcd_cluster: Callable[..., EtcdCluster], short_tmp: Path
 ) -> None:
+    """What docs/operations.md tells an operator to set up: TLS with a client
+    certificate without CommonName, and an etcd user whose role reaches only
+    lockd's prefix."""
     cluster = new_etcd_cluster(1, tls=True)
     tls = cluster.tls
     assert tls is not None
-    cluster.enable_auth("s3cret")
-    (short_tmp / "etcd-password").write_text("s3cret\n")
     etcd = EtcdBackend.on(
         cluster,
         node="tls-host",
@@ -514,18 +516,45 @@ def test_a_daemon_over_tls_with_client_certificate_and_etcd_auth(
             ("ca_file", str(tls.ca)),
             ("cert_file", str(tls.client_cert)),
             ("key_file", str(tls.client_key)),
-            ("username", "root"),
-            ("password_file", "etcd-password"),  # relative: to the config folder
+            ("username", "lockd"),
+            ("password_file", "etcd-password"),  # relative: in the config folder
         ),
     )
-    daemon = DaemonProcess.in_folder(short_tmp / "d", etcd)
+    prefix = etcd.prefix.encode()
+    member = cluster.members[0]
+    for path, body in (
+        ("/v3/auth/role/add", {"name": "lockd"}),
+        (
+            "/v3/auth/role/grant",
+            {
+                "name": "lockd",
+                "perm": {
+                    "permType": "READWRITE",
+                    "key": _b64(prefix),
+                    "range_end": _b64(prefix[:-1] + bytes([prefix[-1] + 1])),
+                },
+            },
+        ),
+        ("/v3/auth/user/add", {"name": "lockd", "password": "s3cret"}),
+        ("/v3/auth/user/grant", {"user": "lockd", "role": "lockd"}),
+    ):
+        assert member.post(path, body, timeout=5.0) is not None, path
+    cluster.enable_auth("root-secret")
+    daemon = DaemonProcess.in_folder(short_tmp, etcd)
     daemon.config.mkdir(parents=True)
-    shutil.copy(short_tmp / "etcd-password", daemon.config / "etcd-password")
+    (daemon.config / "etcd-password").write_text("s3cret\n")
     try:
         daemon.start()
         with LockClient(str(daemon.socket)) as client:
-            handle = client.acquire("over-tls", ttl=10, timeout=1)
+            handle = client.acquire("over-tls", ttl=10, timeout=1, release_on_close=True)
+            waiter = park(client, daemon.socket, "over-tls")  # a watch, as the lockd user
             assert client.status("over-tls").raw["node"] == "tls-host"
             assert client.release(handle).released
+            waiter.finish()
+            assert waiter.handle is not None and client.release(waiter.handle).released
     finally:
         daemon.terminate()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()

@@ -251,6 +251,10 @@ def test_grant_whose_reply_cannot_be_written_is_released(
         assert stall(raw, key) > 10
         assert client.release(holder).released
         # The stuck waiter was the head: it got the key, but cannot be told.
+        # (On etcd the hand-off follows the release: the waiter's daemon sees
+        # it through its watch, so the grant may come a moment after.)
+        if backend.is_etcd:
+            wait_for(lambda: client.status(key).held, timeout=PROMPT, what="the hand-off")
         status = client.status(key)
         assert status.held and backend.fence_follows(holder.fence, status.fence)
         assert status.waiters == 1
@@ -344,8 +348,8 @@ def test_short_ttl_expires_and_status_says_so_right_after(
     # Wait out the lease itself, then one status must say free (on etcd, once
     # etcd has ended the lease: leaseExpiresAt is the earliest end, SPEC §11).
     time.sleep(max(0.0, granted + ttl + 0.01 - time.monotonic()))
-    if backend.is_etcd:
-        wait_for(lambda: not client.status("short").held, timeout=PROMPT, what="etcd's expiry")
+    if backend.is_etcd:  # idle: within ~0.5 s; under load it took over 3 s
+        wait_for(lambda: not client.status("short").held, timeout=15, what="etcd's expiry")
     status = client.status("short")
     assert not status.held
     assert (status.held_by, status.owner, status.fence, status.expires_in_ms) == (
@@ -372,7 +376,8 @@ def test_list_with_prefix_and_limit(client: LockClient) -> None:
     assert client.list(prefix="nothing-here") == []
 
 
-@pytest.mark.both_backends
+# 1,001 grants and releases take ~20 s on etcd; etcd's paging is in
+# test_list_with_prefix_and_limit and test_cli.py's test_list_follows_next_across_pages.
 def test_list_pages_of_the_default_size_and_following_them(client: LockClient) -> None:
     # 1,001 locks: the default page is 1,000, so a second page of one follows.
     keys = [f"many:{i:04d}" for i in range(1001)]
@@ -429,7 +434,7 @@ def test_hello_through_the_client(client: LockClient) -> None:
 
 
 @pytest.mark.both_backends
-def test_stats_counters_move(shared: DaemonProcess, client: LockClient) -> None:
+def test_stats_counters_move(shared: DaemonProcess, client: LockClient, backend: Backend) -> None:
     before = client.stats()["counters"]
     h = client.acquire("stats", ttl=60, timeout=1)
     assert client.try_acquire("stats", ttl=60) is None
@@ -454,7 +459,9 @@ def test_stats_counters_move(shared: DaemonProcess, client: LockClient) -> None:
     assert counters["breaks"] - before["breaks"] == 1
     assert counters["invalidRequests"] - before["invalidRequests"] == 1
     assert counters["connectionsAccepted"] - before["connectionsAccepted"] >= 1
-    assert after["held"] >= 1 and after["fence"] >= h2.fence + 1
+    # With etcd, held is null (no host counts every host's keys).
+    assert after["held"] is None if backend.is_etcd else after["held"] >= 1
+    assert after["fence"] >= h2.fence + 1
     for op in ("acquire", "tryAcquire", "renew", "release", "break", "stats"):
         assert after["latency"][op]["count"] >= 1, op
 

@@ -558,6 +558,9 @@ def guard(lockd: DaemonProcess) -> Iterator[tuple[LockClient, Any]]:
         assert client.release(handle).released
 
 
+@pytest.mark.sqlite_only(
+    "junk lines test the parser and server, which are the same for both backends"
+)
 @settings(
     max_examples=100,
     deadline=None,
@@ -609,12 +612,18 @@ def test_junk_lines_each_get_one_reply(
     assert status.held and status.fence == handle.fence and status.owner is None
 
 
+@pytest.mark.sqlite_only(
+    "junk lines test the parser and server, which are the same for both backends"
+)
 def test_after_the_junk_the_daemon_never_had_an_internal_error(lockd: DaemonProcess) -> None:
     with LockClient(str(lockd.socket)) as client:
         assert client.stats()["counters"]["internalErrors"] == 0
     assert "Traceback" not in lockd.read_log()
 
 
+@pytest.mark.sqlite_only(
+    "junk lines test the parser and server, which are the same for both backends"
+)
 def test_daemon_answers_quickly_after_all_of_it(lockd: DaemonProcess) -> None:
     started = time.monotonic()
     with LockClient(str(lockd.socket)) as client:
