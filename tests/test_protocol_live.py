@@ -186,6 +186,7 @@ def conn(lockd: DaemonProcess) -> Iterator[RawConn]:
 # ------------------------------------------------------- result shapes
 
 
+@pytest.mark.etcd_bug("acquire with timeoutMs 0 on a free key answers LOCK_TIMEOUT")
 def test_every_op_result_has_the_spec_fields(conn: RawConn) -> None:
     key = unique()
     hello = conn.result({"id": 1, "op": "hello"})
@@ -287,6 +288,7 @@ def test_lock_timeout_error_shape(conn: RawConn) -> None:
         assert error["details"] == {"key": key, "timeoutMs": timeout}
 
 
+@pytest.mark.etcd_bug("pipelined requests of one connection are not applied in order")
 def test_pipelined_status_overtakes_a_parked_acquire(conn: RawConn, lockd: DaemonProcess) -> None:
     """A parked acquire does not block later requests on the same connection."""
     key = unique()
@@ -364,6 +366,7 @@ def test_unknown_op_and_unknown_field_are_named(conn: RawConn) -> None:
     assert conn.result({"id": 4, "op": "status", "key": key})["held"] is False
 
 
+@pytest.mark.etcd_bug("acquire with timeoutMs 0 on a free key answers LOCK_TIMEOUT")
 def test_null_optional_fields_are_absent(conn: RawConn) -> None:
     key = unique()
     handle = conn.result(
