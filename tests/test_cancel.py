@@ -57,7 +57,8 @@ def test_parse_cancel() -> None:
 
 
 @pytest.mark.etcd_bug(
-    "CANCELLED is answered before the waiter key is deleted (status still counts it)"
+    "intermittent: CANCELLED is answered before the waiter key is deleted (a status right"
+    " after still counts the waiter)"
 )
 def test_cancel_withdraws_a_parked_acquire(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as client:

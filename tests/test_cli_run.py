@@ -642,7 +642,6 @@ def test_unresponsive_daemon_acts_before_the_lease_expires(
 
 
 @pytest.mark.both_backends
-@pytest.mark.etcd_bug("a clean stop releases releaseOnClose holds (SPEC 3: they stay as TTL holds)")
 def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as own:
         assert own.try_acquire("survive", ttl=30, release_on_close=True) is not None
@@ -652,7 +651,6 @@ def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonPr
 
 
 @pytest.mark.both_backends
-@pytest.mark.etcd_bug("a clean stop releases releaseOnClose holds (SPEC 3: they stay as TTL holds)")
 @pytest.mark.parametrize(
     "how",
     ["kill9", "sigterm"],

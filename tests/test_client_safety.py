@@ -121,12 +121,6 @@ class Waiter(threading.Thread):
 
 
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
-@pytest.mark.etcd_bug(
-    "SIGTERM sometimes exits 1 (the session keeper uses the closed etcd client); after"
-    " kill -9 the waiters parked again can sleep until their 60 s timeout (the queue"
-    " stalls while another session's waiters are in it)",
-    run=False,
-)
 def test_parked_acquires_survive_restarts_under_load(daemon: DaemonProcess, how: str) -> None:
     """Twelve waiters (half with an owner) parked on a held key, while other clients
     hammer the daemon; the daemon is restarted twice; every waiter gets the key once."""
@@ -194,7 +188,6 @@ def _cli(daemon: DaemonProcess, *args: str) -> subprocess.Popen[str]:
     )
 
 
-@pytest.mark.etcd_bug("SIGTERM sometimes exits 1: the session keeper uses the closed etcd client")
 def test_cli_waits_survive_a_restart(daemon: DaemonProcess) -> None:
     """``lockd locks acquire --wait`` and ``lockd run --wait`` park again after a restart."""
     with LockClient(daemon.socket) as client:

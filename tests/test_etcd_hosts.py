@@ -359,11 +359,6 @@ class ContendingWorker(threading.Thread):
             return
 
 
-@pytest.mark.xfail(
-    reason="etcd backend bug: with waiters of two daemons on one key the queue stalls until"
-    " their timeouts (notes/etcd-bugs.md); a failing run takes a minute",
-    run=False,
-)
 @pytest.mark.parametrize("leader", ["kept", "killed"])
 def test_both_hosts_contending_never_hold_at_once(
     request: pytest.FixtureRequest, short_tmp: Path, leader: str

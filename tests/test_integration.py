@@ -479,7 +479,6 @@ HANDLE_RE = re.compile(r"^[A-Za-z0-9_-]{22,}$")
 
 
 @pytest.mark.both_backends
-@pytest.mark.etcd_bug("no grant/release events in the debug log")
 def test_handle_ids_never_leave_their_caller(daemon_paths: DaemonProcess) -> None:
     """Long, random, and absent from status, list, break and the log (debug level)."""
     daemon_paths.write_config('log_level = "debug"\n')
@@ -626,7 +625,6 @@ def test_second_daemon_on_the_same_database_refuses_at_once(
 
 
 @pytest.mark.both_backends
-@pytest.mark.etcd_bug("a clean stop releases releaseOnClose holds (SPEC 3: they stay as TTL holds)")
 def test_sigterm_answers_parked_acquires_and_keeps_leases(daemon_paths: DaemonProcess) -> None:
     daemon_paths.start()
     with LockClient(str(daemon_paths.socket)) as client:
