@@ -465,3 +465,23 @@ async def test_hand_offs_across_hosts_never_overlap_or_stall(backends: Backends)
         for n in range(4):
             nursery.start_soon(worker, f"w{n}", nodes[n % 2])
     assert grants == 24 and overlaps == 0
+
+
+async def test_a_grant_cancelled_after_its_commit_is_released(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while its reused lease's keepalive is out (the commit is done): released."""
+    backend = await backends()
+    first = await acquired(backend, request("late", ttl_ms=30_000))
+    assert await backend.release("late", first.handle)  # its lease is kept for reuse
+    keepalive = backend.etcd.lease_keepalive
+
+    async def slow_keepalive(lease_id: int) -> int:
+        await trio.sleep(1.0)
+        return await keepalive(lease_id)
+
+    monkeypatch.setattr(backend.etcd, "lease_keepalive", slow_keepalive)
+    with trio.move_on_after(0.5) as scope:
+        await backend.acquire(request("late", ttl_ms=30_000), ALICE, 1, None)
+    assert scope.cancelled_caught
+    await until_records(backend, "late", 0)

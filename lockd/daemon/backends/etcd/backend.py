@@ -397,7 +397,11 @@ class EtcdBackend:
             hold, refresh = await self.new_hold(template, ttl_s, reuse=False)
             outcome = await self._take_now(hold, conn, waiting=waiting)
         if isinstance(outcome, Hold):
-            return await self.settle(outcome, refresh)
+            try:
+                return await self.settle(outcome, refresh)
+            except BaseException:  # cancelled after the commit: nobody gets the handle
+                self.release_undelivered(outcome)
+                raise
         self.recycle(hold, refresh)
         return outcome
 

@@ -234,12 +234,18 @@ class KeyQueue:
             read = result.responses[0]
             assert hasattr(read, "kvs")
             return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)
-        for waiter in mine:
+        # Granted now, before any await: a waiter that leaves meanwhile gets
+        # its hold (and releases it); settling only refines the expiry.
+        for waiter, hold in zip(mine, holds, strict=True):
             del self.waiters[waiter.record.etcd_key]
-        for waiter, hold, refresh in zip(mine, holds, refreshes, strict=True):
-            granted = replace(hold, fence=result.header.revision)
-            waiter.granted = await backend.settle(granted, refresh)
-            waiter.done.set()
+            waiter.granted = replace(hold, fence=result.header.revision)
+        try:
+            for waiter, refresh in zip(mine, refreshes, strict=True):
+                assert waiter.granted is not None
+                waiter.granted = await backend.settle(waiter.granted, refresh)
+        finally:
+            for waiter in mine:
+                waiter.done.set()
         for waiter in self.waiters.values():  # the next hand-off's lease, ahead
             backend.prepare_lease(waiter.ttl_s)
         return None
