@@ -16,16 +16,16 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lockd.daemon.clock import SystemClock
 from lockd.daemon.engine import LockEngine
 from lockd.daemon.protocol import Acquire, encode_result, parse_request
+from lockd.daemon.ratelimit import RateLimiter
 from lockd.daemon.service import LockService, Reply
 from lockd.daemon.store import Store
 from lockd.identity import Caller
+from lockd.rules.policy import PolicyManager
 
 OWNER = Caller("user", "root", "owner", 0, 0, 1, frozenset({"root"}))
 TRY_LINE = (
@@ -33,35 +33,13 @@ TRY_LINE = (
 )
 
 
-@dataclass(frozen=True)
-class _Allowed:
-    allowed: bool = True
-    reason: str = "bench: open"
-
-
-class OpenPolicy:
-    """Every caller may do everything (the daemon's default for root, without rules)."""
-
-    def decide(
-        self, caller: Caller, op: str, key: str, mode: str = "exclusive", limit: int = 1
-    ) -> _Allowed:
-        return _Allowed()
-
-    def rules_result(self) -> dict[str, Any]:
-        return {}
-
-
-class NoLimit:
-    limit = 0
-
-    def try_take(self, principal: str, now_ms: int) -> int | None:
-        return None
-
-
 def measure(pairs: int, warmup: int) -> dict[str, list[float]]:
     folder = Path(tempfile.mkdtemp(prefix="lockd-phases-"))
     store = Store(folder / "lockd.db", "bench-boot")
-    service = LockService(LockEngine(), store, OpenPolicy(), NoLimit(), SystemClock())
+    # The daemon's own policy without rule sets (open) and rate limiter
+    # (root, an owner, is not counted by it).
+    policy = PolicyManager(folder / "rules.d")
+    service = LockService(LockEngine(), store, policy, RateLimiter(1000), SystemClock())
     service.group_commit = True  # as the server runs it: the commit is a phase of its own
     clock = time.perf_counter_ns
     phases: dict[str, list[float]] = {}

@@ -678,15 +678,16 @@ class LockServer:
         batch: one commit for all of them, then every reply. The last one to
         find nobody else waiting commits; the flusher task commits in the
         next pass in case that never happens (a readable connection whose
-        task is busy elsewhere). One client alone pays one epoll_wait(0).
+        task is busy elsewhere). A lone connection commits at once, without it.
         """
         if not self._outbox and not self.service.batch_open:
             return
-        fd = conn.sock.fileno()
-        for ready_fd, _ in self._readable.poll(0, 2):
-            if ready_fd != fd:
-                self._flush_wanted.set()
-                return
+        if len(self.connections) > 1:
+            fd = conn.sock.fileno()
+            for ready_fd, _ in self._readable.poll(0, 2):
+                if ready_fd != fd:
+                    self._flush_wanted.set()
+                    return
         self._flush()
 
     async def _flusher(self) -> None:
