@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from lockd.daemon import sockio
 from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.engine import Changes, LockEngine, Parked
 from lockd.daemon.listener import bind_socket
@@ -266,6 +267,43 @@ async def test_parked_acquires_do_not_block_the_connections_release(short_tmp: P
         replies = [await client.recv(timeout=1.0) for _ in range(2)]
     # SPEC 3: a parked acquire does not block the connection's other requests.
     assert sorted(r["id"] for r in replies if r is not None) == [2, 4]
+
+
+async def test_waiter_hears_of_its_grant_before_the_releaser(short_tmp: Path) -> None:
+    """The grant goes out inside the commit that hands the key over, before the
+    release's own reply (one connection, so the order on the wire is the order)."""
+    async with running(short_tmp) as h:
+        client = await h.connect()
+        handle = (await client.call(try_acquire(1, "k")))["result"]["handle"]
+        await client.send(acquire(2, "k", timeoutMs=600_000))
+        assert await until(lambda: h.engine.waiter_count == 1)
+        await client.send({"id": 3, "op": "release", "key": "k", "handle": handle})
+        replies = [await client.recv(), await client.recv()]
+    assert [r["id"] for r in replies if r is not None] == [2, 3], replies
+    assert replies[0] is not None and replies[0]["result"]["fence"] == 2
+
+
+async def test_a_peer_that_reads_no_replies_is_read_no_further(short_tmp: Path) -> None:
+    """Replies wait in the connection's writer only up to what one read brought in."""
+    async with running(short_tmp) as h:
+        raw = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        raw.setsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_RCVBUF, 4096)
+        raw.connect(str(h.socket))
+        raw.setblocking(False)
+        line = json.dumps({"id": 1, "op": "status", "key": "k"}).encode() + b"\n"
+        sent = 0
+        with trio.move_on_after(1):
+            while True:
+                await trio.lowlevel.wait_writable(raw)
+                sent += raw.send(line * 100)
+        (conn,) = h.server.connections.values()
+        assert conn.writer is not None and conn.writer.backlogged
+        # The daemon stopped reading: requests are left in the socket, and
+        # the replies queued are at most those of one read.
+        answered = h.service.stats.latency["status"].count
+        assert answered < sent // len(line)
+        assert conn.writer.queued <= sockio.RECV_BYTES // len(line) + 1
+        raw.close()
 
 
 async def test_failed_commit_does_not_strand_parked_waiter(short_tmp: Path) -> None:

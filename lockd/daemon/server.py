@@ -606,6 +606,11 @@ class LockServer:
             for line in lines:
                 self._handle_line(conn, line, nursery)
             self._batch_point(conn)
+            writer = conn.writer
+            if writer is not None and writer.backlogged:
+                # The peer does not read its replies: read none of its
+                # requests until it does, so what it costs us stays bounded.
+                await writer.wait_drained()
             if self._buffered > limits.max_buffered_bytes and splitter.pending:
                 await self._close_stalled(conn, "max_buffered_bytes")
                 return

@@ -76,6 +76,11 @@ class ReplyWriter:
     def backlogged(self) -> bool:
         return self._queue is not None
 
+    @property
+    def queued(self) -> int:
+        """Replies waiting for the peer to read (the first maybe in part)."""
+        return len(self._queue) if self._queue is not None else 0
+
     def write(self, data: bytes, token: Any = None) -> bool:
         """Write ``data`` now, or queue it; False when the peer is gone (``token`` not given)."""
         if self.closed:
