@@ -72,3 +72,14 @@ async def test_a_reply_that_fits_is_written_at_once() -> None:
     assert peer.recv(100) == b'{"id":1}\n'
     ours.close()
     peer.close()
+
+
+async def test_a_reply_that_does_not_fit_once_the_connection_ends_is_refused() -> None:
+    ours, peer = small_pair()
+    async with trio.open_nursery() as nursery:
+        writer = ReplyWriter(ours, nursery.start_soon, lambda token: None)
+    # The nursery is closed: no task can write the rest, so the caller is told.
+    assert not writer.write(b"x" * 100_000, token="grant")
+    assert writer.closed and not writer.backlogged
+    ours.close()
+    peer.close()

@@ -552,9 +552,11 @@ class LockServer:
                 await writer.wait_drained()
                 nursery.cancel_scope.cancel()
         finally:
-            self._flush()
+            # Ending without a drain (cancelled): its replies are dropped and
+            # their grants released; the other connections' go out.
             if conn.writer is not None:
                 conn.writer.closed = True
+            self._flush()
             with contextlib.suppress(OSError):
                 self._readable.unregister(sock)
             self._open_connections -= 1

@@ -97,7 +97,12 @@ class ReplyWriter:
             return False
         if sent < len(data):
             self._queue = deque([(memoryview(data)[sent:], token)])
-            self._spawn(self._drain)
+            try:
+                self._spawn(self._drain)
+            except RuntimeError:  # the connection's nursery is closed: it is ending
+                self._queue = None
+                self.closed = True
+                return False
         return True
 
     async def wait_drained(self) -> None:
