@@ -661,7 +661,12 @@ class LockServer:
             assert self.service.remote is not None
             self.service.remote.release_undelivered(grant)
             return
-        self.service.release_undelivered(grant)
+        try:
+            self.service.release_undelivered(grant)
+        except Exception:
+            # A bug: logged; the rest of a batch's replies must still go out.
+            self.service.stats.count("internalErrors")
+            log.exception(kv(event="internal_error", op="release_undelivered"))
         self._reschedule()
 
     # ---------------------------------------------------------- group commit
