@@ -53,20 +53,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lockd import timefmt
 from lockd.identity import Caller
 from lockd.logfmt import kv
-from lockd.rules.celenv import (
-    CompiledRule,
-    RuleOverBudget,
-    compile_rule,
-    describe_eval_error,
-    is_cel_bool,
-    rule_activation,
-    run_rule,
-)
 from lockd.rules.files import (
     Fingerprint,
     RuleSetError,
@@ -76,6 +67,13 @@ from lockd.rules.files import (
     read_files,
     rule_files,
 )
+
+if TYPE_CHECKING:
+    from lockd.rules.celenv import CompiledRule
+
+# cel-python (with lark and pendulum) costs ~0.1 s to import: it is imported
+# when a rule set is compiled, so a daemon without rule sets (the embedded
+# default, and every restart measured in bench/scale.py) starts without it.
 
 log = logging.getLogger("lockd.rules.policy")
 
@@ -167,6 +165,8 @@ def _parse_rule_set(file: str, data: bytes) -> tuple[str, str | None, dict[str, 
     if RESOURCE_TYPE not in rules_table:
         raise source.error(("rules",), "missing [rules.lock] table")
     lock_rules = _table(source, rules_table, RESOURCE_TYPE, ("rules", RESOURCE_TYPE))
+
+    from lockd.rules.celenv import compile_rule
 
     compiled: dict[str, CompiledRule] = {}
     for op, expr in lock_rules.items():
@@ -302,6 +302,14 @@ class Policy:
     def _evaluate(
         self, rule: CompiledRule, caller: Caller, key: str, mode: str, limit: int
     ) -> Decision:
+        from lockd.rules.celenv import (
+            RuleOverBudget,
+            describe_eval_error,
+            is_cel_bool,
+            rule_activation,
+            run_rule,
+        )
+
         where = f"rule {rule.name} in {self.file}"
         slow = (rule.name, caller.principal)
         if slow in self._over_budget:
