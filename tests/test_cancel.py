@@ -56,10 +56,6 @@ def test_parse_cancel() -> None:
         assert caught.value.details["field"] in ("target", "key")
 
 
-@pytest.mark.etcd_bug(
-    "intermittent: CANCELLED is answered before the waiter key is deleted (a status right"
-    " after still counts the waiter)"
-)
 def test_cancel_withdraws_a_parked_acquire(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as client:
         held = client.acquire("c:k", ttl=30, timeout=1)

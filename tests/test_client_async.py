@@ -147,10 +147,6 @@ def test_asyncio_wait_for_timeout_withdraws_the_waiter(daemon: DaemonProcess) ->
     asyncio.run(main())
 
 
-@pytest.mark.etcd_bug(
-    "a cancel racing a release can leave the cancelled waiter's grant held (an orphan hold"
-    " until its TTL)"
-)
 def test_asyncio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess) -> None:
     """A release and a cancel at nearly the same instant, {RACES} times."""
     rng = random.Random(11)

@@ -440,7 +440,6 @@ def test_hello_through_the_client(client: LockClient) -> None:
 
 
 @pytest.mark.both_backends
-@pytest.mark.etcd_bug("re-takes are not counted")
 def test_stats_counters_move(shared: DaemonProcess, client: LockClient, backend: Backend) -> None:
     before = client.stats()["counters"]
     h = client.acquire("stats", ttl=60, timeout=1)

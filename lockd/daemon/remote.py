@@ -132,7 +132,9 @@ class RemoteService:
                 return RemoteReply(None)
             service.stats.count("timeouts")
             raise timed_out(req)
-        service.stats.count("grants")
+        service.stats.count("grants")  # a re-take is a grant too, as in the engine
+        if outcome.retake:
+            service.stats.count("retakes")
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 kv(event="granted", key=req.key, principal=caller.principal, fence=outcome.fence)

@@ -437,6 +437,7 @@ class EtcdBackend:
                 return refused
             ops = [DeleteOp(dead) for dead in directory.dead]
             if own is not None and is_retake(own.principal, own.owner, hold.principal, hold.owner):
+                hold = replace(hold, retake=True)
                 ops += [
                     DeleteOp(self.layout.hold(key, own.handle)),
                     DeleteOp(self.layout.binding(key, own.handle)),

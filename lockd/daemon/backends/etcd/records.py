@@ -83,6 +83,8 @@ class Hold:
     #: revisions etcd gave the record (0 before it is written).
     fence: int = 0
     mod_revision: int = 0
+    #: granted as a re-take of the caller's own hold (not stored).
+    retake: bool = False
 
     def value(self) -> bytes:
         return json.dumps(

@@ -99,8 +99,23 @@ class KeyQueue:
                 key = waiter.record.etcd_key
                 if waiter.granted is None and key in self.waiters:
                     del self.waiters[key]
-                    self.backend.delete_later(key)
+                    await self._delete(key)
         return waiter.granted
+
+    async def _delete(self, key: bytes) -> None:
+        """Delete a waiter key now, so the answer that follows is true at once.
+
+        While etcd does not answer, the clean-up list deletes it later.
+        """
+        deleted = False
+        with trio.move_on_after(self.backend.timeout):
+            try:
+                await self.backend.etcd.txn([], [DeleteOp(key)])
+                deleted = True
+            except (EtcdUnavailable, EtcdError):
+                pass
+        if not deleted:
+            self.backend.delete_later(key)
 
     # ------------------------------------------------------------ the task
 
