@@ -798,6 +798,7 @@ def run_as_member(
             daemon_paths.stop()
 
 
+@pytest.mark.sqlite_only("roles and the rate limit act per host, before the backend")
 def test_member_is_denied(daemon_paths: DaemonProcess) -> None:
     user, results = run_as_member(
         daemon_paths,
@@ -823,6 +824,7 @@ def test_member_is_denied(daemon_paths: DaemonProcess) -> None:
     assert HANDLE_RE.match(str(results[-1]["stdout"]).strip())
 
 
+@pytest.mark.sqlite_only("roles and the rate limit act per host, before the backend")
 def test_member_over_the_rate_limit_exits_4(daemon_paths: DaemonProcess) -> None:
     _, results = run_as_member(
         daemon_paths,
