@@ -109,6 +109,9 @@ class Connection:
     waiting: int = 0
     #: those waits by request id, for ``cancel`` (a client reusing an id gets a list).
     waits: dict[RequestId, list[_Wait]] = field(default_factory=dict)
+    #: set while a request the remote backend decides (other than a blocking
+    #: acquire) is in flight: the next line waits for it (see ``_read_lines``).
+    remote_busy: trio.Event | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -606,6 +609,13 @@ class LockServer:
             lines = splitter.feed(data)
             self._buffered += splitter.pending - before
             for line in lines:
+                if conn.remote_busy is not None:
+                    # One request in flight to a remote backend per connection:
+                    # a client pipelining thousands of lines must not make the
+                    # daemon send thousands of etcd requests at once, and its
+                    # requests take effect in the order it sent them.
+                    self._batch_point(conn)
+                    await conn.remote_busy.wait()
                 self._handle_line(conn, line, nursery)
             self._batch_point(conn)
             writer = conn.writer
@@ -824,10 +834,15 @@ class LockServer:
         assert remote is not None
         pending = conn.waiting
         wait: _Wait | None = None
+        done: trio.Event | None = None
         if isinstance(request, Acquire) and request.timeout_ms is not None:
+            # Bounded by the pending-acquire limit, and it must not hold up
+            # the connection's later requests while it waits.
             wait = _Wait(None)
             conn.waits.setdefault(request.id, []).append(wait)
             conn.waiting += 1
+        else:
+            conn.remote_busy = done = trio.Event()
 
         async def run() -> None:
             reply: RemoteReply | None = None
@@ -855,6 +870,9 @@ class LockServer:
                 self._flush()  # the error replies above wait in the outbox
                 if wait is not None:
                     self._forget_wait(conn, request.id, wait)
+                if done is not None:
+                    conn.remote_busy = None
+                    done.set()
                 self._observe(request.op, started)
 
         nursery.start_soon(run)
