@@ -18,10 +18,6 @@ marked ``both_backends``: then the test runs once per backend, the etcd run
 on the session's real 3-member cluster (``tests/etcd_fixtures.py``), each
 daemon under a prefix of its own. ``sqlite_only(reason)`` keeps one test of
 such a module on SQLite (crash recovery, the database file, ...).
-``etcd_bug(reason)`` marks the ``[etcd]`` run of a test that fails because of
-a known backend bug: expected to fail (``xfail``, not strict: an intermittent
-bug may pass) until the bug is fixed and the marker removed; with
-``run=False`` it is not run at all (a bug that makes it hang for minutes).
 """
 
 from __future__ import annotations
@@ -238,20 +234,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "sqlite_only(reason): keep this test of a both_backends module on SQLite"
     )
-    config.addinivalue_line(
-        "markers", "etcd_bug(reason, run=True): the [etcd] run fails on a known backend bug"
-    )
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The ``[etcd]`` run of an ``etcd_bug`` test is expected to fail (see the docstring)."""
-    for item in items:
-        bug = item.get_closest_marker("etcd_bug")
-        callspec = getattr(item, "callspec", None)
-        if bug is None or callspec is None or callspec.params.get("backend") != "etcd":
-            continue
-        run = bool(bug.kwargs.get("run", True))
-        item.add_marker(pytest.mark.xfail(reason=f"etcd backend bug: {bug.args[0]}", run=run))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -291,7 +291,6 @@ def test_lock_timeout_error_shape(conn: RawConn) -> None:
         assert error["details"] == {"key": key, "timeoutMs": timeout}
 
 
-@pytest.mark.etcd_bug("pipelined requests of one connection are not applied in order")
 def test_pipelined_status_overtakes_a_parked_acquire(conn: RawConn, lockd: DaemonProcess) -> None:
     """A parked acquire does not block later requests on the same connection."""
     key = unique()

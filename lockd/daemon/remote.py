@@ -65,9 +65,19 @@ class RemoteService:
         return not isinstance(request, LOCAL_OPS)
 
     async def answer(
-        self, caller: Caller, conn: int, request: Request, *, pending: int
+        self,
+        caller: Caller,
+        conn: int,
+        request: Request,
+        *,
+        pending: int,
+        parked: trio.Event | None = None,
     ) -> RemoteReply:
         """Decide ``request``; raises ProtocolError (BACKEND_UNAVAILABLE among them).
+
+        A blocking acquire sets ``parked`` once it waits (queued, waiting
+        for room under the rate limit, or for etcd): see
+        ``RemoteBackend.acquire``.
 
         Every request but a blocking acquire (which waits within its own
         ``timeoutMs``) is answered within the backend's timeout as a whole,
@@ -76,7 +86,7 @@ class RemoteService:
         """
         try:
             if isinstance(request, Acquire) and request.timeout_ms is not None:
-                return await self._acquire(caller, conn, request, pending)
+                return await self._acquire(caller, conn, request, pending, parked)
             with trio.fail_after(self.backend.timeout):
                 if isinstance(request, Acquire):
                     return await self._acquire(caller, conn, request, pending)
@@ -100,7 +110,14 @@ class RemoteService:
 
     # ------------------------------------------------------------ acquire
 
-    async def _acquire(self, caller: Caller, conn: int, req: Acquire, pending: int) -> RemoteReply:
+    async def _acquire(
+        self,
+        caller: Caller,
+        conn: int,
+        req: Acquire,
+        pending: int,
+        parked: trio.Event | None = None,
+    ) -> RemoteReply:
         service = self.service
         service.check_acquire(caller, req, pending=pending)
         now = service.clock.boot_ms()
@@ -117,10 +134,12 @@ class RemoteService:
                 if now >= deadline:
                     service.stats.count("rateLimited")
                     raise timed_out(req)
+                if parked is not None:
+                    parked.set()  # it waits for room: the connection goes on
                 await trio.sleep(min(retry_after, deadline - now) / 1000)
                 now = service.clock.boot_ms()
             left = max(0, deadline - now) / 1000
-            outcome = await self.backend.acquire(req, caller, conn, left)
+            outcome = await self.backend.acquire(req, caller, conn, left, parked)
         if isinstance(outcome, Refused):
             raise ProtocolError(
                 "INVALID_REQUEST",

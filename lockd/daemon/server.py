@@ -834,21 +834,23 @@ class LockServer:
         assert remote is not None
         pending = conn.waiting
         wait: _Wait | None = None
-        done: trio.Event | None = None
+        # The connection's next line waits for this: until the answer, or,
+        # for a blocking acquire, until it is parked (bounded by the
+        # pending-acquire limit, it must not hold up later requests while
+        # it waits, but a status right behind it must count it).
+        conn.remote_busy = done = trio.Event()
         if isinstance(request, Acquire) and request.timeout_ms is not None:
-            # Bounded by the pending-acquire limit, and it must not hold up
-            # the connection's later requests while it waits.
             wait = _Wait(None)
             conn.waits.setdefault(request.id, []).append(wait)
             conn.waiting += 1
-        else:
-            conn.remote_busy = done = trio.Event()
 
         async def run() -> None:
             reply: RemoteReply | None = None
             try:
                 with wait.scope if wait is not None else contextlib.nullcontext():
-                    reply = await remote.answer(conn.caller, conn.id, request, pending=pending)
+                    reply = await remote.answer(
+                        conn.caller, conn.id, request, pending=pending, parked=done
+                    )
                     if wait is not None:
                         wait.step = Reply(None)  # answered: a cancel now comes too late
                 if reply is None or (wait is not None and wait.cancelled):
@@ -870,9 +872,9 @@ class LockServer:
                 self._flush()  # the error replies above wait in the outbox
                 if wait is not None:
                     self._forget_wait(conn, request.id, wait)
-                if done is not None:
+                if conn.remote_busy is done:
                     conn.remote_busy = None
-                    done.set()
+                done.set()
                 self._observe(request.op, started)
 
         nursery.start_soon(run)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import trio
+
 from lockd.daemon.holds import Refused
 from lockd.daemon.protocol import Acquire
 from lockd.identity import Caller
@@ -70,9 +72,20 @@ class RemoteBackend(Protocol):
     timeout: float
 
     async def acquire(
-        self, req: Acquire, caller: Caller, conn: int, timeout: float | None
+        self,
+        req: Acquire,
+        caller: Caller,
+        conn: int,
+        timeout: float | None,
+        parked: trio.Event | None = None,
     ) -> RemoteHold | Refused | None:
-        """Grant, refuse, or None: busy (tryAcquire) or ``timeout`` seconds passed."""
+        """Grant, refuse, or None: busy (tryAcquire) or ``timeout`` seconds passed.
+
+        A blocking acquire sets ``parked`` once it waits: its place in the
+        queue is written (a ``status`` now counts it), or it retries while
+        the backend does not answer. The connection's next request waits
+        for that, so requests take effect in the order they were sent.
+        """
 
     async def find(self, key: str, handle: str) -> RemoteHold | None:
         """The live hold ``handle`` of ``key``, if it still holds."""

@@ -341,7 +341,12 @@ class EtcdBackend:
     # -------------------------------------------------------------- acquire
 
     async def acquire(
-        self, req: Acquire, caller: Caller, conn: int, timeout: float | None
+        self,
+        req: Acquire,
+        caller: Caller,
+        conn: int,
+        timeout: float | None,
+        parked: trio.Event | None = None,
     ) -> Hold | Refused | None:
         template = Hold(
             key=req.key,
@@ -367,11 +372,13 @@ class EtcdBackend:
         # the embedded engine does; while etcd is down it keeps trying,
         # within its timeout.
         deadline = trio.current_time() + timeout
+        parked = parked if parked is not None else trio.Event()
         outcome: Hold | Refused | Directory | None = None
         try:
             outcome = await self._try(template, ttl_s, conn, waiting=True)
         except EtcdUnavailable as exc:
             log.debug(kv(event="acquire_retry", key=req.key, error=exc))
+            parked.set()  # it waits for etcd now: the connection goes on
             with trio.move_on_at(deadline):
                 while True:
                     await trio.sleep(RETRY_INTERVAL)
@@ -381,7 +388,7 @@ class EtcdBackend:
                     except EtcdUnavailable as again:
                         log.debug(kv(event="acquire_retry", key=req.key, error=again))
         if isinstance(outcome, Directory):  # must wait
-            return await self._wait(template, ttl_s, conn, outcome, deadline)
+            return await self._wait(template, ttl_s, conn, outcome, deadline, parked)
         return outcome
 
     async def _try(
@@ -449,9 +456,18 @@ class EtcdBackend:
             compares = [self._guard(key, directory.revision)]
 
     async def _wait(
-        self, template: Hold, ttl_s: int, conn: int, directory: Directory, deadline: float
+        self,
+        template: Hold,
+        ttl_s: int,
+        conn: int,
+        directory: Directory,
+        deadline: float,
+        parked: trio.Event,
     ) -> Hold | None:
-        """Queue behind the key's waiters until granted or the deadline (trio clock)."""
+        """Queue behind the key's waiters until granted or the deadline (trio clock).
+
+        ``parked`` is set once the waiter key is written and its queue knows it.
+        """
         key = template.key
         waiter: LocalWaiter | None = None
         key_queue: KeyQueue | None = None
@@ -461,9 +477,10 @@ class EtcdBackend:
         try:
             with trio.move_on_at(deadline):
                 record = await self.new_waiter_record(key, like)
-                waiter, directory = await self._enqueue(key, record, template, ttl_s)
+                waiter, directory = await self._enqueue(key, record, template, ttl_s, parked)
                 key_queue = self._queue(key, directory.revision)
                 key_queue.join(waiter, directory)
+                parked.set()
                 self.prepare_lease(ttl_s)
                 await waiter.done.wait()
             granted = waiter.granted if waiter is not None else None
@@ -482,7 +499,7 @@ class EtcdBackend:
         return granted
 
     async def _enqueue(
-        self, key: str, record: Waiter, template: Hold, ttl_s: int
+        self, key: str, record: Waiter, template: Hold, ttl_s: int, parked: trio.Event
     ) -> tuple[LocalWaiter, Directory]:
         """Write the waiter key (retrying while etcd is down) and read the queue after it."""
         directory_key = self.layout.directory(key)
@@ -493,6 +510,7 @@ class EtcdBackend:
             except EtcdUnavailable as exc:
                 self.delete_later(record.etcd_key)
                 log.debug(kv(event="enqueue_retry", key=key, error=exc))
+                parked.set()  # it waits for etcd now: the connection goes on
                 await trio.sleep(RETRY_INTERVAL)
                 record = await self.new_waiter_record(key, record)
                 continue
