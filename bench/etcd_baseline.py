@@ -19,12 +19,16 @@ Systems:
   attempt, from "now", so a release in between is missed until the next
   event on the key (or its timeout): a lost wake-up.
 - ``gateway``: not a lock, a floor. Two guarded transactions per pair
-  (put-if-absent, delete-if-still-ours) through ``EtcdGateway`` (httpx on
-  the JSON gateway, under trio): the least any lockd-on-etcd pair costs
-  in etcd round trips, and what our client costs per request.
+  (put-if-absent, delete-if-still-ours) through ``EtcdGateway`` (its own
+  h11 transport on the JSON gateway, under trio): the least any
+  lockd-on-etcd pair costs in etcd round trips, and what our client costs
+  per request.
 - ``h11``: the same two transactions, same bodies, same trio loop, with
-  HTTP/1.1 done by h11 directly on one trio stream: what the HTTP client
-  stack (httpx + httpcore) adds per request.
+  HTTP/1.1 done by h11 directly on one trio stream: what the gateway's
+  failover, pool and parsing add per request (with httpx under the
+  gateway, before ``transport.py``, the gateway floor was half this one).
+- ``lockd-etcd@REV`` (``--compare REV``): REV's lockd from a temporary git
+  worktree, on the same cluster, B1 and B2, interleaved with this one.
 
 etcd3 is unmaintained and does not install beside the project (it needs
 protobuf < 4 and tenacity < 7), so it runs in a throwaway venv of its own::
@@ -62,6 +66,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -231,7 +236,7 @@ async def two_txn_pairs(
 
 
 def gateway_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
-    """The two transactions through ``EtcdGateway.call`` (httpx), one trio task."""
+    """The two transactions through ``EtcdGateway.call``, one trio task."""
     import trio
 
     from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
@@ -251,8 +256,8 @@ def gateway_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
 def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
     """The same two transactions with HTTP/1.1 done by h11 on one kept trio stream.
 
-    h11 is the protocol library under httpcore; the difference to
-    ``gateway_pairs`` is what the HTTP client stack costs per request.
+    The difference to ``gateway_pairs`` is what the gateway's own layers
+    (failover bookkeeping, pool, JSON) cost per request.
     """
     import h11
     import trio
@@ -295,15 +300,37 @@ def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def lockd_on_etcd(endpoints: list[str], nodes: Sequence[str]) -> Iterator[list[LockdDaemon]]:
-    """One ``lockd serve`` per node name, all on ``endpoints`` under one fresh prefix."""
+def lockd_on_etcd(
+    endpoints: list[str], nodes: Sequence[str], tree: Path | None = None
+) -> Iterator[list[LockdDaemon]]:
+    """One ``lockd serve`` per node name, all on ``endpoints`` under one fresh prefix.
+
+    ``tree``: a checkout whose lockd to run (``--compare``) instead of this one.
+    """
     prefix = f"/lockd-bench/{os.getpid()}-{now_ns()}/"
     etcd = EtcdBackend(endpoints=tuple(endpoints), prefix=prefix)
     daemons = [
-        LockdDaemon(label=f"lockd-etcd@{node}", config=etcd.as_node(node).toml()) for node in nodes
+        LockdDaemon(label=f"lockd-etcd@{node}", config=etcd.as_node(node).toml(), tree=tree)
+        for node in nodes
     ]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(daemon.running()) for daemon in daemons]
+
+
+@contextlib.contextmanager
+def checkout(rev: str | None) -> Iterator[Path | None]:
+    """``--compare REV``: that revision in a temporary git worktree (None: no comparison)."""
+    if rev is None:
+        yield None
+        return
+    tree = Path(tempfile.mkdtemp(prefix="lockd-bench-rev-", dir="/tmp"))
+    repo = HERE.parent
+    git = ["git", "-C", str(repo), "worktree"]
+    subprocess.run([*git, "add", "--detach", str(tree), rev], check=True, capture_output=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run([*git, "remove", "--force", str(tree)], check=False, capture_output=True)
 
 
 def lockd_pairs(daemon: LockdDaemon, key: str, duration_s: float) -> dict[str, Any]:
@@ -372,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--stop-ns", type=int, required=True)
     parser.add_argument("--etcd3-python", help="python of a venv where etcd3 imports")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
+    parser.add_argument(
+        "--compare", metavar="REV", help="also run REV's lockd (from a git worktree) on B1 and B2"
+    )
     parser.add_argument("--out", type=Path, help="write every round as JSON here")
     args = parser.parse_args(argv)
     if args.command == "worker":
@@ -385,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"etcd 3-member loopback cluster, data on {root}", file=sys.stderr)
         load = os.getloadavg()[0]
-        b1, b2 = measure(cluster, None if skip else args.etcd3_python, args.quick)
+        with checkout(args.compare) as tree:
+            earlier = None if tree is None else (args.compare, tree)
+            b1, b2 = measure(cluster, None if skip else args.etcd3_python, args.quick, earlier)
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -396,14 +428,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(
-    cluster: EtcdCluster, etcd3_python: str | None, quick: bool
+    cluster: EtcdCluster,
+    etcd3_python: str | None,
+    quick: bool,
+    earlier: tuple[str, Path] | None = None,
 ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[dict[str, Any]]]]:
-    """B1 and B2 rounds, systems interleaved (each round starts with the next one)."""
+    """B1 and B2 rounds, systems interleaved (each round starts with the next one).
+
+    ``earlier``: (revision, checkout) of a lockd to run beside this one.
+    """
     rounds, b1_s, b2_s = (2, 2.0, 4.0) if quick else (5, 4.0, 10.0)
-    systems = (
-        [LOCKD, "gateway", "h11"] if etcd3_python is None else ["etcd3", LOCKD, "gateway", "h11"]
-    )
-    b2_systems = [LOCKD] if etcd3_python is None else ["etcd3", LOCKD]
+    lockds = [LOCKD] if earlier is None else [LOCKD, f"{LOCKD}@{earlier[0]}"]
+    systems = [*lockds, "gateway", "h11"] if etcd3_python is None else ["etcd3", *lockds]
+    if etcd3_python is not None:
+        systems += ["gateway", "h11"]
+    b2_systems = lockds if etcd3_python is None else ["etcd3", *lockds]
     # Every client talks to the leader, as a client near it would; the
     # daemons know every member (leader first), as a configured host would.
     leader = cluster.leader()
@@ -411,15 +450,20 @@ def measure(
     endpoints = [endpoint, *(m.client_url for m in cluster.members if m is not leader)]
     b1: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     b2: dict[str, list[dict[str, Any]]] = {s: [] for s in b2_systems}
-    with lockd_on_etcd(endpoints, ["bench-a", "bench-b"]) as daemons:
+    nodes = ["bench-a", "bench-b"]
+    with contextlib.ExitStack() as stack:
+        daemons = {LOCKD: stack.enter_context(lockd_on_etcd(endpoints, nodes))}
+        if earlier is not None:
+            rev, tree = earlier
+            daemons[f"{LOCKD}@{rev}"] = stack.enter_context(lockd_on_etcd(endpoints, nodes, tree))
         for n in range(rounds):
             for system in rotated(systems, n):
                 key = f"/bench/b1/{system}/{n}"
                 if system == "etcd3":
                     assert etcd3_python is not None
                     result = run_etcd3(etcd3_python, endpoint, key, "pairs", 1, b1_s)[0]
-                elif system == LOCKD:
-                    result = lockd_pairs(daemons[0], f"b1:{n}", b1_s)
+                elif system in daemons:
+                    result = lockd_pairs(daemons[system][0], f"b1:{system}:{n}", b1_s)
                 elif system == "h11":
                     result = h11_pairs(endpoint, key, b1_s)
                 else:
@@ -427,8 +471,8 @@ def measure(
                 b1[system].append(pairs_row(result))
                 print(f"round {n + 1}/{rounds} B1 {system}: {b1[system][-1]}", file=sys.stderr)
             for system in rotated(b2_systems, n):
-                if system == LOCKD:
-                    analysis = lockd_handoffs(daemons, f"b2:{n}", b2_s)
+                if system in daemons:
+                    analysis = lockd_handoffs(daemons[system], f"b2:{system}:{n}", b2_s)
                 else:
                     assert etcd3_python is not None
                     analysis = etcd3_handoffs(etcd3_python, endpoint, f"/bench/b2/{n}", b2_s)
@@ -470,19 +514,24 @@ def report(
     lines.append(
         table(["system", "pairs/s", "client CPU us/pair", "daemon CPU us/pair", "rounds"], rows)
     )
+    pairs = {s: statistics.median(r["pairs_s"] for r in results) for s, results in b1.items()}
     if skip:
         lines += ["", f"  etcd3: {skip}"]
     else:
-        lockd, etcd3 = (statistics.median(r["pairs_s"] for r in b1[s]) for s in (LOCKD, "etcd3"))
-        lines.append(f"  {LOCKD} / etcd3: {fmt_ratio(ratio(lockd, etcd3))} (goal: >= 2x)")
+        lines.append(f"  {LOCKD} / etcd3: {fmt_ratio(ratio(pairs[LOCKD], pairs['etcd3']))}")
+        lines[-1] += " (goal: >= 2x)"
+    for earlier in (s for s in b1 if s.startswith(f"{LOCKD}@")):
+        lines.append(f"  {LOCKD} / {earlier}: {fmt_ratio(ratio(pairs[LOCKD], pairs[earlier]))}")
     lines += ["", f"B2 hand-off, {HANDOFF_PROCS} processes (median over rounds; {LOCKD}: "]
     lines[-1] += "two daemons, two processes on each)"
     rows = [_b2_row(system, results) for system, results in b2.items()]
     headers = ["system", "p50 ms", "p99 ms", "max ms", "FIFO", "re-grab", "stalls"]
     headers += ["timeouts", "overlaps", "hand-offs"]
     lines.append(table(headers, rows))
+    p50 = {s: statistics.median(r["p50_ms"] for r in b2[s]) for s in b2}
+    for earlier in (s for s in b2 if s.startswith(f"{LOCKD}@")):
+        lines.append(f"  p50 {earlier} / {LOCKD}: {fmt_ratio(ratio(p50[earlier], p50[LOCKD]))}")
     if not skip:
-        p50 = {s: statistics.median(r["p50_ms"] for r in b2[s]) for s in b2}
         lines.append(
             f"  p50 etcd3 / {LOCKD}: {fmt_ratio(ratio(p50['etcd3'], p50[LOCKD]))}"
             " (goal: p50 <= 3 ms, p99 <= 20 ms, 0 stalls, FIFO 100 %)"

@@ -1,17 +1,15 @@
 """etcd gateway messages (no etcd needed) and the client's failover rules on scripted replies.
 
-The scripted replies (httpx.MockTransport) are the gateway's real answers as
-seen from a live etcd 3.4; they pin down which failures the client retries
+The scripted replies come from tiny HTTP servers in the test
+(tests/http_stub.py), one per "member"; they are the gateway's real answers
+as seen from a live etcd 3.4, and pin down which failures the client retries
 elsewhere and which it must report as "maybe committed".
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-
-import httpx
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,12 +24,15 @@ from lockd.daemon.backends.etcd.wire import (
     Compare,
     RangeOp,
     TxnResult,
+    WatchRequest,
     WatchResponse,
     b64,
     prefix_end,
     txn_body,
     unb64,
 )
+from tests.etcd_cluster import free_ports
+from tests.http_stub import CLOSE, SILENT, Handler, Raw, Reply, Request, Stream, StubServer
 
 
 @given(st.binary(min_size=1, max_size=6), st.binary(max_size=6))
@@ -91,98 +92,120 @@ def test_replies_fill_in_the_fields_the_gateway_leaves_out() -> None:
     assert unb64(None) == b""
 
 
-Handler = Callable[[httpx.Request], httpx.Response]
+def _gateway(*urls: str, timeout: float = 1.0) -> EtcdGateway:
+    return EtcdGateway(GatewaySettings(urls, timeout=timeout))
 
 
-def _gateway(handler: Handler, endpoints: int = 2, timeout: float = 1.0) -> EtcdGateway:
-    urls = [f"http://10.0.0.{i}:2379" for i in range(1, endpoints + 1)]
-    return EtcdGateway(
-        GatewaySettings(urls, timeout=timeout), transport=httpx.MockTransport(handler)
-    )
+async def _servers(nursery: trio.Nursery, handler: Handler, count: int = 2) -> list[StubServer]:
+    return [await StubServer(handler).start(nursery) for _ in range(count)]
 
 
-def _error(code: int, message: str, status: int = 503) -> httpx.Response:
-    return httpx.Response(status, json={"error": message, "message": message, "code": code})
+def _error(code: int, message: str, status: int = 503) -> Reply:
+    return Reply(status, json={"error": message, "message": message, "code": code})
+
+
+def _dead_url() -> str:
+    [port] = free_ports(1)
+    return f"http://127.0.0.1:{port}"
 
 
 OK = {"header": {"revision": "5", "member_id": "1"}}
 
 
-async def test_a_read_moves_on_after_no_leader_and_sends_hasleader() -> None:
-    seen: list[httpx.Request] = []
+async def test_a_read_moves_on_after_no_leader_and_sends_hasleader(nursery: trio.Nursery) -> None:
+    first: list[StubServer] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        if request.url.host == "10.0.0.1":
+    def handler(request: Request) -> Reply:
+        if request in first[0].requests:
             return _error(14, "etcdserver: no leader")
-        return httpx.Response(200, json=OK)
+        return Reply(json=OK)
 
-    async with _gateway(handler) as etcd:
+    servers = await _servers(nursery, handler)
+    first.append(servers[0])
+    async with _gateway(*(s.url for s in servers)) as etcd:
         result = await etcd.get("k")
     assert result.header.revision == 5
-    assert [r.url.host for r in seen] == ["10.0.0.1", "10.0.0.2"]
-    assert all(r.headers["Grpc-Metadata-hasleader"] == "true" for r in seen)
-    assert json.loads(seen[0].content) == {"key": b64("k")}
+    seen = [r for s in servers for r in s.requests]
+    assert [len(s.requests) for s in servers] == [1, 1]
+    assert all(r.headers["grpc-metadata-hasleader"] == "true" for r in seen)
+    assert seen[0].json() == {"key": b64("k")}
 
 
-async def test_a_write_whose_outcome_is_unknown_is_not_sent_again() -> None:
-    hosts: list[str] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        hosts.append(request.url.host)
-        return _error(14, "etcdserver: request timed out, possibly due to previous leader failure")
-
-    async with _gateway(handler) as etcd:
+async def test_a_write_whose_outcome_is_unknown_is_not_sent_again(nursery: trio.Nursery) -> None:
+    timed_out = "etcdserver: request timed out, possibly due to previous leader failure"
+    servers = await _servers(nursery, lambda request: _error(14, timed_out))
+    async with _gateway(*(s.url for s in servers)) as etcd:
         with pytest.raises(EtcdUnavailable) as caught:
             await etcd.put("k", "v")
     assert caught.value.maybe_committed
-    assert hosts == ["10.0.0.1"]
+    assert [len(s.requests) for s in servers] == [1, 0]
 
 
-async def test_a_write_refused_before_raft_moves_on_and_a_read_retries_a_broken_connection() -> (
-    None
-):
-    calls: list[str] = []
+@pytest.mark.parametrize("cut", [CLOSE, Raw(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{}")])
+async def test_a_write_cut_off_or_answered_with_garbage_is_not_sent_again(
+    nursery: trio.Nursery, cut: object
+) -> None:
+    servers = await _servers(nursery, lambda request: cut)
+    async with _gateway(*(s.url for s in servers)) as etcd:
+        with pytest.raises(EtcdUnavailable) as caught:
+            await etcd.put("k", "v")
+    assert caught.value.maybe_committed
+    assert [len(s.requests) for s in servers] == [1, 0]
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(f"{request.url.host}{request.url.path}")
-        if request.url.host == "10.0.0.1" and request.url.path == "/v3/kv/put":
-            raise httpx.ConnectError("refused", request=request)
-        if request.url.path == "/v3/kv/range" and len(calls) == 3:
-            raise httpx.ReadError("reset", request=request)
-        return httpx.Response(200, json=OK)
 
-    async with _gateway(handler) as etcd:
-        await etcd.put("k", "v")
-        await etcd.get("k")
-    assert calls == [
-        "10.0.0.1/v3/kv/put",
-        "10.0.0.2/v3/kv/put",
-        "10.0.0.2/v3/kv/range",
-        "10.0.0.1/v3/kv/range",
-    ]
+async def test_a_write_refused_before_raft_moves_on_and_a_read_retries_a_broken_connection(
+    nursery: trio.Nursery,
+) -> None:
+    ranges: list[Request] = []
+
+    def handler(request: Request) -> object:
+        if request.path == "/v3/kv/range":
+            ranges.append(request)
+            if len(ranges) == 1:
+                return CLOSE  # the connection breaks after the read was sent
+        return Reply(json=OK)
+
+    dead = _dead_url()
+    live = await _servers(nursery, handler, count=2)
+    async with _gateway(dead, *(s.url for s in live)) as etcd:
+        await etcd.put("k", "v")  # refused at the dead endpoint: sent to the next
+        await etcd.get("k")  # cut off there: sent again, to the one after
+    assert [r.path for r in live[0].requests] == ["/v3/kv/put", "/v3/kv/range"]
+    assert [r.path for r in live[1].requests] == ["/v3/kv/range"]
+    assert etcd.endpoint == live[1].url
 
 
 async def test_nothing_answering_raises_unavailable_after_the_timeout() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    async with _gateway(handler, endpoints=3, timeout=0.3) as etcd:
+    async with _gateway(*(_dead_url() for _ in range(3)), timeout=0.3) as etcd:
         with pytest.raises(EtcdUnavailable) as caught:
             await etcd.txn([Compare("k", "version", "==", 0)])
     assert not caught.value.maybe_committed
     assert "within 0.3 s" in str(caught.value)
 
 
-async def test_refusals_are_errors_not_unavailability() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v3/lease/revoke":
+async def test_a_silent_member_bounds_a_read_by_half_the_timeout_then_moves_on(
+    nursery: trio.Nursery,
+) -> None:
+    silent = await StubServer(lambda request: SILENT).start(nursery)
+    [live] = await _servers(nursery, lambda request: Reply(json=OK), count=1)
+    async with _gateway(silent.url, live.url, timeout=1.0) as etcd:
+        started = trio.current_time()
+        await etcd.get("k")
+        assert 0.5 <= trio.current_time() - started < 1.0
+        await etcd.put("k", "v")  # a write now goes to the member that answered
+    assert len(silent.requests) == 1 and len(live.requests) == 2
+
+
+async def test_refusals_are_errors_not_unavailability(nursery: trio.Nursery) -> None:
+    def handler(request: Request) -> Reply:
+        if request.path == "/v3/lease/revoke":
             return _error(5, "etcdserver: requested lease not found", status=404)
-        if request.url.path == "/v3/lease/keepalive":
-            return httpx.Response(200, json={"result": {"header": {}, "ID": "7"}})
+        if request.path == "/v3/lease/keepalive":
+            return Reply(json={"result": {"header": {}, "ID": "7"}})
         return _error(3, "etcdserver: key is not provided", status=400)
 
-    async with _gateway(handler) as etcd:
+    servers = await _servers(nursery, handler)
+    async with _gateway(*(s.url for s in servers)) as etcd:
         with pytest.raises(LeaseNotFound):
             await etcd.lease_revoke(7)
         with pytest.raises(LeaseNotFound):
@@ -190,37 +213,70 @@ async def test_refusals_are_errors_not_unavailability() -> None:
         with pytest.raises(EtcdError) as caught:
             await etcd.get("")
     assert caught.value.code == 3
+    assert [len(s.requests) for s in servers] == [3, 0]
 
 
-async def test_after_a_member_refuses_writes_wait_for_a_member_that_follows_a_live_leader() -> None:
-    leaders = iter([1, 0, 2])  # host 2 follows the dead member 1, then no one, then itself
-    down = False
-    calls: list[str] = []
+async def test_after_a_member_refuses_writes_wait_for_a_member_that_follows_a_live_leader(
+    nursery: trio.Nursery,
+) -> None:
+    leaders = iter([1, 0, 2])  # member 2 follows the dead member 1, then no one, then itself
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        host, path = request.url.host, request.url.path
-        calls.append(f"{host}{path}")
-        if host == "10.0.0.1":
-            if down:
-                raise httpx.ConnectError("refused", request=request)
-            return httpx.Response(200, json={"header": {"member_id": "1", "revision": "5"}})
-        if path == "/v3/maintenance/status":
-            return httpx.Response(
-                200, json={"header": {"member_id": "2"}, "leader": str(next(leaders))}
-            )
-        return httpx.Response(200, json={"header": {"member_id": "2", "revision": "6"}})
+    def member(n: int) -> Handler:
+        def handler(request: Request) -> Reply:
+            if request.path == "/v3/maintenance/status":
+                return Reply(json={"header": {"member_id": str(n)}, "leader": str(next(leaders))})
+            return Reply(json={"header": {"member_id": str(n), "revision": str(4 + n)}})
 
-    async with _gateway(handler, timeout=5) as etcd:
-        await etcd.put("k", "1")  # learns that 10.0.0.1 is member 1
-        down = True
+        return handler
+
+    one = await StubServer(member(1)).start(nursery)
+    two = await StubServer(member(2)).start(nursery)
+    async with _gateway(one.url, two.url, timeout=5) as etcd:
+        await etcd.put("k", "1")  # learns that the first endpoint is member 1
+        one.stop()  # member 1 dies: its kept connection closes, new ones are refused
+        await trio.sleep(0.05)
         result = await etcd.put("k", "2")
     assert result.header.revision == 6
-    assert calls[1:] == [
-        "10.0.0.1/v3/kv/put",  # refused: member 1 is down
-        "10.0.0.2/v3/maintenance/status",  # follows 1: not through here
-        "10.0.0.1/v3/maintenance/status",  # still refused; a round failed: back off
-        "10.0.0.2/v3/maintenance/status",  # no leader yet
-        "10.0.0.1/v3/maintenance/status",
-        "10.0.0.2/v3/maintenance/status",  # a new leader
-        "10.0.0.2/v3/kv/put",
+    assert [r.path for r in one.requests] == ["/v3/kv/put"]
+    assert [r.path for r in two.requests] == [
+        "/v3/maintenance/status",  # follows 1: not through here; member 1 refused: back off
+        "/v3/maintenance/status",  # no leader yet
+        "/v3/maintenance/status",  # a new leader
+        "/v3/kv/put",
     ]
+
+
+async def test_a_watch_resumes_on_the_next_member_from_the_revision_it_reached(
+    nursery: trio.Nursery,
+) -> None:
+    created = b'{"result":{"header":{"revision":"9"},"created":true}}'
+    event = b'{"result":{"header":{"revision":"10"},"events":[{"kv":{"key":"aw==",'
+    event += b'"mod_revision":"10"}}]}}'
+    later = event.replace(b'"10"', b'"11"')
+
+    watches: list[Request] = []
+
+    def handler(request: Request) -> object:
+        watches.append(request)
+        if len(watches) == 1:  # the first member sends one event, then dies
+            return Raw(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + _chunk(created + b"\n")
+                + _chunk(event + b"\n")
+            )
+        return Stream([created + b"\n", later + b"\n"], pieces=2)
+
+    servers = await _servers(nursery, handler)
+    request = WatchRequest("k", start_revision=10)
+    async with _gateway(*(s.url for s in servers)) as etcd, etcd.watch(request) as watch:
+        with trio.fail_after(5):
+            assert (await watch.__anext__()).created
+            assert [e.kv.mod_revision for e in (await watch.__anext__()).events] == [10]
+            # Resumed elsewhere: the second "created" is not shown, the next event is.
+            assert [e.kv.mod_revision for e in (await watch.__anext__()).events] == [11]
+    assert servers[0].requests[0].json()["create_request"]["start_revision"] == "10"
+    assert servers[1].requests[0].json()["create_request"]["start_revision"] == "11"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)

@@ -227,7 +227,7 @@ def _open_store(
 
 
 def _etcd_backend(config: BackendSettings, clock: Clock) -> EtcdBackend:
-    # Imported here: httpx costs the SQLite daemon's start-up for nothing.
+    # Imported here: the etcd client (h11, ssl) costs the SQLite daemon's start-up for nothing.
     from lockd.daemon.backends.etcd.backend import EtcdBackend
     from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
 

@@ -1,10 +1,14 @@
-"""An etcd v3 client for the daemon: httpx on etcd's JSON gateway, under trio.
+"""An etcd v3 client for the daemon: etcd's JSON gateway over HTTP/1.1, under trio.
 
 Why this shape:
 
-- **httpx** runs natively under trio (through anyio), streams a response line
-  by line (watches), and does TLS with client certificates. etcd serves the
-  gateway on its client port (3.4+), so no gRPC stack is needed.
+- **The JSON gateway** is served by etcd on its client port (3.4+), so no
+  gRPC stack is needed. The HTTP under it is ``transport.py``: h11 on trio
+  streams with a few kept connections per endpoint, TLS with client
+  certificates by ``trio.SSLStream``, watches streamed line by line. It
+  costs about a third of the CPU httpx did per call (the daemon's limit on
+  lockd-on-etcd's throughput), and it says exactly whether a failed request
+  may have reached etcd, which the failover rules below rest on.
 - **One bound per request.** Every call, failover included, ends within
   ``timeout`` (the config's ``etcd_timeout``); when it cannot, it raises
   ``EtcdUnavailable``, which the daemon answers as ``BACKEND_UNAVAILABLE``.
@@ -38,10 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from lockd.daemon.backends import BackendUnavailable
+from lockd.daemon.backends.etcd.transport import (
+    HttpFailure,
+    MaybeSent,
+    NotSent,
+    Pool,
+    Response,
+    StreamingResponse,
+)
 from lockd.daemon.backends.etcd.wire import (
     Compare,
     DeleteOp,
@@ -77,7 +88,7 @@ NOT_PROPOSED = (
 )
 INVALID_TOKEN = "etcdserver: invalid auth token"
 
-REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
+REQUIRE_LEADER = ("Grpc-Metadata-hasleader", "true")
 
 # After every endpoint failed in a row, wait before the next round; doubles
 # up to the cap, so a cluster that is electing a leader (~1.5 s) is not
@@ -142,10 +153,8 @@ class GatewaySettings:
         if (self.username is None) != (self.password_file is None):
             raise ValueError("username and password_file go together")
 
-    def ssl_context(self) -> ssl.SSLContext | bool:
-        """The TLS setup for https endpoints: our CA and client certificate when given."""
-        if self.ca_file is None and self.cert_file is None:
-            return True  # the system's trust store
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS setup for https endpoints: our CA (else the system's) and client certificate."""
         context = ssl.create_default_context(cafile=self.ca_file)
         if self.cert_file is not None:
             context.load_cert_chain(self.cert_file, self.key_file)
@@ -159,9 +168,7 @@ class GatewaySettings:
 class EtcdGateway:
     """The daemon's etcd client. Use as ``async with EtcdGateway(settings) as etcd:``."""
 
-    def __init__(
-        self, settings: GatewaySettings, *, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self._endpoints = [e.rstrip("/") for e in settings.endpoints]
         self._current = 0  # the endpoint that answered last
@@ -172,13 +179,9 @@ class EtcdGateway:
         self._member_ids: dict[str, int] = {}
         self._down_members: set[int] = set()
         self._auth_lock = trio.Lock()
-        self._http = httpx.AsyncClient(
-            verify=settings.ssl_context(),
-            transport=transport,
-            headers=REQUIRE_LEADER,
-            # Each watch holds a connection for as long as it runs.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-        )
+        tls = any(e.startswith("https:") for e in self._endpoints)
+        # Each watch holds a connection of its own for as long as it runs.
+        self._http = Pool(settings.ssl_context() if tls else None)
 
     async def __aenter__(self) -> EtcdGateway:
         return self
@@ -288,10 +291,10 @@ class EtcdGateway:
                     if not idempotent and self._down_members:
                         await self._check_leader(endpoint)
                     return await self._post(endpoint, path, body, idempotent=idempotent)
-                except _NotSent as failure:
+                except NotSent as failure:
                     maybe_committed = False
                     why = str(failure)
-                except _MaybeSent as failure:
+                except MaybeSent as failure:
                     if not idempotent:
                         raise EtcdUnavailable(
                             f"{endpoint}: {failure}; the write may have been applied",
@@ -310,14 +313,16 @@ class EtcdGateway:
         self._current = (self._current + 1) % len(self._endpoints)
         await rounds.after_failure()
 
-    def _attempt_timeout(self, *, idempotent: bool) -> httpx.Timeout:
+    def _connect_timeout(self) -> float:
         # A connect should take well under a millisecond: a slow one means a
         # host that is gone, and the budget is better spent on the next
-        # endpoint. A read may be retried elsewhere after half the budget; a
-        # write waits for the whole of it (its outcome is at stake).
-        budget = self.settings.timeout
-        read = budget / 2 if idempotent else None
-        return httpx.Timeout(read, connect=budget / (len(self._endpoints) + 1))
+        # endpoint.
+        return self.settings.timeout / (len(self._endpoints) + 1)
+
+    def _read_timeout(self, *, idempotent: bool) -> float | None:
+        # A read may be retried elsewhere after half the budget; a write
+        # waits for the whole of it (its outcome is at stake).
+        return self.settings.timeout / 2 if idempotent else None
 
     async def _check_leader(self, endpoint: str) -> None:
         """Refuse to send a write through a member that still follows a member we saw die.
@@ -331,31 +336,33 @@ class EtcdGateway:
         """
         try:
             status = await self._post(endpoint, "/v3/maintenance/status", {}, idempotent=True)
-        except _MaybeSent as failure:  # a read failed: the write itself was never sent
-            raise _NotSent(str(failure)) from None
+        except MaybeSent as failure:  # a read failed: the write itself was never sent
+            raise NotSent(str(failure)) from None
         leader = int(status.get("leader", 0))
         if leader == 0 or leader in self._down_members:
-            raise _NotSent(f"no live leader yet (follows {leader:x}, which is down)")
+            raise NotSent(f"no live leader yet (follows {leader:x}, which is down)")
         self._down_members.clear()  # a new leader: forwarding works again
 
     async def _post(
         self, endpoint: str, path: str, body: Mapping[str, Any], *, idempotent: bool
     ) -> Json:
-        """One attempt; ``_NotSent``/``_MaybeSent`` for failures another endpoint may not have."""
+        """One attempt; ``NotSent``/``MaybeSent`` for failures another endpoint may not have."""
         headers = await self._auth_headers(endpoint)
         try:
-            timeout = self._attempt_timeout(idempotent=idempotent)
-            reply = await self._http.post(
-                endpoint + path, json=body, headers=headers, timeout=timeout
+            reply = await self._http.request(
+                endpoint,
+                path,
+                _encode(body),
+                headers,
+                connect_timeout=self._connect_timeout(),
+                read_timeout=self._read_timeout(idempotent=idempotent),
             )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except NotSent:  # the transport raises it only when no connection could be made
             if endpoint in self._member_ids:
                 self._down_members.add(self._member_ids[endpoint])
-            raise _NotSent(f"cannot connect ({exc})") from None
-        except httpx.TransportError as exc:
-            raise _MaybeSent(f"connection failed mid-request ({exc!r})") from None
-        doc = _json(reply)
-        if reply.status_code == 200:
+            raise
+        doc = _json(reply.body)
+        if reply.status == 200:
             header = doc.get("header")
             if isinstance(header, dict) and "member_id" in header:
                 self._member_ids[endpoint] = int(header["member_id"])
@@ -363,37 +370,39 @@ class EtcdGateway:
         code, message = _error_of(doc, reply)
         if message == INVALID_TOKEN and self.settings.username is not None:
             self._token = None  # expired (simple tokens live 5 min idle): log in again
-            raise _NotSent(message)
+            raise NotSent(message)
         if message in NOT_PROPOSED:
-            raise _NotSent(message)
-        if code in (GRPC_UNAVAILABLE, GRPC_DEADLINE_EXCEEDED) or reply.status_code >= 500:
-            raise _MaybeSent(message)
+            raise NotSent(message)
+        if code in (GRPC_UNAVAILABLE, GRPC_DEADLINE_EXCEEDED) or reply.status >= 500:
+            raise MaybeSent(message)
         if code == GRPC_NOT_FOUND and "lease not found" in message:
             raise LeaseNotFound(code, message)
         raise EtcdError(code, message)
 
-    async def _auth_headers(self, endpoint: str) -> dict[str, str]:
+    async def _auth_headers(self, endpoint: str) -> tuple[tuple[str, str], ...]:
         if self.settings.username is None:
-            return {}
+            return (REQUIRE_LEADER,)
         async with self._auth_lock:
             if self._token is None:
                 credentials = {"name": self.settings.username, "password": self.settings.password()}
                 try:
-                    reply = await self._http.post(
-                        endpoint + "/v3/auth/authenticate", json=credentials, timeout=None
+                    reply = await self._http.request(
+                        endpoint,
+                        "/v3/auth/authenticate",
+                        _encode(credentials),
+                        (REQUIRE_LEADER,),
+                        connect_timeout=self._connect_timeout(),
                     )
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    raise _NotSent(f"cannot connect ({exc})") from None
-                except httpx.TransportError as exc:
-                    raise _MaybeSent(f"connection failed while logging in ({exc!r})") from None
-                doc = _json(reply)
-                if reply.status_code != 200:
+                except MaybeSent as failure:  # logging in twice does no harm
+                    raise NotSent(f"logging in failed ({failure})") from None
+                doc = _json(reply.body)
+                if reply.status != 200:
                     code, message = _error_of(doc, reply)
                     if code == GRPC_UNAVAILABLE or message in NOT_PROPOSED:
-                        raise _NotSent(message)
+                        raise NotSent(message)
                     raise EtcdError(code, f"login as {self.settings.username!r}: {message}")
                 self._token = str(doc["token"])
-            return {"Authorization": self._token}
+            return (REQUIRE_LEADER, ("Authorization", self._token))
 
 
 class Watch:
@@ -410,8 +419,7 @@ class Watch:
         # The first revision not yet delivered (0: "from now", until the first
         # reply tells us what now is).
         self.next_revision = request.start_revision
-        self._response: httpx.Response | None = None
-        self._lines: AsyncIterator[str] | None = None
+        self._response: StreamingResponse | None = None
         self._resumed = False
 
     def __aiter__(self) -> Watch:
@@ -419,12 +427,13 @@ class Watch:
 
     async def __anext__(self) -> WatchResponse:
         while True:
-            if self._lines is None:
-                await self._open()
-            assert self._lines is not None
+            if self._response is None:
+                self._response = await self._open()
             try:
-                line = await self._lines.__anext__()
-            except (StopAsyncIteration, httpx.TransportError):
+                line = await self._response.next_line()
+            except HttpFailure:
+                line = None
+            if line is None:
                 await self._resume_elsewhere()  # the member went away
                 continue
             if not line.strip():
@@ -459,7 +468,7 @@ class Watch:
         self._resumed = True
         self._gateway._current = (self._gateway._current + 1) % len(self._gateway._endpoints)
 
-    async def _open(self) -> None:
+    async def _open(self) -> StreamingResponse:
         """Start the watch on a live endpoint from ``next_revision``, within the timeout."""
         body = self._request.body(start_revision=self.next_revision)
         gateway = self._gateway
@@ -468,56 +477,43 @@ class Watch:
             while True:
                 endpoint = gateway.endpoint
                 try:
-                    response = await self._start(endpoint, body)
-                except (_NotSent, _MaybeSent) as failure:
+                    return await self._start(endpoint, body)
+                except HttpFailure as failure:
                     await gateway._next_endpoint(rounds, f"{endpoint}: {failure}")
-                    continue
-                self._response = response
-                self._lines = response.aiter_lines()
-                return
         raise EtcdUnavailable(
             f"no etcd endpoint took the watch within {gateway.settings.timeout:g} s "
             f"(last: {rounds.last})"
         )
 
-    async def _start(self, endpoint: str, body: Json) -> httpx.Response:
+    async def _start(self, endpoint: str, body: Json) -> StreamingResponse:
         gateway = self._gateway
         headers = await gateway._auth_headers(endpoint)
-        request = gateway._http.build_request(
-            "POST",
-            endpoint + "/v3/watch",
-            json=body,
-            headers=headers,
-            # A watch is silent while nothing changes: no read timeout.
-            timeout=httpx.Timeout(None, connect=gateway._attempt_timeout(idempotent=True).connect),
+        # A watch is silent while nothing changes: no read timeout (the
+        # caller's bound covers waiting for the response head).
+        response = await gateway._http.stream(
+            endpoint,
+            "/v3/watch",
+            _encode(body),
+            headers,
+            connect_timeout=gateway._connect_timeout(),
         )
-        try:
-            response = await gateway._http.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise _NotSent(f"cannot connect ({exc})") from None
-        except httpx.TransportError as exc:
-            raise _MaybeSent(f"connection failed ({exc!r})") from None
-        if response.status_code == 200:
+        if response.status == 200:
             return response
         try:
-            await response.aread()
+            error = await response.read()
         finally:
             await response.aclose()
-        code, message = _error_of(_json(response), response)
+        code, message = _error_of(_json(error), Response(response.status, response.reason, error))
         if message == INVALID_TOKEN:
             gateway._token = None
         if _transient(code, message):
-            raise _NotSent(message)
+            raise NotSent(message)
         raise EtcdError(code, message)
 
     async def _drop(self) -> None:
-        response, lines = self._response, self._lines
-        self._response = self._lines = None
-        with trio.CancelScope(shield=True):
-            aclose = getattr(lines, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            if response is not None:
+        response, self._response = self._response, None
+        if response is not None:
+            with trio.CancelScope(shield=True):
                 await response.aclose()
 
     async def aclose(self) -> None:
@@ -541,30 +537,26 @@ class _Rounds:
             self.backoff = min(2 * self.backoff, BACKOFF_CAP)
 
 
-class _NotSent(Exception):
-    """This attempt certainly had no effect in etcd."""
+def _encode(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
-class _MaybeSent(Exception):
-    """This attempt may have reached etcd; its effect is unknown."""
-
-
-def _json(reply: httpx.Response) -> Json:
+def _json(body: bytes) -> Json:
     try:
-        doc = reply.json()
-    except ValueError:
+        doc = json.loads(body)
+    except ValueError:  # UnicodeDecodeError included
         return {}
     return doc if isinstance(doc, dict) else {}
 
 
-def _error_of(doc: Mapping[str, Any], reply: httpx.Response | None) -> tuple[int, str]:
+def _error_of(doc: Mapping[str, Any], reply: Response | None) -> tuple[int, str]:
     """(gRPC code, message) of an error reply, in either of the gateway's two shapes."""
     error = doc.get("error")
     if isinstance(error, dict):  # the shape streams use
         return int(error.get("grpc_code", 0)), str(error.get("message", ""))
     message = doc.get("message") or error
     if not message and reply is not None:
-        message = reply.reason_phrase or f"HTTP {reply.status_code}"
+        message = reply.reason or f"HTTP {reply.status}"
     return int(doc.get("code", 0)), str(message)
 
 
