@@ -75,6 +75,21 @@ def rotated(items: list[Any], by: int) -> list[Any]:
     return items[k:] + items[:k]
 
 
+@contextlib.contextmanager
+def checkout(rev: str | None) -> Iterator[Path | None]:
+    """``--compare REV``: that revision in a temporary git worktree (None: no comparison)."""
+    if rev is None:
+        yield None
+        return
+    tree = Path(tempfile.mkdtemp(prefix="lockd-bench-rev-", dir="/tmp"))
+    git = ["git", "-C", str(Path(__file__).resolve().parent.parent), "worktree"]
+    subprocess.run([*git, "add", "--detach", str(tree), rev], check=True, capture_output=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run([*git, "remove", "--force", str(tree)], check=False, capture_output=True)
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, NaN when either side is missing or b is zero."""
     if not b or math.isnan(a) or math.isnan(b):

@@ -66,7 +66,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -80,6 +79,7 @@ from common import (  # noqa: E402  (bench modules are run as scripts)
     LockdDaemon,
     LockdLocker,
     analyse_handoffs,
+    checkout,
     fmt_num,
     fmt_ratio,
     handoff_loop,
@@ -315,22 +315,6 @@ def lockd_on_etcd(
     ]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(daemon.running()) for daemon in daemons]
-
-
-@contextlib.contextmanager
-def checkout(rev: str | None) -> Iterator[Path | None]:
-    """``--compare REV``: that revision in a temporary git worktree (None: no comparison)."""
-    if rev is None:
-        yield None
-        return
-    tree = Path(tempfile.mkdtemp(prefix="lockd-bench-rev-", dir="/tmp"))
-    repo = HERE.parent
-    git = ["git", "-C", str(repo), "worktree"]
-    subprocess.run([*git, "add", "--detach", str(tree), rev], check=True, capture_output=True)
-    try:
-        yield tree
-    finally:
-        subprocess.run([*git, "remove", "--force", str(tree)], check=False, capture_output=True)
 
 
 def lockd_pairs(daemon: LockdDaemon, key: str, duration_s: float) -> dict[str, Any]:

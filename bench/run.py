@@ -23,7 +23,6 @@ import contextlib
 import math
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from common import (
     LockdDaemon,
     LockerSpec,
     analyse_handoffs,
+    checkout,
     fmt_num,
     fmt_ratio,
     median,
@@ -520,26 +520,13 @@ def _enter(
 @contextlib.contextmanager
 def _earlier_lockd(rev: str | None) -> Iterator[LockerSpec | None]:
     """``--compare REV``: that revision's lockd, from a temporary git worktree."""
-    if rev is None:
-        yield None
-        return
-    tree = Path(tempfile.mkdtemp(prefix="lockd-bench-rev-", dir="/tmp"))
-    repo = HERE.parent
-    subprocess.run(
-        ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), rev],
-        check=True,
-        capture_output=True,
-    )
-    try:
+    with checkout(rev) as tree:
+        if tree is None:
+            yield None
+            return
         with LockdDaemon(tree=tree, label=f"lockd@{rev}").running() as daemon:
             log(f"lockd@{rev} serving on {daemon.socket} (pid {daemon.pid})")
             yield daemon.spec()
-    finally:
-        subprocess.run(
-            ["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
-            check=False,
-            capture_output=True,
-        )
 
 
 def _bench_systems(

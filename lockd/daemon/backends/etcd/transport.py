@@ -266,9 +266,8 @@ class Pool:
         when the request went out (in part or whole) and no complete answer
         came back within ``read_timeout`` (None: no bound of its own).
         """
-        connection = await self._checkout(url, connect_timeout)
+        connection = await self._send(url, target, body, headers, connect_timeout)
         try:
-            await connection.send_request(target, body, headers)
             with trio.move_on_after(read_timeout if read_timeout is not None else float("inf")):
                 head = await connection.receive_head()
                 chunks = []
@@ -294,14 +293,24 @@ class Pool:
         connect_timeout: float,
     ) -> StreamingResponse:
         """POST, then return once the response head is in; read the body from the result."""
-        connection = await self._checkout(url, connect_timeout)
+        connection = await self._send(url, target, body, headers, connect_timeout)
         try:
-            await connection.send_request(target, body, headers)
             head = await connection.receive_head()
         except BaseException:
             await connection.aclose()
             raise
         return StreamingResponse(self, connection, head)
+
+    async def _send(
+        self, url: str, target: str, body: bytes, headers: Headers, connect_timeout: float
+    ) -> Connection:
+        connection = await self._checkout(url, connect_timeout)
+        try:
+            await connection.send_request(target, body, headers)
+        except BaseException:
+            await connection.aclose()
+            raise
+        return connection
 
     async def give_back(self, connection: Connection) -> None:
         """Keep a connection whose exchange ended cleanly, or close it."""
