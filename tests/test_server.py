@@ -20,7 +20,7 @@ import socket as stdsocket
 import sqlite3
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.engine import Changes, LockEngine, Parked
 from lockd.daemon.listener import bind_socket
 from lockd.daemon.protocol import Acquire
-from lockd.daemon.server import Limits, LockServer
+from lockd.daemon.server import INLINE_READS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller, IdentityConfig
@@ -472,6 +472,89 @@ def test_a_deadline_commits_the_batch_before_it(short_tmp: Path) -> None:
     assert service.status("a")["held"] and not service.status("b")["held"]
     assert not service.status("short")["held"]
     store.close()
+
+
+# ------------------------------------------- reading without a scheduler pass
+
+
+@dataclass
+class ReadyStream:
+    """A client on ``raw`` that always has its next request ready.
+
+    Each time the server has handled one of its lines, the next ``hello`` is
+    written at once -- as a client does that sends as soon as it has its
+    reply, before the daemon is back from ``send`` -- ``count`` in all.
+    ``then`` is called once, after its first line. ``seen`` records, per
+    line another connection sent, how many of the stream's were sent by then.
+    """
+
+    raw: stdsocket.socket
+    count: int
+    then: Callable[[], None] = lambda: None
+    sent: int = 0
+    seen: list[int] = field(default_factory=list)
+
+    def install(self, h: Harness) -> None:
+        handle_line = h.server._handle_line
+        ours = min(h.server.connections)  # raw's: the first one made
+
+        def handle_and_send_next(conn: Any, line: bytes, nursery: trio.Nursery) -> None:
+            handle_line(conn, line, nursery)
+            if conn.id != ours:
+                self.seen.append(self.sent)
+            elif self.sent < self.count:
+                self.sent += 1
+                send_now(self.raw, {"id": self.sent + 1, "op": "hello"})
+                if self.sent == 1:
+                    self.then()
+
+        h.server._handle_line = handle_and_send_next  # type: ignore[method-assign]
+
+
+class ConnectionSteps(trio.abc.Instrument):
+    """Counts the scheduler's steps of connection tasks."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("_serve_connection"):
+            self.steps += 1
+
+
+async def test_a_stream_of_ready_requests_is_read_without_a_pass_each_but_yields(
+    short_tmp: Path,
+) -> None:
+    async with running(short_tmp) as h:
+        ((raw, peer),) = await peers_in_one_pass(h, 1)
+        ReadyStream(raw, 60).install(h)
+        counter = ConnectionSteps()
+        trio.lowlevel.add_instrument(counter)
+        try:
+            send_now(raw, {"id": 1, "op": "hello"})
+            ids = [r["id"] for r in [await peer.recv() for _ in range(61)] if r is not None]
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+    assert ids == list(range(1, 62))
+    # Up to INLINE_READS requests read after one pass (61 passes without
+    # it), and a pass at least that often (1 pass without the cap): the
+    # expiry timer, parked waiters and new connections get their turn.
+    assert 61 // (INLINE_READS + 1) <= counter.steps <= 2 * (61 // INLINE_READS), counter.steps
+
+
+async def test_a_stream_of_ready_requests_lets_another_connection_in(short_tmp: Path) -> None:
+    async with running(short_tmp) as h:
+        (raw_a, peer_a), (raw_b, peer_b) = await peers_in_one_pass(h, 2)
+        stream = ReadyStream(raw_a, 60, then=lambda: send_now(raw_b, {"id": 99, "op": "hello"}))
+        stream.install(h)
+        send_now(raw_a, {"id": 1, "op": "hello"})
+        reply = await peer_b.recv()
+        ids = [r["id"] for r in [await peer_a.recv() for _ in range(61)] if r is not None]
+    assert reply is not None and reply["id"] == 99
+    # b's request came while a's stream ran: a let it in at once (the
+    # scheduler may run a's task first once more), not after INLINE_READS.
+    assert len(stream.seen) == 1 and stream.seen[0] <= 2, stream.seen
+    assert ids == list(range(1, 62))
 
 
 # ---------------------------------------------------- shutdown and framing

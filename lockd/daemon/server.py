@@ -143,6 +143,8 @@ class _Wait:
     answered: bool = False
 
 
+#: Requests a connection may read without a scheduler pass in between.
+INLINE_READS = 8
 #: Refused connections kept open for a moment at once (more are closed at once).
 MAX_LINGERING = 64
 #: What :meth:`LockServer._admit` returns for a connection no uid count holds
@@ -588,6 +590,7 @@ class LockServer:
     ) -> None:
         """Read and answer lines; a partial line is bounded in time and in total bytes."""
         limits = self.limits
+        inline = 0
         while True:
             data: bytes | None = None
             try:
@@ -600,7 +603,12 @@ class LockServer:
                         await self._close_stalled(conn, "partial_line_timeout")
                         return
                 else:
-                    data = await sockio.recv_some(conn.sock)
+                    data = self._read_now(conn) if inline < INLINE_READS else None
+                    if data is None:
+                        inline = 0
+                        data = await sockio.recv_some(conn.sock)
+                    else:
+                        inline += 1
             except (trio.ClosedResourceError, OSError):
                 return
             if not data:
@@ -691,6 +699,28 @@ class LockServer:
         needs_commit: bool = False,
     ) -> None:
         self._outbox.append(_Outgoing(conn, request_id, data, grant, needs_commit))
+
+    def _read_now(self, conn: Connection) -> bytes | None:
+        """``conn``'s next bytes if they are there already and nothing else waits to be served.
+
+        A client that sends its next request as soon as it has the reply
+        (on 2 CPUs, often before the daemon is back from ``send``) gets it
+        read here without a scheduler pass and an epoll re-registration.
+        Not while a batch is open (its other connections' tasks must run to
+        join it) or another connection has a request waiting: those go first.
+        """
+        if self._outbox or self.service.batch_open:
+            return None
+        if len(self.connections) > 1:
+            fd = conn.sock.fileno()
+            ours = False
+            for ready_fd, _ in self._readable.poll(0, 2):
+                if ready_fd != fd:
+                    return None
+                ours = True
+            if not ours:
+                return None
+        return sockio.recv_ready(conn.sock)
 
     def _batch_point(self, conn: Connection) -> None:
         """After a connection's requests of one read: commit and answer, unless more are coming.

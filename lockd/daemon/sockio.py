@@ -43,6 +43,14 @@ async def recv_some(sock: socket.socket) -> bytes:
             continue
 
 
+def recv_ready(sock: socket.socket) -> bytes | None:
+    """What ``sock`` has to read right now without waiting (b"" at EOF), or None."""
+    try:
+        return sock.recv(RECV_BYTES)
+    except BlockingIOError:
+        return None
+
+
 class ReplyWriter:
     """The replies of one connection, written in order without yielding when they fit.
 
