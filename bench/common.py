@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib.util
 import itertools
 import json
 import math
@@ -135,13 +136,36 @@ class LockerSpec:
         return self.factory(*self.args)
 
 
-class LockdLocker:
-    """The system under test, through the real ``lockd_client``."""
+def lockd_client_class(client_dir: str | None = None) -> Any:
+    """``LockClient`` of this checkout, or of another checkout's ``client/`` folder.
 
-    def __init__(self, socket_path: str) -> None:
+    An earlier revision's client (``--compare REV``) is imported under a
+    name of its own, beside this checkout's, so a before/after run measures
+    each lockd with its own client.
+    """
+    if client_dir is None:
         from lockd_client import LockClient
 
-        self.client = LockClient(socket_path, request_timeout=LOCKD_WAIT_S)
+        return LockClient
+    folder = Path(client_dir) / "lockd_client"
+    name = f"lockd_client_{abs(hash(str(folder.resolve()))):x}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module.LockClient
+
+
+class LockdLocker:
+    """The system under test, through the real ``lockd_client`` (or ``client_dir``'s)."""
+
+    def __init__(self, socket_path: str, client_dir: str | None = None) -> None:
+        self.client = lockd_client_class(client_dir)(socket_path, request_timeout=LOCKD_WAIT_S)
         self._handles: dict[str, Any] = {}
 
     def prepare(self, key: str) -> None:
@@ -434,7 +458,9 @@ class LockdDaemon:
             self.stop()
 
     def spec(self) -> LockerSpec:
-        return LockerSpec(self.label, LockdLocker, (str(self.socket),))
+        """Clients of this daemon: its own checkout's ``lockd_client`` (``tree``'s, if given)."""
+        client_dir = None if self.tree is None else str(self.tree / "client")
+        return LockerSpec(self.label, LockdLocker, (str(self.socket), client_dir))
 
 
 # ------------------------------------------------------------------ reporting
