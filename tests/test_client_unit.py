@@ -22,10 +22,13 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 import lockd_client
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from lockd_client import (
     BreakResult,
     DaemonUnavailableError,
@@ -423,6 +426,28 @@ def test_whole_seconds_short_cut_agrees_with_the_general_rule() -> None:
     for value, exc in [(0, ValueError), (-1, ValueError), (86_401, ValueError), (True, TypeError)]:
         with pytest.raises(exc):
             seconds_to_ms(value, "ttl", allow_zero=False)
+
+
+def _ms_by_the_decimal_rule(seconds: float) -> int:
+    return int((Decimal(str(seconds)) * 1000).to_integral_value(rounding=ROUND_CEILING))
+
+
+@given(
+    st.one_of(
+        st.floats(min_value=0, max_value=86_400, exclude_min=True),
+        st.integers(min_value=1, max_value=86_400_000).map(lambda ms: ms / 1000),
+        st.integers(min_value=1, max_value=86_400_000).map(lambda ms: ms / 1000 + 1e-9),
+    )
+)
+def test_float_seconds_short_cut_agrees_with_the_decimal_rule(seconds: float) -> None:
+    from lockd_client._wire import seconds_to_ms
+
+    expected = _ms_by_the_decimal_rule(seconds)
+    if expected > 86_400_000:
+        with pytest.raises(ValueError):
+            seconds_to_ms(seconds, "ttl", allow_zero=False)
+    else:
+        assert seconds_to_ms(seconds, "ttl", allow_zero=False) == expected
 
 
 def test_replies_split_across_reads_and_joined_in_one(

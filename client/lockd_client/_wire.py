@@ -156,6 +156,14 @@ def seconds_to_ms(value: object, name: str, *, allow_zero: bool) -> int:
     """
     if type(value) is int and 0 < value <= MAX_MS // 1000:
         return value * 1000  # whole seconds: the common case, exact without Decimal
+    if type(value) is float and 0 < value <= MAX_MS / 1000:
+        # A whole number of ms (30.0, 0.25, 1.5 s), the other common case:
+        # when m / 1000 rounds to this very float, m / 1000 is the only
+        # decimal of at most 3 places that does, so it is the float's
+        # shortest repr, and the Decimal rule below would give m as well.
+        ms = round(value * 1000)
+        if ms / 1000 == value:
+            return ms
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
