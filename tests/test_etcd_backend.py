@@ -17,8 +17,10 @@ import pytest
 import trio
 
 from lockd.config import BackendSettings
+from lockd.daemon.backends.etcd import leases
 from lockd.daemon.backends.etcd.backend import EtcdBackend, lease_seconds
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, GatewaySettings
+from lockd.daemon.backends.etcd.leases import FRESH_MS, KeptLease
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.wire import RangeOp
 from lockd.daemon.clock import SystemClock
@@ -379,6 +381,47 @@ async def test_released_leases_are_reused_with_a_fresh_ttl(backends: Backends) -
     assert len(backend.leases) == 1
 
 
+async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = await backends()
+    keepalive = backend.etcd.lease_keepalive
+    sent: list[int] = []
+
+    async def counted(lease_id: int) -> int:
+        sent.append(lease_id)
+        return await keepalive(lease_id)
+
+    monkeypatch.setattr(backend.etcd, "lease_keepalive", counted)
+    # "Fresh" stretched to 5 s, so a loaded machine cannot make this one stale.
+    monkeypatch.setattr(leases, "FRESH_MS", 5000)
+    first = await acquired(backend, request("f", ttl_ms=600_000))
+    assert await backend.release("f", first.handle)
+    again = await acquired(backend, request("f", ttl_ms=600_000))
+    assert again.lease == first.lease and sent == []
+    # Its expiry is the lease's true end (not a full TTL from this grant).
+    assert again.expires_at == first.expires_at
+    assert await backend.release("f", again.handle)
+    monkeypatch.setattr(leases, "FRESH_MS", 0)
+    await trio.sleep(0.05)
+    third = await acquired(backend, request("f", ttl_ms=600_000))
+    assert third.lease == first.lease and sent == [first.lease]
+    assert third.expires_at >= first.expires_at + 50
+    # The keepalive answered after the record was written; the pool still
+    # knows the lease was just refreshed.
+    assert await backend.release("f", third.handle)
+    monkeypatch.setattr(leases, "FRESH_MS", 5000)
+    fourth = await acquired(backend, request("f", ttl_ms=600_000))
+    assert sent == [first.lease] and fourth.expires_at == third.expires_at
+
+
+def test_a_lease_is_fresh_for_1_percent_of_its_ttl_at_most_a_second() -> None:
+    now = 1_000_000
+    for ttl, fresh_for in ((300, FRESH_MS), (30, 300), (2, 20)):
+        assert KeptLease(1, ttl, now + ttl * 1000 - fresh_for).fresh(now)
+        assert not KeptLease(1, ttl, now + ttl * 1000 - fresh_for - 1).fresh(now)
+
+
 async def test_a_kept_lease_that_ended_is_replaced(backends: Backends) -> None:
     backend = await backends()
     first = await acquired(backend, request("z", ttl_ms=2000))
@@ -474,6 +517,8 @@ async def test_a_grant_cancelled_after_its_commit_is_released(
     backend = await backends()
     first = await acquired(backend, request("late", ttl_ms=30_000))
     assert await backend.release("late", first.handle)  # its lease is kept for reuse
+    monkeypatch.setattr(leases, "FRESH_MS", 0)  # its reuse sends a keepalive
+    await trio.sleep(0.01)
     keepalive = backend.etcd.lease_keepalive
 
     async def slow_keepalive(lease_id: int) -> int:

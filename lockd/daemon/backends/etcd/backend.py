@@ -198,11 +198,15 @@ class EtcdBackend:
         both to :meth:`settle` once the hold is granted, or to
         :meth:`recycle` when it was not.
         """
-        kept = self.leases.take(ttl_s, self.clock.wall_ms()) if reuse else None
+        now_ms = self.clock.wall_ms()
+        kept = self.leases.take(ttl_s, now_ms) if reuse else None
         if kept is not None:
-            refresh = Refresh(kept)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._refresh, refresh)
+            if kept.fresh(now_ms):
+                refresh = Refresh.needless(kept)
+            else:
+                refresh = Refresh(kept)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._refresh, refresh)
             hold = replace(
                 template,
                 handle=new_handle_id(),
@@ -227,6 +231,7 @@ class EtcdBackend:
         try:
             ttl = await self.etcd.lease_keepalive(refresh.lease.id)
             refresh.lease.alive_until = sent + ttl * 1000
+            self.leases.note(refresh.lease)
         except (EtcdUnavailable, LeaseNotFound):
             pass  # the grant's put fails on a lost lease; else the old bound stands
         finally:
