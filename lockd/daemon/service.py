@@ -233,8 +233,10 @@ class LockService:
             self.on_batch_end(exc)
             raise
         self.engine.drain()
-        self.stats.count("grants", changes.grants)
-        self.stats.count("retakes", changes.retakes)
+        if changes.grants:
+            self.stats.count("grants", changes.grants)
+        if changes.retakes:
+            self.stats.count("retakes", changes.retakes)
         if changes.expired:
             self.stats.count("expiries", len(changes.expired))
             self._log_expired(changes.expired)
