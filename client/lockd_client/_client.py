@@ -405,12 +405,8 @@ class LockClient:
         arguments and read time-out for each re-send; ``give_up_at``
         (monotonic) ends re-sending early.
         """
-        attempts = Attempts(
-            self.socket_path,
-            retry_window=self.retry_window,
-            give_up_at=give_up_at,
-            repark=repark,
-        )
+        reparks = repark is not None  # a blocking acquire: see Attempts.reparks
+        attempts: Attempts | None = None  # made at the first failure, not per request
         while True:
             at_once = False
             shutting_down: ShuttingDownError | None = None
@@ -436,7 +432,7 @@ class LockClient:
                         raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
                     else:  # rule 2 (harmless twice) and rule 3 (a parked acquire)
                         failure = f"connection lost during {op!r} ({exc.reason})"
-                        can_retry = retry or attempts.reparks
+                        can_retry = retry or reparks
                         if not can_retry:
                             failure += "; not retried, as the daemon may have carried it out"
                 except ReplyTimeout:
@@ -448,12 +444,19 @@ class LockClient:
                     try:
                         return unwrap(reply)
                     except ShuttingDownError as exc:
-                        if not attempts.reparks:
+                        if not reparks:
                             raise
                         # The daemon is stopping; it closes this connection itself.
                         shutting_down = exc
                         failure = f"the daemon shut down during {op!r}"
                         can_retry = True
+            if attempts is None:
+                attempts = Attempts(
+                    self.socket_path,
+                    retry_window=self.retry_window,
+                    give_up_at=give_up_at,
+                    repark=repark,
+                )
             pause = attempts.after_failure(
                 failure, can_retry=can_retry, at_once=at_once, shutting_down=shutting_down
             )
