@@ -359,6 +359,16 @@ def proc_cpu_s(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def proc_runq_wait_s(pid: int) -> float:
+    """Seconds ``pid``'s main thread has spent runnable but waiting for a CPU.
+
+    From ``/proc/PID/schedstat`` (nanoseconds). A daemon that waits here while
+    its clients wait for it is short of CPU: on a shared box, the other jobs'.
+    """
+    with open(f"/proc/{pid}/schedstat", encoding="ascii") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 @dataclass
 class LockdDaemon:
     """A real ``lockd serve`` with socket, database and config in a /tmp folder.

@@ -42,6 +42,7 @@ from common import (
     now_ns,
     pairs_loop,
     proc_cpu_s,
+    proc_runq_wait_s,
     ratio,
     rotated,
     run_meta,
@@ -93,9 +94,12 @@ def log(msg: str) -> None:
 
 
 def bench_single(
-    systems: list[LockerSpec], plan: dict[str, Any], daemon: LockdDaemon
+    systems: list[LockerSpec], plan: dict[str, Any], daemons: dict[str, int]
 ) -> dict[str, Any]:
-    """(a) one client process, one key, try_acquire + release as fast as it goes."""
+    """(a) one client process, one key, try_acquire + release as fast as it goes.
+
+    ``daemons``: the pid of each lockd by label, whose CPU per pair is measured.
+    """
     secs = plan["a_secs"]
     lockers = {}
     for spec in systems:
@@ -108,7 +112,9 @@ def bench_single(
     for r in range(plan["a_rounds"]):
         row: dict[str, Any] = {}
         for spec in rotated(systems, r):
-            cpu0 = proc_cpu_s(daemon.pid) if spec.label == "lockd" else 0.0
+            pid = daemons.get(spec.label)
+            cpu0 = proc_cpu_s(pid) if pid is not None else 0.0
+            wait0 = proc_runq_wait_s(pid) if pid is not None else 0.0
             out = pairs_loop(lockers[spec.label], "bench-a", now_ns() + int(secs * 1e9))
             elapsed = (out["end_ns"] - out["start_ns"]) / 1e9
             entry = {
@@ -117,9 +123,11 @@ def bench_single(
                 "misses": out["misses"],
                 "client_cpu_us_per_pair": 1e6 * out["client_cpu_s"] / max(1, out["pairs"]),
             }
-            if spec.label == "lockd":
-                daemon_cpu = proc_cpu_s(daemon.pid) - cpu0
+            if pid is not None:
+                daemon_cpu = proc_cpu_s(pid) - cpu0
                 entry["daemon_cpu_us_per_pair"] = 1e6 * daemon_cpu / max(1, out["pairs"])
+                waited = proc_runq_wait_s(pid) - wait0
+                entry["daemon_runq_us_per_pair"] = 1e6 * waited / max(1, out["pairs"])
             row[spec.label] = entry
         rounds.append(row)
         log(
@@ -145,9 +153,9 @@ def bench_single(
                 [row["lockd"]["pairs_per_s"] / row[label]["pairs_per_s"] for row in rounds]
             ),
         }
-    summary["lockd"]["daemon_cpu_us_per_pair"] = median(
-        [row["lockd"]["daemon_cpu_us_per_pair"] for row in rounds]
-    )
+    for label in daemons:
+        for field in ("daemon_cpu_us_per_pair", "daemon_runq_us_per_pair"):
+            summary[label][field] = median([row[label][field] for row in rounds])
     latency = daemon_stats.get("latency", {})
     return {
         "rounds": rounds,
@@ -212,7 +220,7 @@ def _weighted(per: list[dict[str, Any]], field: str) -> float:
 
 
 def bench_spread(
-    systems: list[LockerSpec], plan: dict[str, Any], daemon: LockdDaemon
+    systems: list[LockerSpec], plan: dict[str, Any], daemons: dict[str, int]
 ) -> dict[str, Any]:
     """(c) 16 processes, each its own key: aggregate try_acquire + release pairs/s."""
     keys = [f"bench-c:{i}" for i in range(SPREAD_PROCS)]
@@ -220,7 +228,9 @@ def bench_spread(
     for r in range(plan["c_rounds"]):
         row: dict[str, Any] = {}
         for spec in rotated(systems, r):
-            cpu0 = proc_cpu_s(daemon.pid)
+            pid = daemons.get(spec.label)
+            cpu0 = proc_cpu_s(pid) if pid is not None else 0.0
+            wait0 = proc_runq_wait_s(pid) if pid is not None else 0.0
             outs = run_workers(spec, keys, "pairs", plan["c_secs"])
             total = sum(o["pairs"] / ((o["end_ns"] - o["start_ns"]) / 1e9) for o in outs)
             per_proc = [o["pairs"] for o in outs]
@@ -229,9 +239,11 @@ def bench_spread(
                 "misses": sum(o["misses"] for o in outs),
                 "min_max_ratio": min(per_proc) / max(per_proc) if max(per_proc) else math.nan,
             }
-            if spec.label == "lockd":
+            if pid is not None:
                 pairs = sum(per_proc)
-                entry["daemon_cpu_us_per_pair"] = 1e6 * (proc_cpu_s(daemon.pid) - cpu0) / pairs
+                entry["daemon_cpu_us_per_pair"] = 1e6 * (proc_cpu_s(pid) - cpu0) / pairs
+                waited = proc_runq_wait_s(pid) - wait0
+                entry["daemon_runq_us_per_pair"] = 1e6 * waited / pairs
             row[spec.label] = entry
         rounds.append(row)
         log(
@@ -248,9 +260,9 @@ def bench_spread(
                 [row["lockd"]["pairs_per_s"] / row[label]["pairs_per_s"] for row in rounds]
             ),
         }
-    summary["lockd"]["daemon_cpu_us_per_pair"] = median(
-        [row["lockd"]["daemon_cpu_us_per_pair"] for row in rounds]
-    )
+    for label in daemons:
+        for field in ("daemon_cpu_us_per_pair", "daemon_runq_us_per_pair"):
+            summary[label][field] = median([row[label][field] for row in rounds])
     return {"rounds": rounds, "summary": summary, "processes": SPREAD_PROCS}
 
 
@@ -431,6 +443,16 @@ def _report_handoff(results: dict[str, Any]) -> list[str]:
     return out
 
 
+SPREAD_HEADERS = [
+    "system",
+    "aggregate pairs/s",
+    "min/max",
+    "server CPU us/pair",
+    "server runq us/pair",
+    "ratio",
+]
+
+
 def _report_spread(results: dict[str, Any]) -> list[str]:
     c = results["c"]
     rows = [
@@ -439,6 +461,7 @@ def _report_spread(results: dict[str, Any]) -> list[str]:
             fmt_num(s["median_pairs_per_s"]),
             f"{s['min_max_ratio']:.2f}",
             fmt_num(s.get("daemon_cpu_us_per_pair", math.nan), 1),
+            fmt_num(s.get("daemon_runq_us_per_pair", math.nan), 1),
             "" if label == "lockd" else fmt_ratio(s["lockd_ratio"]),
         ]
         for label, s in c["summary"].items()
@@ -446,7 +469,7 @@ def _report_spread(results: dict[str, Any]) -> list[str]:
     return [
         f"(c) {c['processes']} processes, one key each, try_acquire+release, "
         f"{len(c['rounds'])} round(s) x {results['plan']['c_secs']} s",
-        table(["system", "aggregate pairs/s", "min/max", "server CPU us/pair", "ratio"], rows),
+        table(SPREAD_HEADERS, rows),
     ]
 
 
@@ -518,7 +541,7 @@ def _enter(
 
 
 @contextlib.contextmanager
-def _earlier_lockd(rev: str | None) -> Iterator[LockerSpec | None]:
+def _earlier_lockd(rev: str | None) -> Iterator[LockdDaemon | None]:
     """``--compare REV``: that revision's lockd, from a temporary git worktree."""
     with checkout(rev) as tree:
         if tree is None:
@@ -526,7 +549,7 @@ def _earlier_lockd(rev: str | None) -> Iterator[LockerSpec | None]:
             return
         with LockdDaemon(tree=tree, label=f"lockd@{rev}").running() as daemon:
             log(f"lockd@{rev} serving on {daemon.socket} (pid {daemon.pid})")
-            yield daemon.spec()
+            yield daemon
 
 
 def _bench_systems(
@@ -543,7 +566,9 @@ def _bench_systems(
         daemon = stack.enter_context(LockdDaemon(cprofile=cprofile).running())
         log(f"lockd serving on {daemon.socket} (pid {daemon.pid})")
         lockd = daemon.spec()
-        earlier = stack.enter_context(_earlier_lockd(compare))
+        earlier_daemon = stack.enter_context(_earlier_lockd(compare))
+        earlier = earlier_daemon.spec() if earlier_daemon is not None else None
+        daemons = {d.label: d.pid for d in (daemon, earlier_daemon) if d is not None}
         flock = _enter(stack, flock_baseline, "flock", sections, skipped)
         pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
         redis = None
@@ -551,11 +576,11 @@ def _bench_systems(
             redis = _enter(stack, redis_baseline, "redis", {"a"}, skipped)
         peers = [s for s in (earlier, flock, pg) if s is not None]
         if "a" in only:
-            results["a"] = bench_single([lockd, *peers] + ([redis] if redis else []), plan, daemon)
+            results["a"] = bench_single([lockd, *peers] + ([redis] if redis else []), plan, daemons)
         if "b" in only:
             results["b"] = bench_handoff([lockd, *peers], plan)
         if "c" in only:
-            results["c"] = bench_spread([lockd, *peers], plan, daemon)
+            results["c"] = bench_spread([lockd, *peers], plan, daemons)
 
 
 def main(argv: list[str] | None = None) -> int:
