@@ -363,7 +363,8 @@ def proc_runq_wait_s(pid: int) -> float:
     """Seconds ``pid``'s main thread has spent runnable but waiting for a CPU.
 
     From ``/proc/PID/schedstat`` (nanoseconds). A daemon that waits here while
-    its clients wait for it is short of CPU: on a shared box, the other jobs'.
+    its clients wait for it is short of CPU (on a shared box, the other jobs
+    take it); one preempted by a client it just woke waits here too.
     """
     with open(f"/proc/{pid}/schedstat", encoding="ascii") as f:
         return int(f.read().split()[1]) / 1e9

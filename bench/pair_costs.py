@@ -6,6 +6,10 @@ One client (this process, through the real ``lockd_client``) runs B1's loop
 
 - wall time, and the CPU time of each side split into user and system
   (the client from ``getrusage``, the daemon from ``/proc/PID/stat``);
+- how long each side waited for a CPU while runnable (run-queue wait,
+  ``/proc/PID/schedstat``): behind the box's other jobs, or behind its own
+  peer (a daemon preempted inside ``send`` by the client it woke waits
+  while that client runs);
 - context switches of each side: voluntary (it waited: for the peer, for
   I/O) and involuntary (it was preempted; on 2 shared cores mostly by the
   process its own ``send`` just woke);
@@ -45,7 +49,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LockdDaemon, LockdLocker, now_ns, pairs_loop, rotated, table
+from common import (
+    LockdDaemon,
+    LockdLocker,
+    now_ns,
+    pairs_loop,
+    proc_runq_wait_s,
+    rotated,
+    table,
+)
 
 HERE = Path(__file__).resolve().parent
 Counter = collections.Counter
@@ -55,12 +67,14 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 @dataclass(frozen=True)
 class Usage:
-    """CPU seconds and context switches of one process so far."""
+    """CPU seconds, context switches and run-queue wait of one process so far."""
 
     user: float
     system: float
     voluntary: int
     involuntary: int
+    #: seconds runnable but waiting for a CPU (main thread).
+    runq: float
 
     def __sub__(self, other: Usage) -> Usage:
         return Usage(
@@ -68,12 +82,13 @@ class Usage:
             self.system - other.system,
             self.voluntary - other.voluntary,
             self.involuntary - other.involuntary,
+            self.runq - other.runq,
         )
 
 
 def own_usage() -> Usage:
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return Usage(ru.ru_utime, ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw)
+    return Usage(ru.ru_utime, ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw, proc_runq_wait_s(os.getpid()))
 
 
 def daemon_usage(pid: int) -> Usage:
@@ -91,6 +106,7 @@ def daemon_usage(pid: int) -> Usage:
         int(fields[12]) / TICK,
         switches["voluntary_ctxt_switches"],
         switches["nonvoluntary_ctxt_switches"],
+        proc_runq_wait_s(pid),
     )
 
 
@@ -122,6 +138,8 @@ def measure_round(system: System, secs: float) -> dict[str, float]:
         "client_ivcs": client.involuntary / pairs,
         "daemon_vcs": daemon.voluntary / pairs,
         "daemon_ivcs": daemon.involuntary / pairs,
+        "client_runq_us": 1e6 * client.runq / pairs,
+        "daemon_runq_us": 1e6 * daemon.runq / pairs,
     }
 
 
@@ -235,6 +253,8 @@ FIGURES: list[tuple[str, tuple[str, ...], int]] = [
     ("client sys us", ("client_sys_us",), 0),
     ("daemon user us", ("daemon_user_us",), 0),
     ("daemon sys us", ("daemon_sys_us",), 0),
+    ("client run-queue wait us", ("client_runq_us",), 0),
+    ("daemon run-queue wait us", ("daemon_runq_us",), 0),
     ("client vol/invol switches", ("client_vcs", "client_ivcs"), 2),
     ("daemon vol/invol switches", ("daemon_vcs", "daemon_ivcs"), 2),
 ]
