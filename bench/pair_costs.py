@@ -17,10 +17,11 @@ One client (this process, through the real ``lockd_client``) runs B1's loop
   one extra round; the daemon's ``epoll_wait`` calls are trio's scheduler
   passes (one per pass) plus the group commit's "anyone else waiting?"
   polls, which a lone connection never makes;
-- ``--py-spy``: where each side's samples fall (py-spy, not a project
-  dependency: ``.venv/bin/pip install py-spy``), by file and by function
-  (inclusive). Samples include waiting for a CPU: a daemon preempted inside
-  ``send()`` by the client it woke shows up in ``send``.
+- ``--py-spy``: where each side's Python time goes (py-spy ``--gil``, not
+  a project dependency: ``.venv/bin/pip install py-spy``), by file (own
+  time) and by function (inclusive). Time in system calls and inside SQLite
+  is not sampled (the GIL is released there): see ``--strace`` and the
+  user/system split.
 
 ``--compare REV`` runs REV's daemon with REV's own client as a second
 system, interleaved round by round with this checkout's, so a change on
@@ -203,7 +204,9 @@ def spy(system: System, secs: float, folder: Path) -> dict[str, dict[str, Counte
         raise SystemExit("py-spy not found: .venv/bin/pip install py-spy")
     pids = {"client": os.getpid(), "daemon": system.daemon.pid}
     outputs = {side: folder / f"spy-{side}.txt" for side in pids}
-    record = [exe, "record", "-d", str(int(secs)), "-r", "400", "-f", "raw"]
+    # --gil: samples of Python code running. Waits (poll, epoll) and the
+    # time inside SQLite or a syscall are left out: strace counts those.
+    record = [exe, "record", "--gil", "-d", str(int(secs)), "-r", "400", "-f", "raw"]
     procs = [
         subprocess.Popen(
             [*record, "-p", str(pid), "-o", str(outputs[side])],
@@ -306,11 +309,9 @@ def report_spy(label: str, folded: dict[str, dict[str, Counter]], top: int) -> s
         lines += [
             f"    {100 * n / total:5.1f}%  {name}" for name, n in kinds["file"].most_common(top)
         ]
-        lines.append(f"  {side}: inclusive by function:")
-        lines += [
-            f"    {100 * n / total:5.1f}%  {name}"
-            for name, n in kinds["function"].most_common(top + 12)[12:]
-        ]
+        lines.append(f"  {side}: inclusive by function (below the loop's own frames):")
+        below = [(name, n) for name, n in kinds["function"].most_common() if n < 0.9 * total]
+        lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in below[:top]]
     return "\n".join(lines)
 
 
