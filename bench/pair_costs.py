@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     LockdDaemon,
     LockdLocker,
+    checkout,
     now_ns,
     pairs_loop,
     proc_runq_wait_s,
@@ -60,7 +61,6 @@ from common import (
     table,
 )
 
-HERE = Path(__file__).resolve().parent
 Counter = collections.Counter
 KEY = "bench-pair"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -318,26 +318,6 @@ def report_spy(label: str, folded: dict[str, dict[str, Counter]], top: int) -> s
 # ----------------------------------------------------------------------- main
 
 
-@contextlib.contextmanager
-def earlier_tree(rev: str) -> Iterator[Path]:
-    """A temporary git worktree of ``rev`` (its daemon and its client)."""
-    tree = Path(tempfile.mkdtemp(prefix="lockd-pair-rev-", dir="/tmp"))
-    repo = HERE.parent
-    subprocess.run(
-        ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), rev],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield tree
-    finally:
-        subprocess.run(
-            ["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)],
-            check=False,
-            capture_output=True,
-        )
-
-
 def open_system(stack: contextlib.ExitStack, daemon: LockdDaemon) -> System:
     stack.enter_context(daemon.running())
     locker = LockdLocker(*daemon.spec().args)
@@ -363,7 +343,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         systems = [open_system(stack, LockdDaemon())]
         if args.compare:
-            tree = stack.enter_context(earlier_tree(args.compare))
+            tree = stack.enter_context(checkout(args.compare))
+            assert tree is not None
             systems.append(
                 open_system(stack, LockdDaemon(tree=tree, label=f"lockd@{args.compare}"))
             )
