@@ -11,7 +11,12 @@ One task reads each connection and handles every request that can be
 answered at once inline, in order; only an ``acquire`` that has to wait
 (:class:`~lockd.daemon.service.WaitForRoom` or
 :class:`~lockd.daemon.engine.Parked`) gets a task of its own, so pipelined
-requests behind it are served while it waits.
+requests behind it are served while it waits. After answering, a
+connection whose next request is already there reads it at once, without
+a scheduler pass (:meth:`LockServer._read_now`, at most
+:data:`INLINE_READS` in a row): a client that sends as soon as it has its
+reply usually has, since on a busy box it preempts the daemon inside the
+``send`` that woke it.
 
 Group commit: the replies of requests handled inline wait in an outbox.
 After a connection's requests of one read, the batch is committed -- one
