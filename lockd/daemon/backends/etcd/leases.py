@@ -73,8 +73,13 @@ class Refresh:
         return refresh
 
     async def wait(self) -> int:
-        """The lease's new ``alive_until`` (unchanged when the keepalive failed)."""
-        await self.done.wait()
+        """The lease's new ``alive_until`` (unchanged when the keepalive failed).
+
+        No checkpoint when it is done already (a fresh lease): a grant's
+        reply must not wait for the other tasks of a busy daemon for nothing.
+        """
+        if not self.done.is_set():
+            await self.done.wait()
         return self.lease.alive_until
 
 
