@@ -375,3 +375,64 @@ def test_deadlines_and_leases_of_feed_a_cold_restore(db_path: Path) -> None:
     assert engine.release(1, "k0007", rows["k0007"].handle)
     assert engine.status(1, "é").holder is not None
     s.close()
+
+
+# ------------------------------------------------- the integrity check at start
+
+
+def _many_keys(store: Store, count: int) -> None:
+    """``count`` leases with long keys: the table spans many pages."""
+    keys = [f"key-with-some-length-{i:05d}" * 4 for i in range(count)]
+    store.apply(changes({key: lease(key, i + 1) for i, key in enumerate(keys)}, fence=count))
+
+
+def _damage_middle(path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * 2048)
+
+
+def test_background_check_refuses_a_damaged_file_before_any_write(db_path: Path) -> None:
+    store = Store(db_path, BOOT)
+    _many_keys(store, 300)
+    store.close()
+    _damage_middle(db_path)
+    size = db_path.stat().st_size
+    # The reads at start either pass the damaged page or hit it; either way
+    # the failure is the integrity check's, and nothing was written.
+    damaged = Store(db_path, BOOT, background_check=True)
+    with pytest.raises(StoreError, match="integrity check"):
+        for _ in damaged.deadlines():
+            pass
+        damaged.wait_checked()
+    damaged.close()
+    damaged = Store(db_path, BOOT, background_check=True)
+    with pytest.raises(StoreError, match="integrity check"):
+        damaged.apply(changes({"new": lease("new", 10_000)}, fence=10_000))
+    damaged.close()
+    wal = db_path.with_name(db_path.name + "-wal")
+    assert not wal.exists() or wal.stat().st_size == 0
+    assert db_path.stat().st_size == size
+
+
+def test_background_check_sees_the_commits_a_crash_left_in_the_wal(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """kill -9 leaves the last commits in the WAL only; the check's connection reads the file."""
+    store = Store(db_path, BOOT)
+    _many_keys(store, 300)
+    crashed = tmp_path / "crashed" / "lockd.db"
+    crashed.parent.mkdir(mode=0o700)
+    # Copies of the open files, as a crash leaves them (no checkpoint on close).
+    for suffix in ("", "-wal"):
+        shutil.copyfile(f"{db_path}{suffix}", f"{crashed}{suffix}")
+    store.close()
+    wal = crashed.with_name(crashed.name + "-wal")
+    assert wal.stat().st_size > 0
+    reopened = Store(crashed, BOOT, background_check=True)
+    assert wal.stat().st_size == 0  # folded into the file before the check read it
+    rows = [row for batch in reopened.deadlines() for row in batch]
+    reopened.wait_checked()
+    assert len(rows) == 300
+    reopened.close()

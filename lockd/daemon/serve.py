@@ -205,18 +205,29 @@ def _open_store(
     # again and again for nothing. run() freezes what is left after.
     gc.disable()
     try:
-        store = Store(paths.db, read_boot_id(), synchronous=settings.sqlite_synchronous)
+        # The integrity check runs in a thread while the rows are read; it
+        # has passed before anything is written or answered (wait_checked).
+        store = Store(
+            paths.db,
+            read_boot_id(),
+            synchronous=settings.sqlite_synchronous,
+            background_check=True,
+        )
         fence = store.stored_fence()
         if store.mark is not None:
+            if adopt_fence_mark:
+                store.wait_checked()  # adopting writes the mark: only for a sound database
             try:
                 fence = fencemark.check_at_start(store.mark, fence, adopt=adopt_fence_mark)
             except fencemark.FenceMarkError as exc:
+                store.wait_checked()  # a damaged file says so rather than "below the mark"
                 store.close()
                 raise StartupError(f"database: {exc}") from None
         engine = LockEngine(fence=fence)
         # Each lease's key and deadline only; the engine reads a key's full
         # rows when it first needs the key (lockd.daemon.cold).
         engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.boot_ms())
+        store.wait_checked()
     except (StoreError, OSError) as exc:
         raise StartupError(
             f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"

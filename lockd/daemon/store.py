@@ -24,7 +24,9 @@ A broken disk must not quietly lose what was acknowledged:
 - At start the files are checked before use: an empty or non-SQLite
   database file, a WAL with a damaged header, or a failed ``PRAGMA
   quick_check`` is a :class:`StoreError` (the daemon does not start), never a
-  fresh empty database.
+  fresh empty database. The daemon runs the check in a thread while it
+  reads the rows (``background_check``, see :class:`_IntegrityCheck`);
+  nothing is written, and the daemon answers nothing, before it passed.
 - The database and WAL files we opened must still be the ones at their
   paths: deleted (``st_nlink == 0`` for the open file) or replaced, every
   later commit would vanish at the next restart. :meth:`Store.check_files`
@@ -43,9 +45,10 @@ import logging
 import operator
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lockd.daemon.engine import Changes, Lease, RowId
 from lockd.daemon.fencemark import BLOCK, FenceMark
@@ -154,7 +157,21 @@ def read_boot_id() -> str:
 
 
 class Store:
-    def __init__(self, path: Path | str, boot_id: str, *, synchronous: str = "NORMAL") -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        boot_id: str,
+        *,
+        synchronous: str = "NORMAL",
+        background_check: bool = False,
+    ) -> None:
+        """Open (or create) the database; raises :class:`StoreError` if it cannot be used.
+
+        With ``background_check`` the integrity check of a database on disk
+        runs in a thread and the constructor returns at once: reads may go
+        on meanwhile; :meth:`wait_checked` (and every write, and
+        :meth:`close`) waits for it and raises its failure.
+        """
         self.path = Path(path)
         self.boot_id = boot_id
         on_disk = str(path) != ":memory:"
@@ -169,6 +186,8 @@ class Store:
         self._writes_unchecked = 0
         self._wal = self.path.with_name(self.path.name + "-wal")
         self._wal_known = False
+        #: the integrity check still running in its thread (background_check).
+        self._check: _IntegrityCheck | None = None
         if on_disk:
             _prepare_directory(self.path.parent)
             _check_files_before_open(self.path)
@@ -199,7 +218,10 @@ class Store:
             self._db.execute("PRAGMA journal_size_limit=4194304")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
-            self._quick_check()
+            if on_disk and background_check and self._wal_folded_in():
+                self._check = _IntegrityCheck(self.path)
+            else:
+                _raise_problems(self.path, self._db.execute("PRAGMA quick_check").fetchall())
             if on_disk:
                 self._remember_identity(self.path)
         except sqlite3.OperationalError as exc:
@@ -233,11 +255,33 @@ class Store:
                 raise
             log.info(kv(event="migrated", db=self.path, version=version))
 
-    def _quick_check(self) -> None:
-        problems = [row[0] for row in self._db.execute("PRAGMA quick_check").fetchall()]
-        if problems != ["ok"]:
-            shown = "; ".join(str(p) for p in problems[:3])
-            raise StoreError(f"{self.path} failed its integrity check: {shown}")
+    def _wal_folded_in(self) -> bool:
+        """Make the database file hold every commit (the check's connection reads only it).
+
+        After a crash the WAL still holds the last commits: a checkpoint
+        copies them into the file (only then; a clean stop leaves no WAL).
+        False if some could not be copied: the check then runs here, on
+        this connection, which sees the WAL.
+        """
+        try:
+            if os.stat(self._wal).st_size == 0:
+                return True
+        except FileNotFoundError:
+            return True
+        busy, frames, copied = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        return not busy and frames == copied
+
+    def _read_failed(self, exc: sqlite3.DatabaseError) -> NoReturn:
+        """A read at start failed: a damaged file is the integrity check's to tell."""
+        self.wait_checked()
+        raise StoreError(f"{self.path}: {exc}") from exc
+
+    def wait_checked(self) -> None:
+        """Wait for the integrity check started in the background; raise its failure."""
+        check = self._check
+        if check is not None:
+            check.result()  # raises StoreError when the check failed
+            self._check = None
 
     def _remember_identity(self, path: Path) -> None:
         st = os.stat(path)
@@ -270,7 +314,11 @@ class Store:
 
     def stored_fence(self) -> int:
         """The fence high-water mark kept in ``meta``."""
-        value: int = self._db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
+        try:
+            row = self._db.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            self._read_failed(exc)
+        value: int = row[0]
         self.committed_fence = max(self.committed_fence, value)
         return value
 
@@ -284,17 +332,20 @@ class Store:
         stream has ended.
         """
         dropped = 0
-        rows = self._db.execute(
-            "SELECT CAST(key AS BLOB), expires_at, boot_id = ? FROM leases ORDER BY key, slot",
-            (self.boot_id,),
-        )
         ours = operator.itemgetter(2)
-        while batch := rows.fetchmany(_ROWS_PER_BATCH):
-            if not all(map(ours, batch)):
-                kept = [row for row in batch if row[2]]
-                dropped += len(batch) - len(kept)
-                batch = kept
-            yield batch
+        try:
+            rows = self._db.execute(
+                "SELECT CAST(key AS BLOB), expires_at, boot_id = ? FROM leases ORDER BY key, slot",
+                (self.boot_id,),
+            )
+            while batch := rows.fetchmany(_ROWS_PER_BATCH):
+                if not all(map(ours, batch)):
+                    kept = [row for row in batch if row[2]]
+                    dropped += len(batch) - len(kept)
+                    batch = kept
+                yield batch
+        except sqlite3.DatabaseError as exc:
+            self._read_failed(exc)
         if dropped:
             self._drop_earlier_boots(dropped)
 
@@ -331,6 +382,7 @@ class Store:
             self._drop_earlier_boots(dropped)
 
     def _drop_earlier_boots(self, count: int) -> None:
+        self.wait_checked()
         self._db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,))
         log.info(kv(event="dropped_earlier_boot", leases=count))
 
@@ -358,6 +410,8 @@ class Store:
             fence = None
         if not rows and fence is None:
             return
+        if self._check is not None:
+            self.wait_checked()  # never write into a database that failed its check
         if self.lost is not None:
             raise StorageUnavailable(self.lost)
         self._writes_unchecked += 1
@@ -448,6 +502,9 @@ class Store:
         )
 
     def close(self) -> None:
+        if self._check is not None:
+            # Closing checkpoints into the file the check is reading.
+            self._check.done.wait()
         self._db.close()
         mark = self.mark
         if mark is not None and mark.reserved:
@@ -488,6 +545,55 @@ def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
         pid,
         None if proc is None else share(proc, proc),
     )
+
+
+class _IntegrityCheck:
+    """``PRAGMA quick_check`` of the database file in a thread of its own.
+
+    SQLite lets go of the GIL for the whole check (one ``sqlite3_step``), so
+    on a second core it costs the start nothing while the daemon reads the
+    rows (~0.2 s for 300,000 leases, measured). It needs a connection of
+    its own, and the daemon's holds an exclusive lock: this one is
+    ``immutable`` (no locks, does not look at the WAL). That sees every
+    commit because :meth:`Store._wal_folded_in` copied the WAL into the file
+    first, and nothing changes the file until :meth:`result` is in: writes
+    wait for it, and reads do not touch the file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._problems: list[str] = []
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
+
+    def _run(self) -> None:
+        uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
+        try:
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            try:
+                self._problems = [str(row[0]) for row in conn.execute("PRAGMA quick_check")]
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            self._problems = [f"{exc}"]
+        except BaseException as exc:  # a bug: the start must still fail, not pass
+            self._problems = [f"{type(exc).__name__}: {exc}"]
+            raise
+        finally:
+            self.done.set()
+
+    def result(self) -> None:
+        """Wait for the check; raise :class:`StoreError` if the file is damaged."""
+        self.done.wait()
+        _raise_problems(self.path, [(p,) for p in self._problems])
+
+
+def _raise_problems(path: Path, rows: list[tuple[Any, ...]]) -> None:
+    """Raise :class:`StoreError` unless ``quick_check`` answered ``ok``."""
+    problems = [row[0] for row in rows]
+    if problems != ["ok"]:
+        shown = "; ".join(str(p) for p in problems[:3])
+        raise StoreError(f"{path} failed its integrity check: {shown}")
 
 
 #: Writes between two checks of the files inside :meth:`Store.apply`.
