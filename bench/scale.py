@@ -734,6 +734,23 @@ def checkout(rev: str) -> Iterator[Path]:
         shutil.rmtree(path.parent, ignore_errors=True)
 
 
+def compile_bytecode(tree: Path) -> None:
+    """Write ``tree``'s bytecode, as installing a package does.
+
+    Without it, a daemon started with PYTHONDONTWRITEBYTECODE set (as on
+    the development box) compiles lockd from source at every start: ~0.1 s
+    of CPU that an installed lockd never pays, in both columns alike.
+    """
+    import lockd_client
+
+    client = Path(lockd_client.__file__).parent  # the one every measured daemon imports
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(tree / "lockd"), str(client)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
 def _revision(tree: Path) -> str:
     return subprocess.run(
         ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
@@ -789,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
             results["meta"]["revisions"]["before"] = f"{args.before} {_revision(trees['before'])}"
         trees["after" if args.before else "lockd"] = HERE.parent
         results["meta"]["revisions"][list(trees)[-1]] = _git_rev()
+        for tree in trees.values():
+            compile_bytecode(tree)
         runs: dict[str, dict[str, Any]] = {label: {} for label in trees}
         results["runs"] = runs
         # Section by section, each lockd in turn: both meet the same load.
