@@ -170,6 +170,28 @@ def test_a_failed_read_leaves_the_key_cold_and_nothing_lost() -> None:
     e.check_invariants()
 
 
+def test_a_failed_group_commit_undoes_its_batch_around_a_cold_load() -> None:
+    """Loading a key is no part of the batch: the batch rolls back whole, the key stays loaded.
+
+    It used to end the batch's record: the grant before the load stayed in
+    memory (and in the rows still to write) while its client was told
+    STORAGE_UNAVAILABLE.
+    """
+    e, loader = cold_engine([stored("cold", 1, 10_000), stored("other", 2, 10_000)], fence=2)
+    grant(e.acquire(1, "hot", ttl_ms=100, principal="user:b"))  # first request of the batch
+    assert e.release(2, "cold", "h-cold-1")  # loads "cold", then releases it
+    assert e.status(3, "other").holder is not None  # loads "other" (a read, no request)
+    assert loader.loaded == ["cold", "other"]
+    e.rollback()  # the batch's commit failed
+    assert e.status(4, "hot").holder is None
+    holder = e.status(4, "cold").holder
+    assert holder is not None and holder.handle == "h-cold-1"
+    assert not e.pending().rows
+    assert (e.held_count, e.lease_count) == (2, 2)
+    assert loader.loaded == ["cold", "other"]  # loaded once, still loaded
+    e.check_invariants()
+
+
 def test_a_cold_key_is_loaded_before_a_request_decides_on_it() -> None:
     e, _ = cold_engine([stored("k", 7, 10_000, owner="run")], fence=7)
     # A re-take needs the key's owner index: loaded first, so it is a re-take.

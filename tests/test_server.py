@@ -28,7 +28,8 @@ import trio
 
 from lockd.daemon import sockio
 from lockd.daemon.clock import Clock, SystemClock
-from lockd.daemon.engine import Changes, LockEngine, Parked
+from lockd.daemon.cold import ColdLeases
+from lockd.daemon.engine import Changes, Lease, LockEngine, Parked
 from lockd.daemon.listener import bind_socket
 from lockd.daemon.protocol import Acquire
 from lockd.daemon.server import INLINE_READS, Limits, LockServer
@@ -152,9 +153,10 @@ async def running(
     limits: Limits | None = None,
     max_pending_per_connection: int = 1024,
     caller: Callable[[], Caller] = lambda: MEMBER,
+    engine: LockEngine | None = None,
 ) -> AsyncIterator[Harness]:
     """A LockServer serving on ``tmp/s.sock`` until the block ends."""
-    engine = LockEngine()
+    engine = engine or LockEngine()
     store = store or Store(tmp / "db", "boot-1")
     service = LockService(
         engine,
@@ -376,6 +378,60 @@ async def test_store_error_after_rate_wait_is_internal_not_a_crash(short_tmp: Pa
     assert "crash" not in outcome, f"daemon stopped: {outcome['crash'].exceptions!r}"
     assert outcome["reply"]["error"]["code"] == "INTERNAL"
     assert outcome["hello"]["ok"]
+
+
+class FailingReads:
+    """A store's connection whose reads of lease rows fail while armed (an I/O error)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db, self.armed = db, True
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if self.armed and sql.startswith("SELECT") and "FROM leases" in sql:
+            raise sqlite3.OperationalError("disk I/O error")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+
+async def test_a_cold_key_that_cannot_be_read_is_storage_unavailable_and_kept(
+    short_tmp: Path,
+) -> None:
+    """Leases found at start are read when first needed; a failed read loses none of them."""
+    clock = FakeClock()
+    store = Store(short_tmp / "db", "boot-1")
+    stored = Lease("cold", "h-cold-stored-xxxxxxxxx", 1, None, "user:alice", 60_000, 0)
+    due = Lease("due", "h-due-stored-xxxxxxxxxx", 2, None, "user:alice", 60_000, 0)
+    stored.expires_at, due.expires_at = clock.now + 60_000, clock.now + 1_000
+    store.apply(Changes(rows={("cold", 0): stored, ("due", 0): due}, fence=2))
+    engine = LockEngine(fence=2)
+    engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.now)
+    reads = FailingReads(store._db)
+    store._db = reads  # type: ignore[assignment]
+    async with running(short_tmp, clock=clock, store=store, engine=engine) as h:
+        client = await h.connect()
+        for request in (
+            {"id": 1, "op": "status", "key": "cold"},
+            try_acquire(2, "cold"),
+            {"id": 3, "op": "release", "key": "cold", "handle": stored.handle},
+        ):
+            reply = await client.call(request)
+            assert reply["error"]["code"] == "STORAGE_UNAVAILABLE", reply
+        # The timer meets the same failure: it retries later, nothing is lost.
+        clock.now += 2_000
+        assert not h.service.tick()
+        counters = h.service.stats.counters
+        assert (counters["storageErrors"], counters["internalErrors"]) == (4, 0)
+        reads.armed = False
+        assert h.service.tick()
+        assert engine.held_count == 1  # "due" expired now that it could be read
+        status = await client.call({"id": 4, "op": "status", "key": "cold"})
+        assert status["result"]["held"] and status["result"]["fence"] == 1, status
+        released = await client.call(
+            {"id": 5, "op": "release", "key": "cold", "handle": stored.handle}
+        )
+        assert released["result"] == {"released": True}, released
 
 
 # ---------------------------------------------------------- group commit

@@ -45,6 +45,7 @@ stay pending and go out with the next commit that succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator
@@ -263,25 +264,45 @@ class LockEngine:
     def _warm(self, keys: list[str], now: int | None = None) -> None:
         """Load cold keys into the engine's state (they are cold no more).
 
-        Not part of any request: loading changes nothing anyone can see.
-        With ``now`` (the timer's), a key whose every lease has run out by
-        then expires on its way in, without state made for it and undone:
-        a mass expiry after a restart costs a read per key, no more.
+        Not part of any request: loading changes nothing anyone can see,
+        so a rollback of the requests around it keeps the keys loaded
+        (:meth:`_loading`). With ``now`` (the timer's), a key whose every
+        lease has run out by then expires on its way in, without state made
+        for it and undone: a mass expiry after a restart costs a read per
+        key, no more. That is a fact of time, never rolled back.
         """
-        self._undo.stop()
+        if now is not None:
+            self._undo.stop()
         # Read first: a read that fails leaves the keys cold, none of them lost.
         leases = list(self._load(keys))
-        for key in keys:
-            self._cold.take(key)
-        for group in _by_key(leases):
-            if now is None or any(lease.expires_at > now for lease in group):
-                self._adopt(group)
-                continue
-            group.sort(key=lambda lease: (lease.expires_at, lease.fence))
-            for lease in group:
-                self._fence = max(self._fence, lease.fence)
-                self._changes.expired.append(lease)
-                self._changes.rows[(lease.key, lease.slot)] = None
+        with self._loading():
+            for key in keys:
+                self._cold.take(key)
+            for group in _by_key(leases):
+                if now is None or any(lease.expires_at > now for lease in group):
+                    self._adopt(group)
+                    continue
+                group.sort(key=lambda lease: (lease.expires_at, lease.fence))
+                for lease in group:
+                    self._fence = max(self._fence, lease.fence)
+                    self._changes.expired.append(lease)
+                    self._changes.rows[(lease.key, lease.slot)] = None
+
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """Cold keys come in during a batch of requests: no part of the batch.
+
+        A failed group commit rolls back every request of the batch (see
+        :meth:`_begin`); a key loaded meanwhile stays loaded, with its
+        leases counted, as if it had been loaded before the batch began.
+        """
+        count = self._lease_count
+        with self._undo.paused():
+            yield
+        if self._undo.recording:
+            resolved, expired, grants, retakes, fence, counted = self._undo_mark
+            added = self._lease_count - count
+            self._undo_mark = (resolved, expired, grants, retakes, fence, counted + added)
 
     def _adopt(self, group: list[Lease]) -> None:
         """Make a loaded cold key's state (all its leases) in the engine."""
@@ -600,8 +621,9 @@ class LockEngine:
             for group in _by_key(loaded):
                 key = group[0].key
                 if self._behind and any(lease.expires_at <= now for lease in group):
-                    self._cold.take(key)  # ran out: to the engine, to be settled below
-                    self._adopt(group)
+                    with self._loading():  # ran out: to the engine, to be settled below
+                        self._cold.take(key)
+                        self._adopt(group)
                 else:
                     cold_rows[key] = group
             for key in batch:

@@ -287,11 +287,27 @@ class LockService:
     def tick(self) -> bool:
         """Let time pass in the engine (the expiry timer calls this).
 
-        False when the commit failed: the expiries and hand-offs stay pending
-        and the timer retries shortly.
+        False when the commit failed, or a due cold key's rows could not be
+        read: the expiries and hand-offs stay pending and the timer retries
+        shortly.
         """
-        self.engine.advance(self._now(), EXPIRY_CHUNK)
+        try:
+            self.engine.advance(self._now(), EXPIRY_CHUNK)
+        except StorageUnavailable as exc:
+            self._read_failed("tick", exc)
+            self.commit_fact("tick")  # what passed before the failed read
+            return False
         return self.commit_fact("tick")
+
+    def _read_failed(self, what: str, exc: StorageUnavailable) -> ProtocolError:
+        """A cold key's rows could not be read (lockd.daemon.cold): a storage failure.
+
+        The engine read them before taking the key out of the cold index,
+        so the key stays cold and none of its leases is lost.
+        """
+        self.stats.count("storageErrors")
+        log.warning(kv(event="storage_unavailable", during=what, error=exc))
+        return storage_unavailable()
 
     def commit_request(self, *, now: bool = False) -> None:
         """Commit a request's effects; a storage failure becomes its error reply.
@@ -423,6 +439,12 @@ class LockService:
 
         ``pending`` is how many of the connection's acquires are waiting now.
         """
+        try:
+            return self._acquire(caller, conn, req, pending=pending)
+        except StorageUnavailable as exc:
+            raise self._read_failed(req.op, exc) from None
+
+    def _acquire(self, caller: Caller, conn: int, req: Acquire, *, pending: int) -> AcquireStep:
         self.check_acquire(caller, req, pending=pending)
         now = self._now()
         if req.timeout_ms is None:
@@ -447,7 +469,10 @@ class LockService:
         self, caller: Caller, conn: int, req: Acquire, room: WaitForRoom
     ) -> AcquireStep:
         """The next step of a blocking acquire that waited for rate-limit room."""
-        return self._acquire_within(caller, conn, req, self._now(), room.deadline)
+        try:
+            return self._acquire_within(caller, conn, req, self._now(), room.deadline)
+        except StorageUnavailable as exc:
+            raise self._read_failed(req.op, exc) from None
 
     def parked_reply(self, req: Acquire, waiter: Waiter) -> Reply:
         """The answer to a parked acquire once it left the queue."""
@@ -549,6 +574,12 @@ class LockService:
 
     def answer(self, caller: Caller, request: Request) -> Any:
         """The wire result of any request but an acquire."""
+        try:
+            return self._answer(caller, request)
+        except StorageUnavailable as exc:
+            raise self._read_failed(request.op, exc) from None
+
+    def _answer(self, caller: Caller, request: Request) -> Any:
         if isinstance(request, Release):
             return self.release(caller, request.key, request.handle)
         if isinstance(request, Renew):

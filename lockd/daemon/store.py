@@ -358,18 +358,29 @@ class Store:
         if dropped:
             self._drop_earlier_boots(dropped)
 
-    def leases_of(self, keys: list[str]) -> Iterator[Lease]:
-        """This boot's leases of ``keys``, in (key, slot) order (a cold key's load)."""
+    def leases_of(self, keys: list[str]) -> list[Lease]:
+        """This boot's leases of ``keys``, in (key, slot) order (a cold key's load).
+
+        Raises :class:`StorageUnavailable` when the rows cannot be read (an
+        I/O error): the request that needed them fails as any storage
+        failure does, and the keys stay cold, none of their leases lost.
+        """
         share: Callable[[Any, Any], Any] = {}.setdefault
-        for start in range(0, len(keys), _KEYS_PER_QUERY):
-            chunk = keys[start : start + _KEYS_PER_QUERY]
-            rows = self._db.execute(
-                f"SELECT {_LEASE_COLUMNS} FROM leases WHERE key IN "
-                f"({', '.join('?' * len(chunk))}) AND boot_id = ? ORDER BY key, slot",
-                (*chunk, self.boot_id),
-            )
-            for row in rows:
-                yield _lease_of(row, share)
+        leases: list[Lease] = []
+        try:
+            for start in range(0, len(keys), _KEYS_PER_QUERY):
+                chunk = keys[start : start + _KEYS_PER_QUERY]
+                rows = self._db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE key IN "
+                    f"({', '.join('?' * len(chunk))}) AND boot_id = ? ORDER BY key, slot",
+                    (*chunk, self.boot_id),
+                )
+                leases.extend(_lease_of(row, share) for row in rows)
+        except _BUG_ERRORS:
+            raise
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"{self.path}: cannot read leases: {exc}") from exc
+        return leases
 
     def leases(self) -> Iterator[Lease]:
         """Stream this boot's leases in (key, slot) order; drop those of earlier boots.

@@ -15,8 +15,9 @@ per-key state that a hand-off changes in a dozen places.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _MISSING: Any = object()
@@ -43,6 +44,15 @@ class UndoLog:
     def stop(self) -> None:
         """The request is over (committed, or it was a fact): forget the entries."""
         self._entries = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Changes in the block are no part of the request: a rollback leaves them."""
+        entries, self._entries = self._entries, None
+        try:
+            yield
+        finally:
+            self._entries = entries
 
     def rollback(self) -> list[Any]:
         """Undo the request; returns the objects whose fields came back (to re-index)."""
