@@ -74,7 +74,7 @@ class ColdLeases:
 
     @classmethod
     def build(cls, batches: Iterable[Sequence[tuple[Any, ...]]]) -> ColdLeases:
-        """From batches of rows (UTF-8 key, deadline, ...), in (key, slot) order.
+        """From batches of (UTF-8 key, deadline) rows, in (key, slot) order.
 
         Each batch is taken apart by C loops (``map``, ``join``), not a
         Python step per row: at a million rows that is most of the start.
@@ -97,9 +97,12 @@ class ColdLeases:
     def _append(self, keys: list[bytes], expires: Iterable[int]) -> None:
         # The batch with the last key of the one before: a key's leases may straddle.
         ordered = [bytes(self._keys[self.lease_count - 1]), *keys] if self.lease_count else keys
-        if not all(map(operator.le, ordered, itertools.islice(ordered, 1, None))):
+        # One pass when no key has several leases (the common case), two otherwise.
+        pairs = len(ordered) - 1
+        rising = sum(map(operator.lt, ordered, itertools.islice(ordered, 1, None)))
+        repeats = 0 if rising == pairs else sum(map(operator.eq, ordered, ordered[1:]))
+        if rising + repeats != pairs:
             raise ValueError("cold leases must come in key order")
-        repeats = sum(map(operator.eq, ordered, itertools.islice(ordered, 1, None)))
         self._posts.extend(keys[-self.lease_count % POST_EVERY :: POST_EVERY])
         start = len(self._blob)
         self._blob += b"".join(keys)
