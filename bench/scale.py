@@ -188,7 +188,12 @@ FILL_COLUMNS: dict[str, Any] = {
     "owner": lambda i, ctx: f"job-{i % 1000}" if i % 3 == 0 else None,
     "principal": lambda i, ctx: PRINCIPALS[i % len(PRINCIPALS)],
     "ttl_ms": lambda i, ctx: 3_600_000,
-    "expires_at": lambda i, ctx: ctx["expires_at"],
+    # Spread: scattered over the window, not in key order (a multiplicative hash).
+    "expires_at": lambda i, ctx: (
+        ctx["expires_at"] + (i * 2_654_435_761) % ctx["spread_ms"]
+        if ctx["spread_ms"]
+        else ctx["expires_at"]
+    ),
     "boot_id": lambda i, ctx: ctx["boot_id"],
     "mode": lambda i, ctx: "exclusive",
     "hold_limit": lambda i, ctx: 1,
@@ -197,11 +202,15 @@ FILL_COLUMNS: dict[str, Any] = {
 }
 
 
-def fill(tree: Path, db: Path, count: int, expires_at: int) -> float:
-    """Write ``count`` leases into a fresh database with ``tree``'s lockd; seconds taken."""
+def fill(tree: Path, db: Path, count: int, expires_at: int, spread_ms: int = 0) -> float:
+    """Write ``count`` leases into a fresh database with ``tree``'s lockd; seconds taken.
+
+    Their deadlines are ``expires_at``, or with ``spread_ms`` scattered over
+    that many milliseconds after it.
+    """
     t0 = time.monotonic()
     subprocess.run(
-        [sys.executable, __file__, "--fill", str(db), str(count), str(expires_at)],
+        [sys.executable, __file__, "--fill", str(db), str(count), str(expires_at), str(spread_ms)],
         cwd=tree,
         env={**os.environ, "LOCKD_SCALE_TREE": str(tree), "PYTHONPATH": str(tree)},
         check=True,
@@ -209,7 +218,7 @@ def fill(tree: Path, db: Path, count: int, expires_at: int) -> float:
     return time.monotonic() - t0
 
 
-def _fill_here(db: Path, count: int, expires_at: int) -> None:
+def _fill_here(db: Path, count: int, expires_at: int, spread_ms: int) -> None:
     """Write ``count`` exclusive leases of this boot into a fresh database.
 
     The schema comes from lockd's own Store (its migrations); the rows go in
@@ -218,7 +227,7 @@ def _fill_here(db: Path, count: int, expires_at: int) -> None:
     """
     from lockd.daemon.store import Store, read_boot_id
 
-    ctx = {"boot_id": read_boot_id(), "expires_at": expires_at}
+    ctx = {"boot_id": read_boot_id(), "expires_at": expires_at, "spread_ms": spread_ms}
     Store(db, ctx["boot_id"]).close()
     conn = sqlite3.connect(str(db), isolation_level=None)
     try:
@@ -366,7 +375,12 @@ def _probe_pairs(probe: Wire, expires_at: int) -> _Pairs:
 
 
 def bench_restart(
-    trees: dict[str, Path], sizes: list[int], repeat: int, list_pages: int, with_list: bool
+    trees: dict[str, Path],
+    sizes: list[int],
+    repeat: int,
+    list_pages: int,
+    with_list: bool,
+    spread_ms: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Start-up time and memory of each lockd at each size; ``list`` pages at the largest.
 
@@ -374,14 +388,16 @@ def bench_restart(
     then every lockd is started ``repeat`` times, in turns (a, b, a, b, ...),
     so a busy stretch of the box falls on both alike. Figures are medians.
     """
-    out: dict[str, dict[str, Any]] = {label: {"sizes": []} for label in trees}
+    out: dict[str, dict[str, Any]] = {
+        label: {"sizes": [], "spread_ms": spread_ms} for label in trees
+    }
     with workdir() as root:
         for count in [0, *sizes]:
             dbs: dict[str, Path] = {}
             fill_s: dict[str, float] = {}
             for label, tree in trees.items():
                 dbs[label] = root / f"{label}-{count}.db"
-                fill_s[label] = fill(tree, dbs[label], count, boot_ms() + 3_600_000)
+                fill_s[label] = fill(tree, dbs[label], count, boot_ms() + 3_600_000, spread_ms)
             starts: dict[str, list[dict[str, float]]] = {label: [] for label in trees}
             for rep in range(repeat):
                 for label in rotated(list(trees), rep):
@@ -610,9 +626,11 @@ def measures(r: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
         for entry in rs["sizes"][1:]:
             n = entry["leases"]
             goal_s, goal_mb = {300_000: (0.9, 80.0), 1_000_000: (3.0, 250.0)}.get(n, (None, None))
+            spread_s = rs.get("spread_ms", 0) // 1000
+            spread = f" (deadlines over {spread_s:,} s)" if spread_s else ""
             rows += [
                 (
-                    f"restart at {n:,}: hello after",
+                    f"restart at {n:,}{spread}: hello after",
                     f"{entry['start_s']:.2f} s",
                     f"<= {goal_s} s" if goal_s else "",
                     entry["start_s"] <= goal_s if goal_s else None,
@@ -776,14 +794,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--restart-repeat", type=int, help="starts of each lockd at each size (medians)"
     )
+    parser.add_argument(
+        "--spread-deadlines-s",
+        type=int,
+        default=0,
+        help="restart: deadlines scattered over this many seconds, not in key order "
+        "(default 0: every lease has the same deadline)",
+    )
     parser.add_argument("--queue-waiters", type=int, help="waiters parked on one key")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON")
     parser.add_argument(
-        "--fill", nargs=3, metavar=("DB", "COUNT", "EXPIRES"), help=argparse.SUPPRESS
+        "--fill", nargs=4, metavar=("DB", "COUNT", "EXPIRES", "SPREAD"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     if args.fill:
-        _fill_here(Path(args.fill[0]), int(args.fill[1]), int(args.fill[2]))
+        _fill_here(Path(args.fill[0]), int(args.fill[1]), int(args.fill[2]), int(args.fill[3]))
         return 0
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if unknown := only - set(SECTIONS):
@@ -823,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan["restart_repeat"],
                 plan["list_pages"],
                 with_list="list" in only,
+                spread_ms=args.spread_deadlines_s * 1000,
             )
             for label, result in restarts.items():
                 runs[label]["restart"] = result

@@ -120,6 +120,52 @@ def test_cold_keys_are_found_through_the_posts_as_in_a_sorted_list(
     assert cold.lease_count == sum(n for k, n in zip(keys, counts, strict=True) if k not in taken)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    deadlines=st.lists(st.lists(st.integers(-5, 60), min_size=1, max_size=3), max_size=120),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["due", "look", "take"]), st.integers(0, 70), st.integers(1, 9)),
+        max_size=40,
+    ),
+)
+def test_cold_deadlines_come_as_from_a_sorted_list(
+    deadlines: list[list[int]], steps: list[tuple[str, int, int]]
+) -> None:
+    """The deadline heap against a plain sort: earliest first, ties in key order.
+
+    ``look`` is a read that failed (the keys stay cold and due); ``take`` a
+    request that loads a key out of deadline order.
+    """
+    keys = [f"k{i:03d}" for i in range(len(deadlines))]
+    rows = [(k.encode(), d) for k, ds in zip(keys, deadlines, strict=True) for d in ds]
+    cold = ColdLeases.build(rows[i : i + 7] for i in range(0, len(rows), 7))
+    taken: set[str] = set()
+
+    def expected(now: int, limit: int) -> list[str]:
+        first: dict[str, int] = {}
+        for number, (key, deadline) in sorted(enumerate(rows), key=lambda r: (r[1][1], r[0])):
+            name = key.decode()
+            if deadline <= now and name not in taken:
+                first.setdefault(name, number)
+        return list(first)[:limit]
+
+    for op, now, limit in steps:
+        left = [d for k, ds in zip(keys, deadlines, strict=True) if k not in taken for d in ds]
+        assert cold.next_deadline() == min(left, default=None)
+        if op == "take":
+            key = keys[now % len(keys)] if keys else "absent"
+            assert cold.take(key) == (key in keys and key not in taken)
+            taken.add(key)
+            continue
+        due = cold.due(now, limit)
+        assert due == expected(now, limit)
+        if op == "due":
+            for key in due:
+                assert cold.take(key)
+            taken.update(due)
+    assert cold.lease_count == sum(len(ds) for k, ds in zip(keys, deadlines) if k not in taken)
+
+
 def test_cold_leases_refuse_keys_out_of_order() -> None:
     with pytest.raises(ValueError, match="key order"):
         ColdLeases.of([(b"b", 1), (b"a", 2)])
