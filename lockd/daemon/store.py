@@ -542,8 +542,10 @@ _LEASE_COLUMNS = (
 )
 #: Rows per fetch of :meth:`Store.deadlines`.
 _ROWS_PER_BATCH = 8192
-#: How much of the file the reads at start map (SQLite caps it at 2 GB).
-_START_MMAP_BYTES = 1 << 31
+#: How much of the file the reads at start map: the first 64 MiB (pages
+#: past it are read as usual). Mapped pages count in the daemon's RSS while
+#: mapped: this bounds what the start's peak RSS grows by.
+_START_MMAP_BYTES = 64 << 20
 #: Keys in one ``IN (...)`` of :meth:`Store.leases_of` (SQLite allows 32,766 parameters).
 _KEYS_PER_QUERY = 500
 
