@@ -163,7 +163,8 @@ def test_cold_deadlines_come_as_from_a_sorted_list(
             for key in due:
                 assert cold.take(key)
             taken.update(due)
-    assert cold.lease_count == sum(len(ds) for k, ds in zip(keys, deadlines) if k not in taken)
+    left = zip(keys, deadlines, strict=True)
+    assert cold.lease_count == sum(len(ds) for k, ds in left if k not in taken)
 
 
 def test_cold_leases_refuse_keys_out_of_order() -> None:
