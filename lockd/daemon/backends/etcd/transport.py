@@ -339,7 +339,9 @@ class Pool:
                 return connection
             await connection.aclose()  # closed by the server while idle: nothing was sent on it
         if self._closed:
-            raise NotSent("the client is closed")
+            # A bug of the caller, not an etcd failure: NotSent would make the
+            # gateway try every endpoint until its timeout.
+            raise RuntimeError("the etcd client is closed")
         return await self._connect(origin, connect_timeout)
 
     async def _connect(self, origin: Origin, timeout: float) -> Connection:
