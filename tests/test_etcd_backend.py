@@ -242,6 +242,43 @@ async def test_waiters_are_granted_in_order_across_hosts(backends: Backends) -> 
     assert second.fence > first.fence
 
 
+async def test_a_deletion_wakes_only_the_waiters_it_concerns(backends: Backends) -> None:
+    """A waiter waits for the holds blocking the head, or the waiter just before it.
+
+    Other deletions in the key's directory (the holder's release while a
+    waiter of another host is ahead, a waiter behind leaving) only update
+    what the queue knows: no decision.
+    """
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(one, request("wk"))
+    results: list[object] = []
+    async with (
+        parked(two, request("wk", timeout_ms=20_000), BOB, results),
+        parked(one, request("wk", timeout_ms=20_000), ALICE, results),
+        parked(two, request("wk", timeout_ms=20_000), BOB, results) as last,
+    ):
+        mine = one._queues["wk"]
+
+        def known() -> int:
+            return len(mine.records) if mine.records is not None else -1
+
+        await until(lambda: known() == 4 and mine.wake_keys is not None)
+        decided = mine.decisions
+        last.cancel()  # a waiter behind ours leaves
+        await until(lambda: known() == 3)
+        assert await one.release("wk", holder.handle)  # n2's waiter is the head
+        await until(lambda: len(results) == 1)
+        # n2's grant deleted the waiter just before ours: that woke it, once.
+        await until(lambda: mine.decisions == decided + 1)
+        await trio.sleep(0.2)
+        assert mine.decisions == decided + 1
+        first = results[0]
+        assert isinstance(first, Hold) and first.node == "n2"
+        assert await two.release("wk", first.handle)
+        await until(lambda: len(results) == 2)
+    assert isinstance(results[1], Hold) and results[1].node == "n1"
+
+
 async def test_consecutive_shared_waiters_are_granted_together(backends: Backends) -> None:
     one, two = await backends("n1"), await backends("n2")
     writer = await acquired(one, request("rw"))

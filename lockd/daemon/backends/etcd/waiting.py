@@ -9,11 +9,13 @@ with local waiters, one task and one watch each. The queue task
    transaction guarded by the revision it read (delete the waiter keys, put
    the holds); a failed guard hands back the directory as it is now, and it
    decides again;
-2. then sleeps until the watch reports a deletion in the directory (a hold
-   released, broken or expired, a binding gone, a waiter granted or gone).
-   The watch runs from the revision after the first read and never stops
-   while the queue lives, so no deletion between a read and the next wait
-   can be missed.
+2. then sleeps until the watch reports the deletion of a record one of its
+   waiters waits for (``queue.decide``'s ``wake_on``: a hold blocking the
+   head, or the binding that keeps it live; the waiter just before; its own
+   waiter keys, which vanish when the session is lost). Other deletions only
+   update what it knows of the directory. The watch runs from the revision
+   after the first read and never stops while the queue lives, so no
+   deletion between a read and the next wait can be missed.
 
 Nothing is granted from memory: a grant is a transaction over what was read.
 A waiter whose key vanished (the session lease ran out during an etcd
@@ -81,6 +83,11 @@ class KeyQueue:
         self.records: dict[bytes, KeyValue] | None = None
         self.revision = 0
         self._watch_from = revision + 1
+        #: etcd keys whose deletion can let a waiter of ours move, as of the
+        #: last decision that granted nothing (None: any deletion wakes).
+        self.wake_keys: frozenset[bytes] | None = None
+        #: decisions made (how often a deletion woke it: tests, debugging).
+        self.decisions = 0
 
     def join(self, waiter: LocalWaiter, directory: Directory) -> None:
         """Take a waiter whose key is written; ``directory`` was read after it was."""
@@ -134,6 +141,7 @@ class KeyQueue:
                     break
                 await self.changed.wait()
                 self.changed = trio.Event()
+                self.decisions += 1
                 try:
                     async with self.lock:
                         await self._decide()
@@ -182,7 +190,7 @@ class KeyQueue:
                     try:
                         async for response in w:
                             self._apply(response.events)
-                            if any(e.type == "DELETE" for e in response.events):
+                            if any(self._wakes(e) for e in response.events):
                                 self.changed.set()
                     finally:
                         start = w.next_revision or start
@@ -193,6 +201,28 @@ class KeyQueue:
             except EtcdUnavailable:
                 await trio.sleep(RETRY_INTERVAL)
 
+    def _wakes(self, event: Event) -> bool:
+        """True for a deletion that can let one of our waiters move."""
+        if event.type != "DELETE":
+            return False  # a record written never makes room
+        return self.wake_keys is None or event.kv.key in self.wake_keys
+
+    def _wake_keys(self, decision: queue.QueueDecision) -> frozenset[bytes]:
+        """What our waiters wait for: ``wake_on``, the bindings of those holds, their own keys.
+
+        A bound hold dies with its binding, so the binding's deletion can
+        make room as much as the hold's; a waiter key of ours that vanishes
+        means the session was lost (``_decide`` writes it again).
+        """
+        layout, keys = self.backend.layout, set(self.waiters)
+        holds = layout.directory(self.key) + b"h/"
+        for waiter_key in self.waiters:
+            for blocker in decision.wake_on.get(waiter_key, ()):
+                keys.add(blocker)
+                if blocker.startswith(holds):
+                    keys.add(layout.binding(self.key, blocker[len(holds) :].decode()))
+        return frozenset(keys)
+
     async def _read(self) -> Directory:
         backend = self.backend
         result = await backend.etcd.range(RangeOp(self.directory_key, prefix=True))
@@ -201,6 +231,9 @@ class KeyQueue:
     async def _decide(self) -> None:
         """Grant what the rules grant our waiters now; re-queue waiters that were lost."""
         backend = self.backend
+        # Until this decision settles what our waiters wait for, any deletion
+        # (one that arrives while it awaits etcd, too) decides again.
+        self.wake_keys = None
         if self.records is None:
             self._learn(await self._read())
         while self.waiters:
@@ -218,6 +251,7 @@ class KeyQueue:
                 self.waiters[c.etcd_key] for c in decision.granted if c.etcd_key in self.waiters
             ]
             if not mine:
+                self.wake_keys = self._wake_keys(decision)
                 return
             result = await self._grant(directory, mine)
             if result is None:
