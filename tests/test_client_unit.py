@@ -1327,6 +1327,36 @@ def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], Fak
     assert (caught.value.key, caught.value.fence, caught.value.code) == ("k", 7, "LEASE_LOST")
 
 
+def test_auto_renew_is_paced_by_the_ttl_the_grant_reports(
+    serve: Callable[[Script], FakeServer],
+) -> None:
+    """A daemon on etcd grants whole seconds (0.3 s asked, 2 s granted) and its
+    renews take etcd round trips: a renew slower than the TTL asked for is
+    not a lost lease while the granted one lasts."""
+
+    def stamp(seconds: float) -> str:
+        at = datetime.now(UTC) + timedelta(seconds=seconds)
+        return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+    def handler(request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "renew":
+            time.sleep(0.5)
+            return ok({"renewed": True, "leaseExpiresAt": stamp(2.0)})
+        reply = answer(request)
+        if request["op"] == "acquire":
+            reply["result"].update(ttlMs=2000, leaseExpiresAt=stamp(2.0))
+        return reply
+
+    server = serve(responder(handler))
+    with make_client(server.path) as client, client.lock("k", ttl=0.3, timeout=1) as handle:
+        deadline = time.monotonic() + 5
+        while server.ops().count("renew") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not handle.lost
+    renews = [r for r in server.requests if r["op"] == "renew"]
+    assert len(renews) >= 2 and renews[0]["ttlMs"] == 300  # it asks for what it asked
+
+
 def test_auto_renew_declares_loss_before_lease_runs_out(
     serve: Callable[[Script], FakeServer],
 ) -> None:

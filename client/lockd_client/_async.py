@@ -51,7 +51,7 @@ from ._errors import (
     ShuttingDownError,
     SocketPermissionError,
 )
-from ._lock import call_on_lost, check_released, lease_end
+from ._lock import call_on_lost, check_released, granted_ttl_ms, lease_end
 from ._paths import resolve_socket_path
 from ._requests import (
     Attempts,
@@ -452,10 +452,15 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         on_lost: Callable[[Handle], object] | None,
         lost: builtins.list[str],
     ) -> None:
-        """Renew every ttl/3 until stopped; declare the loss before the lease ends."""
-        interval = ttl_ms / 3000
-        margin = min(ttl_ms / 10_000, _MAX_MARGIN)
-        deadline = lease_end(handle, time.monotonic(), ttl_ms)
+        """Renew every ttl/3 until stopped; declare the loss before the lease ends.
+
+        The TTL that paces it is the grant's (an etcd daemon's is whole
+        seconds, at least 2), as in the blocking client's ``AutoRenewer``.
+        """
+        lease_ms = granted_ttl_ms(handle, ttl_ms)
+        interval = lease_ms / 3000
+        margin = min(lease_ms / 10_000, _MAX_MARGIN)
+        deadline = lease_end(handle, time.monotonic(), lease_ms)
         pause = min(interval, max(0.0, deadline - margin - time.monotonic()) / 2)
         while True:
             await self._sleep(pause)
@@ -475,7 +480,7 @@ class AsyncClientBase(ABC, Generic[SlotT]):
                 reason = f"renew answered {result.reason or 'renewed: false'}"
                 _lose(handle, on_lost, lost, reason)
                 return
-            deadline = sent_at + ttl_ms / 1000
+            deadline = sent_at + lease_ms / 1000
             pause = interval
 
     async def _pipeline(self) -> Pipeline[SlotT]:

@@ -295,7 +295,7 @@ class LockClient:
         """Context manager: acquire ``key`` (blocking), yield the Handle, release on exit.
 
         Safe by default: the lease is renewed in the background
-        (``auto_renew``, every ``ttl/3``) and bound to this client's
+        (``auto_renew``, every third of the TTL the grant reports) and bound to this client's
         connection (``release_on_close``), so a process killed inside the
         block frees the key at once, as with flock.
 

@@ -60,8 +60,13 @@ class AutoRenewer:
         self._handle = handle
         self._ttl_ms = ttl_ms
         self._on_lost = on_lost
-        self._interval = ttl_ms / 3000
-        self._margin = min(ttl_ms / 10_000, _MAX_MARGIN)
+        # What each renew gives, as the grant said: a daemon on etcd rounds
+        # the TTL up to whole seconds (at least 2), and its renews take a few
+        # etcd round trips: pacing them by the TTL asked for would give a
+        # slow renew up for lost long before the lease could end.
+        self._lease_ms = granted_ttl_ms(handle, ttl_ms)
+        self._interval = self._lease_ms / 3000
+        self._margin = min(self._lease_ms / 10_000, _MAX_MARGIN)
         self._deadline = expires_at
         self.lost_reason: str | None = None
         self._stop = threading.Event()
@@ -117,7 +122,7 @@ class AutoRenewer:
             if not result.renewed:
                 self._lose(f"renew answered {result.reason or 'renewed: false'}")
                 return
-            self._deadline = sent_at + self._ttl_ms / 1000
+            self._deadline = sent_at + self._lease_ms / 1000
             pause = self._interval
 
     def _lose(self, reason: str) -> None:
@@ -162,7 +167,11 @@ def hold(
     renewer: AutoRenewer | None = None
     if auto_renew:
         renewer = AutoRenewer(
-            client, handle, ttl_ms, on_lost, expires_at=lease_end(handle, sent_at, ttl_ms)
+            client,
+            handle,
+            ttl_ms,
+            on_lost,
+            expires_at=lease_end(handle, sent_at, granted_ttl_ms(handle, ttl_ms)),
         )
         renewer.start()
     try:
@@ -207,6 +216,11 @@ def call_on_lost(on_lost: Callable[[Handle], object], handle: Handle) -> None:
         on_lost(handle)
     except Exception:
         log.exception("lockd: on_lost callback for %r raised", handle.key)
+
+
+def granted_ttl_ms(handle: Handle, asked_ms: int) -> int:
+    """The TTL the grant reports (``ttlMs``: whole seconds, at least 2, on etcd), else as asked."""
+    return handle.ttl_ms if handle.ttl_ms > 0 else asked_ms
 
 
 def lease_end(handle: Handle, sent_at: float, ttl_ms: int) -> float:
