@@ -244,6 +244,72 @@ def test_kill9_of_a_host_frees_its_waiters_and_bound_holds_not_its_ttl_holds(
             assert status.raw["node"] == "host-a" and b.try_acquire(kept, ttl=60) is None
 
 
+# ------------------------------------------------------------ one daemon per node name
+
+
+@contextlib.contextmanager
+def daemons_of(etcd: EtcdBackend, count: int) -> Iterator[list[DaemonProcess]]:
+    """``count`` daemons (not started) with ``etcd``'s table: one node name for all."""
+    roots = [Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp")) for _ in range(count)]
+    daemons = [DaemonProcess.in_folder(root, etcd) for root in roots]
+    for daemon in daemons:
+        daemon.write_config("")
+    try:
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_second_daemon_with_the_same_node_name_refuses_to_start(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    """Both would own the same waiter keys and bindings: the second one stops, naming why."""
+    etcd = EtcdBackend.on(etcd_cluster, node="twin")
+    with daemons_of(etcd, 2) as (first, second):
+        first.start()
+        assert first.proc is not None
+        refused = second.serve_once()
+        assert refused.returncode == 1, refused.stderr
+        assert "backend.node 'twin' is in use by another lockd" in refused.stderr
+        assert f"pid {first.proc.pid} on host" in refused.stderr
+        with LockClient(str(first.socket)) as client:  # the first one serves on
+            assert client.acquire(unique("twin"), ttl=60, timeout=1).fence > 0
+
+
+def test_a_daemon_restarted_after_kill9_takes_its_node_name_back_at_once(
+    etcd_cluster: EtcdCluster,
+) -> None:
+    """Same host, its old pid gone: the old session is revoked before serving.
+
+    So the dead daemon's waiters are gone at the restart, not a session TTL
+    (10 s here) after the kill; its TTL holds stay. (A restart slower than
+    the TTL, on a loaded box, finds the old session ended already.)
+    """
+    etcd = EtcdBackend.on(etcd_cluster, node="phoenix", session_ttl=10)
+    key = unique("phoenix")
+    with daemons_of(etcd, 1) as (daemon,):
+        daemon.start()
+        with LockClient(str(daemon.socket)) as client:
+            held = client.acquire(key, ttl=60, timeout=1)
+            dying = RawConn(daemon.socket)
+            dying.send(blocking_acquire(1, key))
+            wait_for(lambda: waiters(client, key) == 1, what="the waiter to park")
+        daemon.kill9()
+        killed_at = time.monotonic()
+        dying.close()
+        daemon.start()
+        with LockClient(str(daemon.socket)) as client:
+            status = client.status(key)
+            restarted_in = time.monotonic() - killed_at
+            assert status.waiters == 0 and status.held and status.fence == held.fence
+        # Its last keepalive came up to a third of the TTL before the kill.
+        if restarted_in < 5:
+            assert "event=node_taken_over node=phoenix" in daemon.read_log()
+
+
 def test_a_host_cut_off_past_its_session_loses_bound_holds_keeps_ttl_holds(
     etcd_cluster: EtcdCluster,
 ) -> None:

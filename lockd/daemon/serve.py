@@ -326,6 +326,24 @@ def run(paths: Paths, *, adopt_fence_mark: bool = False, etcd: tuple[str, ...] =
     gc.set_threshold(10_000, 10, 10)
     try:
         trio.run(_main, daemon)
+    except BaseExceptionGroup as group:
+        refusal = _node_taken(group)
+        if refusal is None:
+            raise
+        raise StartupError(str(refusal)) from None
     finally:
         daemon.close()
     return 0
+
+
+def _node_taken(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The etcd backend's NodeTaken, when that alone ended the daemon (nested in task groups)."""
+    from lockd.daemon.backends.etcd.nodeclaim import NodeTaken
+
+    matched, rest = group.split(NodeTaken)
+    if matched is None or rest is not None:
+        return None
+    found: BaseException = matched
+    while isinstance(found, BaseExceptionGroup):
+        found = found.exceptions[0]
+    return found

@@ -35,6 +35,7 @@ from lockd.daemon.backends.etcd.gateway import (
     LeaseNotFound,
 )
 from lockd.daemon.backends.etcd.leases import KeptLease, LeasePool, Refresh
+from lockd.daemon.backends.etcd.nodeclaim import claim_node
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
 from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
@@ -149,6 +150,11 @@ class EtcdBackend:
             async with trio.open_nursery() as nursery:
                 try:
                     await nursery.start(session.run)
+                    # Before anything goes on the lease: one daemon per node name
+                    # (NodeTaken ends the daemon: it must not serve).
+                    await claim_node(
+                        self.etcd, self.layout.node(self.node), self.node, session.lease_id
+                    )
                 except (EtcdUnavailable, EtcdError) as exc:
                     log.warning(kv(event="etcd_unavailable", during="session", error=exc))
                 else:

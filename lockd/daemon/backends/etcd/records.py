@@ -12,6 +12,9 @@ directory guards a decision (docs/etcd-design.md §2-3):
 - ``w/<session lease, hex>/<seq>``: a waiter, on the session lease; queue
   order is its create revision, then its key.
 
+Beside the directories, ``<prefix>n/<node>`` on a daemon's session lease
+claims its node name (``nodeclaim.py``).
+
 Lock keys are hex-encoded: any UTF-8 (``/`` included) becomes a path part,
 and hex keeps byte order, so etcd's key order is the lock keys' order and
 ``list`` pages with plain range reads. No I/O here.
@@ -36,6 +39,10 @@ class Layout:
         self.root = prefix.encode()
         #: every lock key's directory starts with this.
         self.locks = self.root + b"k/"
+
+    def node(self, name: str) -> bytes:
+        """The claim of a node name (``backend.node``: letters, digits, ``.``, ``_``, ``-``)."""
+        return self.root + b"n/" + name.encode()
 
     def directory(self, key: str) -> bytes:
         return self.locks + key.encode().hex().encode() + b"/"
