@@ -340,6 +340,45 @@ async def test_quorum_loss_raises_unavailable_within_the_timeout_then_recovers(
         assert (await etcd.get("/quorum/k")).kvs[0].value == b"3"
 
 
+async def test_a_member_seen_down_that_comes_back_as_leader_takes_writes(
+    new_etcd_cluster: Callable[..., EtcdCluster],
+) -> None:
+    """A killed member restarts and wins an election before this client saw another leader.
+
+    Writes go through it. (They were refused as "follows a member that is
+    down" for as long as it led: the quorum-loss test's 60 s hang under
+    load, when a restarted member won the first election.)
+    """
+    cluster = new_etcd_cluster()
+    first = cluster.leader()
+    others = [m for m in cluster.members if m is not first]
+    endpoints = [first.client_url, *(m.client_url for m in others)]
+    async with EtcdGateway(GatewaySettings(endpoints, timeout=3.0)) as etcd:
+        await etcd.put("/back/k", "1")  # through the leader: its member id is known
+        cluster.kill(first)
+        # A read finds the member gone and moves on (reads never ask for the leader).
+        with trio.fail_after(30):
+            while True:
+                try:
+                    await etcd.get("/back/k")
+                    break
+                except EtcdUnavailable:
+                    await trio.sleep(0.1)
+        cluster.restart(first)
+        status = first.status()
+        assert status is not None
+        header = status["header"]
+        assert isinstance(header, dict)
+        target = {"targetID": str(header["member_id"])}
+        with trio.fail_after(30):  # the member leading now hands the lead to it (a new term)
+            while (leader := cluster.leader()) is not first:
+                leader.post("/v3/maintenance/transfer-leadership", target, timeout=5.0)
+                await trio.sleep(0.2)
+        with trio.fail_after(20):
+            await etcd.put("/back/k", "2")
+        assert (await etcd.get("/back/k")).kvs[0].value == b"2"
+
+
 async def test_tls_with_client_certificates_and_auth(
     new_etcd_cluster: Callable[..., EtcdCluster], tmp_path: Path
 ) -> None:

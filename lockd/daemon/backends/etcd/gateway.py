@@ -339,9 +339,28 @@ class EtcdGateway:
         except MaybeSent as failure:  # a read failed: the write itself was never sent
             raise NotSent(str(failure)) from None
         leader = int(status.get("leader", 0))
+        if leader in self._down_members and await self._leads_again(leader):
+            self._down_members.discard(leader)
         if leader == 0 or leader in self._down_members:
             raise NotSent(f"no live leader yet (follows {leader:x}, which is down)")
         self._down_members.clear()  # a new leader: forwarding works again
+
+    async def _leads_again(self, member: int) -> bool:
+        """True when ``member``, seen down, answers on its own endpoint and leads.
+
+        A member that was restarted can win the next election before any
+        other leader shows up; without asking it, writes would wait for a
+        leader outside the down set for as long as it leads.
+        """
+        for endpoint, known in list(self._member_ids.items()):
+            if known != member:
+                continue
+            try:
+                status = await self._post(endpoint, "/v3/maintenance/status", {}, idempotent=True)
+            except (NotSent, MaybeSent):
+                return False
+            return int(status.get("leader", 0)) == member
+        return False
 
     async def _post(
         self, endpoint: str, path: str, body: Mapping[str, Any], *, idempotent: bool
