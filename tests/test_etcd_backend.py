@@ -17,10 +17,10 @@ import pytest
 import trio
 
 from lockd.config import BackendSettings
-from lockd.daemon.backends.etcd import leases
+from lockd.daemon.backends.etcd import backend as backend_module
 from lockd.daemon.backends.etcd.backend import EtcdBackend, lease_seconds
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, GatewaySettings
-from lockd.daemon.backends.etcd.leases import FRESH_MS, KeptLease
+from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.wire import RangeOp
 from lockd.daemon.clock import SystemClock
@@ -135,7 +135,10 @@ async def test_try_acquire_grants_a_free_key_and_reports_the_effective_ttl(
     before = int(time.time() * 1000)
     hold = await acquired(backend, request("k", ttl_ms=1500))
     assert hold.ttl_ms == 2000 and hold.node == "web-1" and hold.pid == ALICE.pid
-    assert before + 2000 <= hold.expires_at <= int(time.time() * 1000) + 2000
+    # At least the TTL reported; its etcd lease has HEADROOM_S more.
+    assert before + 2000 <= hold.expires_at <= int(time.time() * 1000) + 2000 + HEADROOM_S * 1000
+    lease = await backend.etcd.lease_time_to_live(hold.lease)
+    assert lease.granted_ttl == 2 + HEADROOM_S
     # The fence is the hold key's create revision.
     kv = (await backend.etcd.get(backend.layout.hold("k", hold.handle))).kvs[0]
     assert hold.fence == kv.create_revision
@@ -430,16 +433,24 @@ async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
         return await keepalive(lease_id)
 
     monkeypatch.setattr(backend.etcd, "lease_keepalive", counted)
-    # "Fresh" stretched to 5 s, so a loaded machine cannot make this one stale.
-    monkeypatch.setattr(leases, "FRESH_MS", 5000)
+    # Headroom stretched to 5 s, so a loaded machine cannot make the lease stale.
+    monkeypatch.setattr(backend_module, "HEADROOM_S", 5)
     first = await acquired(backend, request("f", ttl_ms=600_000))
     assert await backend.release("f", first.handle)
+    asked_at = int(time.time() * 1000)
     again = await acquired(backend, request("f", ttl_ms=600_000))
     assert again.lease == first.lease and sent == []
-    # Its expiry is the lease's true end (not a full TTL from this grant).
-    assert again.expires_at == first.expires_at
+    # A full TTL from this grant, which the lease (granted HEADROOM_S longer) outlives.
+    lease_end = first.expires_at + 5000
+    assert asked_at + 600_000 <= again.expires_at <= lease_end
+    assert again.ttl_ms == 600_000
     assert await backend.release("f", again.handle)
-    monkeypatch.setattr(leases, "FRESH_MS", 0)
+
+    def never_fresh(lease: KeptLease, now_ms: int) -> bool:
+        return False
+
+    original_fresh = KeptLease.fresh
+    monkeypatch.setattr(KeptLease, "fresh", never_fresh)
     await trio.sleep(0.05)
     third = await acquired(backend, request("f", ttl_ms=600_000))
     assert third.lease == first.lease and sent == [first.lease]
@@ -447,16 +458,17 @@ async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
     # The keepalive answered after the record was written; the pool still
     # knows the lease was just refreshed.
     assert await backend.release("f", third.handle)
-    monkeypatch.setattr(leases, "FRESH_MS", 5000)
+    monkeypatch.setattr(KeptLease, "fresh", original_fresh)
     fourth = await acquired(backend, request("f", ttl_ms=600_000))
-    assert sent == [first.lease] and fourth.expires_at == third.expires_at
+    assert sent == [first.lease] and fourth.expires_at >= third.expires_at
 
 
-def test_a_lease_is_fresh_for_1_percent_of_its_ttl_at_most_a_second() -> None:
+def test_a_kept_lease_is_fresh_while_a_full_ttl_is_ahead_of_it() -> None:
     now = 1_000_000
-    for ttl, fresh_for in ((300, FRESH_MS), (30, 300), (2, 20)):
-        assert KeptLease(1, ttl, now + ttl * 1000 - fresh_for).fresh(now)
-        assert not KeptLease(1, ttl, now + ttl * 1000 - fresh_for - 1).fresh(now)
+    for ttl in (2, 30, 300):
+        assert KeptLease(1, ttl, now + (ttl + HEADROOM_S) * 1000).fresh(now)  # just granted
+        assert KeptLease(1, ttl, now + ttl * 1000).fresh(now)
+        assert not KeptLease(1, ttl, now + ttl * 1000 - 1).fresh(now)
 
 
 async def test_a_kept_lease_that_ended_is_replaced(backends: Backends) -> None:
@@ -554,7 +566,11 @@ async def test_a_grant_cancelled_after_its_commit_is_released(
     backend = await backends()
     first = await acquired(backend, request("late", ttl_ms=30_000))
     assert await backend.release("late", first.handle)  # its lease is kept for reuse
-    monkeypatch.setattr(leases, "FRESH_MS", 0)  # its reuse sends a keepalive
+
+    def never_fresh(lease: KeptLease, now_ms: int) -> bool:
+        return False
+
+    monkeypatch.setattr(KeptLease, "fresh", never_fresh)  # its reuse sends a keepalive
     await trio.sleep(0.01)
     keepalive = backend.etcd.lease_keepalive
 

@@ -34,7 +34,7 @@ from lockd.daemon.backends.etcd.gateway import (
     EtcdUnavailable,
     LeaseNotFound,
 )
-from lockd.daemon.backends.etcd.leases import KeptLease, LeasePool, Refresh
+from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease, LeasePool, Refresh
 from lockd.daemon.backends.etcd.nodeclaim import claim_node
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
@@ -213,22 +213,26 @@ class EtcdBackend:
                 refresh = Refresh(kept)
                 assert self._nursery is not None
                 self._nursery.start_soon(self._refresh, refresh)
+            self.leases.note(kept)  # its true end, for when the hold gives it back
             hold = replace(
                 template,
                 handle=new_handle_id(),
                 lease=kept.id,
-                ttl_ms=kept.ttl * 1000,
-                expires_at=kept.alive_until,
+                ttl_ms=ttl_s * 1000,
+                # The TTL's end (a fresh lease lives at least that long); a
+                # stale one's is raised by settle() once its keepalive answered.
+                expires_at=min(kept.alive_until, now_ms + ttl_s * 1000),
             )
             return hold, refresh
         sent = self.clock.wall_ms()
-        grant = await self.etcd.lease_grant(ttl_s)
+        grant = await self.etcd.lease_grant(ttl_s + HEADROOM_S)
+        self.leases.note(KeptLease(grant.id, ttl_s, sent + grant.ttl * 1000))
         hold = replace(
             template,
             handle=new_handle_id(),
             lease=grant.id,
-            ttl_ms=grant.ttl * 1000,
-            expires_at=sent + grant.ttl * 1000,
+            ttl_ms=ttl_s * 1000,
+            expires_at=sent + ttl_s * 1000,
         )
         return hold, None
 
@@ -247,7 +251,9 @@ class EtcdBackend:
         """A granted hold's expiry, once the keepalive of its reused lease answered."""
         if refresh is None:
             return hold
-        return replace(hold, expires_at=max(hold.expires_at, await refresh.wait()))
+        # The lease lives HEADROOM_S past the TTL counted from its keepalive.
+        refreshed = await refresh.wait() - HEADROOM_S * 1000
+        return replace(hold, expires_at=max(hold.expires_at, refreshed))
 
     def recycle(self, hold: Hold, refresh: Refresh | None) -> None:
         """Keep the lease of a hold that was not granted, for the next grant."""
@@ -268,8 +274,8 @@ class EtcdBackend:
     async def _grant_ahead(self, ttl_s: int) -> None:
         try:
             sent = self.clock.wall_ms()
-            grant = await self.etcd.lease_grant(ttl_s)
-            self.keep_lease(KeptLease(grant.id, grant.ttl, sent + grant.ttl * 1000))
+            grant = await self.etcd.lease_grant(ttl_s + HEADROOM_S)
+            self.keep_lease(KeptLease(grant.id, ttl_s, sent + grant.ttl * 1000))
         except (EtcdUnavailable, EtcdError) as exc:
             log.debug(kv(event="lease_ahead_failed", error=exc))  # the grant takes one then
         finally:
@@ -575,11 +581,13 @@ class EtcdBackend:
                 ttl = await self.etcd.lease_keepalive(hold.lease)
             except LeaseNotFound:
                 return None
-            renewed = replace(hold, expires_at=sent + ttl * 1000)
+            self.leases.note(KeptLease(hold.lease, ttl_s, sent + ttl * 1000))
+            renewed = replace(hold, expires_at=sent + min(ttl, ttl_s) * 1000)
         else:
-            grant = await self.etcd.lease_grant(ttl_s)
+            grant = await self.etcd.lease_grant(ttl_s + HEADROOM_S)
+            self.leases.note(KeptLease(grant.id, ttl_s, sent + grant.ttl * 1000))
             renewed = replace(
-                hold, lease=grant.id, ttl_ms=grant.ttl * 1000, expires_at=sent + grant.ttl * 1000
+                hold, lease=grant.id, ttl_ms=ttl_s * 1000, expires_at=sent + ttl_s * 1000
             )
         # Rewrite the record (its expiry), unless it changed since it was read.
         result = await self.etcd.txn(

@@ -18,15 +18,19 @@ that would end within :data:`MARGIN_MS` is not handed out: the keepalive
 must reach etcd before the lease ends, or the grant's put fails with
 "lease not found" (then the caller takes a freshly granted lease).
 
-A lease refreshed a moment ago needs no keepalive (:meth:`KeptLease.fresh`):
-under steady use a lease comes back within milliseconds of its last
-keepalive, and another one would add a request to etcd (a fifth of the
-daemon's CPU per uncontended pair, measured) and, in a hand-off, a wait to
-the grant's reply (its p90 was 5 ms) for nothing. The hold then ends at the
-lease's ``alive_until``: at most 1 % of the TTL (and :data:`FRESH_MS`)
-before a full TTL from the grant, less than etcd's own slack (it checks for
-expired leases every 500 ms and extends them across a leader change); the
-reply's ``leaseExpiresAt`` is that true end.
+A hold's lease is granted :data:`HEADROOM_S` longer than the TTL asked
+(rounded up to whole seconds), so a lease refreshed a moment ago needs no
+keepalive (:meth:`KeptLease.fresh`): while it still has a full TTL ahead of
+it, the hold it carries lasts at least that TTL. Under steady use a lease
+comes back within milliseconds of its last keepalive, and another one would
+add a request to etcd (a fifth of the daemon's CPU per uncontended pair,
+measured) and, in a hand-off, a wait before the grant's reply (its p90 was
+5 ms) for nothing. The hold reports the TTL asked and its end
+(``leaseExpiresAt``, never after the lease's true end); the lease may live
+up to :data:`HEADROOM_S` longer, as etcd's own slack allows (it looks for
+expired leases every 500 ms and extends them across a leader change). The
+pool remembers each lease's true end while a hold uses it (:meth:`note`),
+so a lease given back right after a grant counts as fresh.
 """
 
 from __future__ import annotations
@@ -37,25 +41,25 @@ import trio
 
 #: leases kept per TTL; more are revoked.
 MAX_PER_TTL = 16
-#: keepalive results remembered for leases in use (the oldest are forgotten).
-MAX_NOTED = 1024
+#: true ends remembered for leases in use (the oldest are forgotten).
+MAX_NOTED = 16384
 #: a lease kept must live at least this much longer to be handed out.
 MARGIN_MS = 1000
-#: a kept lease refreshed less than 1 % of its TTL ago, and at most this long
-#: ago, is handed out without a keepalive.
-FRESH_MS = 1000
+#: a hold's etcd lease lives this much longer than the TTL it reports: a kept
+#: lease refreshed less than this long ago is handed out without a keepalive.
+HEADROOM_S = 1
 
 
 @dataclass
 class KeptLease:
     id: int
-    ttl: int  # seconds, as granted
+    ttl: int  # seconds, as asked by its holds (granted HEADROOM_S more)
     alive_until: int  # epoch ms, a lower bound of its end
 
     def fresh(self, now_ms: int) -> bool:
-        """True when its last keepalive (or grant) was sent so lately that it needs none now."""
-        age = self.ttl * 1000 - (self.alive_until - now_ms)
-        return age <= min(FRESH_MS, self.ttl * 10)  # ttl s * 1000 ms / 100
+        """True when it still has a full TTL ahead (its last keepalive or grant was sent
+        less than :data:`HEADROOM_S` ago), so a hold given it now needs no keepalive."""
+        return self.alive_until - now_ms >= self.ttl * 1000
 
 
 @dataclass(eq=False)
@@ -86,13 +90,14 @@ class Refresh:
 class LeasePool:
     def __init__(self) -> None:
         self._kept: dict[int, list[KeptLease]] = {}
-        # alive_until of leases in use whose keepalive answered after their
-        # hold's record was written (the record has the older bound).
+        # The true ends of leases that holds use (a hold's record has its
+        # TTL's end, up to HEADROOM_S earlier, or an older bound when a
+        # keepalive answered after the record was written).
         self._noted: dict[int, int] = {}
 
     def note(self, lease: KeptLease) -> None:
-        """Remember ``lease``'s new ``alive_until`` for when its hold gives it back."""
-        self._noted[lease.id] = lease.alive_until
+        """Remember ``lease``'s true end (``alive_until``) for when its hold gives it back."""
+        self._noted[lease.id] = max(lease.alive_until, self._noted.get(lease.id, 0))
         if len(self._noted) > MAX_NOTED:
             del self._noted[next(iter(self._noted))]
 
