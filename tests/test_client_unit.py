@@ -48,8 +48,8 @@ from lockd_client import (
     default_socket_path,
 )
 
-EXPIRES = "2026-11-30T03:31:00.123Z"
-EXPIRES_DT = datetime(2026, 11, 30, 3, 31, 0, 123000, tzinfo=UTC)
+EXPIRES = "2099-11-30T03:31:00.123Z"  # far ahead: a lease that ended would be renewed at once
+EXPIRES_DT = datetime(2099, 11, 30, 3, 31, 0, 123000, tzinfo=UTC)
 HANDLE_ID = "h" * 22
 
 # -- the fake server -----------------------------------------------------------
