@@ -213,7 +213,8 @@ class EtcdBackend:
                 refresh = Refresh(kept)
                 assert self._nursery is not None
                 self._nursery.start_soon(self._refresh, refresh)
-            self.leases.note(kept)  # its true end, for when the hold gives it back
+            # Its true end, for when the hold gives it back.
+            self.leases.note(kept.id, kept.alive_until)
             hold = replace(
                 template,
                 handle=new_handle_id(),
@@ -226,7 +227,7 @@ class EtcdBackend:
             return hold, refresh
         sent = self.clock.wall_ms()
         grant = await self.etcd.lease_grant(ttl_s + HEADROOM_S)
-        self.leases.note(KeptLease(grant.id, ttl_s, sent + grant.ttl * 1000))
+        self.leases.note(grant.id, sent + grant.ttl * 1000)
         hold = replace(
             template,
             handle=new_handle_id(),
@@ -241,7 +242,7 @@ class EtcdBackend:
         try:
             ttl = await self.etcd.lease_keepalive(refresh.lease.id)
             refresh.lease.alive_until = sent + ttl * 1000
-            self.leases.note(refresh.lease)
+            self.leases.note(refresh.lease.id, refresh.lease.alive_until)
         except (EtcdUnavailable, LeaseNotFound):
             pass  # the grant's put fails on a lost lease; else the old bound stands
         finally:
@@ -581,11 +582,11 @@ class EtcdBackend:
                 ttl = await self.etcd.lease_keepalive(hold.lease)
             except LeaseNotFound:
                 return None
-            self.leases.note(KeptLease(hold.lease, ttl_s, sent + ttl * 1000))
+            self.leases.note(hold.lease, sent + ttl * 1000)
             renewed = replace(hold, expires_at=sent + min(ttl, ttl_s) * 1000)
         else:
             grant = await self.etcd.lease_grant(ttl_s + HEADROOM_S)
-            self.leases.note(KeptLease(grant.id, ttl_s, sent + grant.ttl * 1000))
+            self.leases.note(grant.id, sent + grant.ttl * 1000)
             renewed = replace(
                 hold, lease=grant.id, ttl_ms=ttl_s * 1000, expires_at=sent + ttl_s * 1000
             )

@@ -95,9 +95,9 @@ class LeasePool:
         # keepalive answered after the record was written).
         self._noted: dict[int, int] = {}
 
-    def note(self, lease: KeptLease) -> None:
-        """Remember ``lease``'s true end (``alive_until``) for when its hold gives it back."""
-        self._noted[lease.id] = max(lease.alive_until, self._noted.get(lease.id, 0))
+    def note(self, lease_id: int, alive_until: int) -> None:
+        """Remember a lease's true end for when its hold gives it back."""
+        self._noted[lease_id] = max(alive_until, self._noted.get(lease_id, 0))
         if len(self._noted) > MAX_NOTED:
             del self._noted[next(iter(self._noted))]
 
