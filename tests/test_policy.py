@@ -6,6 +6,7 @@ import hashlib
 import logging
 import re
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -655,3 +656,28 @@ def test_remembered_verdicts_tell_modes_and_limits_apart(tmp_path: Path) -> None
 def test_an_unknown_record_field_is_a_load_error(tmp_path: Path) -> None:
     err = load_error(tmp_path, rule_text(acquire="record.modes == 'shared'"))
     assert "record has no field 'modes'" in err.message
+
+
+# --------------------------------------------------------------------------- CPU budget
+
+
+def test_an_evaluation_over_budget_denies_even_when_no_timer_signal_came(
+    tmp_path: Path,
+) -> None:
+    """The budget's signal is only armed in the main thread (and may come late
+    even there); the verdict must not depend on it: ran over, denied."""
+    numbers = ",".join(str(i) for i in range(300))
+    policy = policy_with(tmp_path, acquire=f"[{numbers}].all(x, x >= 0)", renew=None)
+    policy.budget = 0.001
+    decisions: list[Decision] = []
+
+    def decide() -> None:
+        decisions.append(policy.decide(MEMBER, "acquire", "k"))
+
+    worker = threading.Thread(target=decide)
+    worker.start()
+    worker.join()
+    assert not decisions[0].allowed
+    assert "used more than 1 ms" in decisions[0].reason
+    unbounded = policy_with(tmp_path, acquire=f"[{numbers}].all(x, x >= 0)", renew=None)
+    assert unbounded.decide(MEMBER, "acquire", "k").allowed  # the same rule, no budget
