@@ -1,4 +1,4 @@
-"""The etcd client's HTTP/1.1 transport (h11 on trio): kept connections, framing, failures.
+"""The etcd client's HTTP/1.1 transport (http1.py on trio sockets): connections, failures.
 
 Edge cases run against a tiny trio HTTP server in the test (tests/http_stub.py);
 the last tests run against the real etcd cluster. What matters most here is
@@ -23,6 +23,7 @@ from lockd.daemon.backends.etcd.transport import (
     NotSent,
     Origin,
     Pool,
+    Wire,
 )
 from lockd.daemon.backends.etcd.wire import b64
 from tests.etcd_cluster import EtcdCluster, free_ports
@@ -68,15 +69,15 @@ async def test_requests_share_one_kept_connection_with_either_framing(
 async def test_a_request_goes_out_in_one_write() -> None:
     sends: list[bytes] = []
 
-    class Recording(trio.abc.Stream):
-        async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+    class Recording(Wire):
+        async def send_all(self, data: bytes) -> None:
             sends.append(bytes(data))
 
-        async def wait_send_all_might_not_block(self) -> None:
-            pass
-
-        async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        async def receive_some(self) -> bytes:
             return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+
+        def idle(self) -> bool:
+            return True
 
         async def aclose(self) -> None:
             pass
@@ -86,7 +87,7 @@ async def test_a_request_goes_out_in_one_write() -> None:
     assert len(sends) == 1
     head, body = sends[0].split(b"\r\n\r\n")
     assert body == b'{"compare":[]}' and b"content-length: 14" in head.lower()
-    assert (await connection.receive_head()).status_code == 200
+    assert (await connection.receive_head()).status == 200
     assert await connection.receive_data() == b"{}"
     assert await connection.receive_data() is None
 
@@ -167,6 +168,19 @@ async def test_a_cancelled_request_closes_its_connection(pool: Pool, nursery: tr
         await pool.request(server.url, "/a", b"{}", connect_timeout=CONNECT)
     await pool.request(server.url, "/b", b"{}", connect_timeout=CONNECT)
     assert [r.connection for r in server.requests] == [0, 1]
+
+
+async def test_a_request_already_cancelled_is_not_sent(pool: Pool, nursery: trio.Nursery) -> None:
+    server = await serve(nursery, lambda request: Reply(json={}))
+    await pool.request(server.url, "/a", b"{}", connect_timeout=CONNECT)
+    with trio.CancelScope() as scope:
+        scope.cancel()  # as a deadline that passed before the call
+        await pool.request(server.url, "/b", b"{}", connect_timeout=CONNECT)
+    assert scope.cancelled_caught
+    await pool.request(server.url, "/c", b"{}", connect_timeout=CONNECT)
+    # Nothing went out, and the kept connection was not given up for it.
+    assert [r.path for r in server.requests] == ["/a", "/c"]
+    assert pool.connects == 1
 
 
 async def test_a_streamed_response_comes_line_by_line_across_chunks(

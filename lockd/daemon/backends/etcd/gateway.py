@@ -3,12 +3,13 @@
 Why this shape:
 
 - **The JSON gateway** is served by etcd on its client port (3.4+), so no
-  gRPC stack is needed. The HTTP under it is ``transport.py``: h11 on trio
-  streams with a few kept connections per endpoint, TLS with client
-  certificates by ``trio.SSLStream``, watches streamed line by line. It
-  costs about a third of the CPU httpx did per call (the daemon's limit on
-  lockd-on-etcd's throughput), and it says exactly whether a failed request
-  may have reached etcd, which the failover rules below rest on.
+  gRPC stack is needed. The HTTP under it is ``transport.py``: a strict
+  HTTP/1.1 parser of its own (``http1.py``) on non-blocking sockets, a few
+  kept connections per endpoint, TLS with client certificates by
+  ``trio.SSLStream``, watches streamed line by line. It costs a fraction of
+  the CPU httpx did per call (the daemon's limit on lockd-on-etcd's
+  throughput), and it says exactly whether a failed request may have reached
+  etcd, which the failover rules below rest on.
 - **One bound per request.** Every call, failover included, ends within
   ``timeout`` (the config's ``etcd_timeout``); when it cannot, it raises
   ``EtcdUnavailable``, which the daemon answers as ``BACKEND_UNAVAILABLE``.

@@ -1,16 +1,19 @@
-"""HTTP/1.1 for the etcd gateway client: h11 on trio streams, a few kept connections per endpoint.
+"""HTTP/1.1 for the etcd gateway client: kept connections per endpoint, on trio.
 
 Why this and not a general HTTP client (httpx, which the gateway used first):
 
 - **CPU per request.** The daemon makes one or two etcd calls per lock
   operation, so the client's own cost is a large part of lockd-on-etcd's
   throughput. httpx + httpcore + anyio cost ~1.1 ms of CPU per call on the
-  bench box; h11 (the sans-I/O protocol library under httpcore) driven
-  directly on a trio stream costs about a third of it
-  (``bench/etcd_baseline.py``'s ``gateway`` and ``h11`` floors).
-- **One write per request.** Head and body go out in one ``send_all``
-  (one TLS record with TLS), so etcd wakes once per call; httpcore writes
-  them separately.
+  bench box. Here the HTTP is ``http1.py`` (a strict parser for the one
+  kind of server it talks to), and a plain-TCP connection is a non-blocking
+  socket driven by trio's readiness waits as the daemon's own client
+  sockets are (``sockio.py``): a request that fits the socket buffer goes
+  out without a scheduler pass, and the answer is read once the socket is
+  readable. (``trio.SocketStream`` ends every call in a scheduler pass.) TLS
+  connections go through ``trio.SSLStream``.
+- **One write per request.** Head and body go out in one send (one TLS
+  record with TLS), so etcd wakes once per call.
 - **Knowing what may have reached etcd.** The gateway's failover rules hinge
   on it: a write may be sent again only when it certainly was not sent.
   Here that line is explicit: ``NotSent`` only when no byte of the request
@@ -31,16 +34,24 @@ a watch when its connection closes.
 from __future__ import annotations
 
 import select
+import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
-# A response head larger than this is not an etcd gateway talking.
-MAX_HEAD_BYTES = 64 * 1024
+from lockd.daemon.backends.etcd.http1 import (
+    END,
+    Closed,
+    Head,
+    Malformed,
+    ResponseReader,
+    request_head,
+)
+
 RECEIVE_BYTES = 64 * 1024
 DEFAULT_MAX_IDLE = 8
 
@@ -90,98 +101,168 @@ class Response:
     body: bytes
 
 
-class Connection:
-    """One HTTP/1.1 connection: a trio stream and the h11 state machine that speaks on it."""
+class Wire(Protocol):
+    """The byte stream under a connection."""
 
-    def __init__(self, stream: trio.abc.Stream, origin: Origin) -> None:
-        self.stream = stream
-        self.origin = origin
-        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
-        self._closed_by_peer = False
-        self._got_head = False  # of the response to the request last sent
+    async def send_all(self, data: bytes) -> None: ...
 
-    def reusable(self) -> bool:
-        """Both sides finished the last exchange, the server did not ask to close, and
-        the socket has nothing to read (an idle server that closed shows as readable)."""
-        if self._h11.our_state is not h11.IDLE or self._h11.their_state is not h11.IDLE:
+    async def receive_some(self) -> bytes: ...
+
+    def idle(self) -> bool:
+        """Nothing to read and not at its end (a kept connection the server did not close)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class _PlainWire:
+    """A connected non-blocking TCP socket, driven by trio's readiness waits.
+
+    A send that fits the socket buffer (every etcd request, in practice)
+    does not yield; a receive waits until the socket is readable. Sending
+    without a checkpoint is safe here: the wait for the answer that always
+    follows is one.
+    """
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def send_all(self, data: bytes) -> None:
+        sock, view = self.sock, memoryview(data)
+        while view:
+            try:
+                sent = sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            view = view[sent:]
+
+    async def receive_some(self) -> bytes:
+        while True:
+            await trio.lowlevel.wait_readable(self.sock)
+            try:
+                return self.sock.recv(RECEIVE_BYTES)
+            except BlockingIOError:
+                continue
+
+    def idle(self) -> bool:
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
             return False
+        return False  # end of file, or bytes nobody asked for
+
+    async def aclose(self) -> None:
+        trio.lowlevel.notify_closing(self.sock)
+        self.sock.close()
+        await trio.lowlevel.checkpoint()
+
+
+class _StreamWire:
+    """A trio stream (TLS: ``trio.SSLStream`` on a ``trio.SocketStream``)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+
+    async def send_all(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_some(self) -> bytes:
+        return bytes(await self.stream.receive_some(RECEIVE_BYTES))
+
+    def idle(self) -> bool:
         return not _readable(self.stream)
-
-    async def send_request(self, target: str, body: bytes, headers: Headers) -> None:
-        """POST ``body`` in one write; ``MaybeSent`` if the write fails part-way."""
-        all_headers = [
-            ("Host", self.origin.host_header),
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(len(body))),
-            *headers,
-        ]
-        try:
-            data = self._h11.send(h11.Request(method="POST", target=target, headers=all_headers))
-            data = (data or b"") + (self._h11.send(h11.Data(data=body)) or b"")
-            data += self._h11.send(h11.EndOfMessage()) or b""
-        except h11.LocalProtocolError as exc:  # a header we built is invalid: nothing sent
-            raise NotSent(f"cannot send the request: {exc}") from None
-        self._got_head = False
-        try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise MaybeSent(f"connection broke while sending ({exc!r})") from None
-
-    async def receive_head(self) -> h11.Response:
-        """The response's status line and headers (``MaybeSent`` on anything else)."""
-        while True:
-            event = await self._next_event()
-            if isinstance(event, h11.Response):
-                self._got_head = True
-                return event
-            if not isinstance(event, h11.InformationalResponse):  # 100 Continue is skipped
-                raise MaybeSent(f"unexpected {type(event).__name__} before the response")
-
-    async def receive_data(self) -> bytes | None:
-        """The next piece of the body; None at its end (the connection may then be kept)."""
-        while True:
-            event = await self._next_event()
-            if isinstance(event, h11.Data):
-                if event.data:
-                    return bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
-                    self._h11.start_next_cycle()
-                return None
-            else:
-                raise MaybeSent(f"unexpected {type(event).__name__} in the response body")
-
-    async def _next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
-        while True:
-            try:
-                event = self._h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                if self._closed_by_peer and not self._got_head:
-                    raise MaybeSent("the server closed the connection before answering") from None
-                raise MaybeSent(f"malformed response ({exc})") from None
-            if event is not h11.NEED_DATA:
-                if isinstance(event, h11.ConnectionClosed):
-                    raise MaybeSent("the server closed the connection before answering")
-                return event
-            try:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise MaybeSent(f"connection broke while receiving ({exc!r})") from None
-            self._closed_by_peer = not data
-            self._h11.receive_data(bytes(data))  # b"" marks the end of the stream
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)
 
 
+class Connection:
+    """One HTTP/1.1 connection: the bytes on the wire and the reader of its responses."""
+
+    def __init__(self, wire: Wire, origin: Origin) -> None:
+        self.wire = wire
+        self.origin = origin
+        self._reader = ResponseReader()
+        self._in_exchange = False  # a request went out; its response is not read to the end
+
+    def kept_alive(self) -> bool:
+        """The last exchange ended cleanly and the server did not ask to close."""
+        return not self._in_exchange and self._reader.reusable
+
+    def reusable(self) -> bool:
+        """Kept alive, and the socket has nothing to read (an idle server that closed
+        shows as readable)."""
+        return self.kept_alive() and self.wire.idle()
+
+    async def send_request(self, target: str, body: bytes, headers: Headers) -> None:
+        """POST ``body`` in one write; ``MaybeSent`` if the write fails part-way."""
+        try:
+            head = request_head(target, self.origin.host_header, len(body), headers)
+        except ValueError as exc:  # a header we built is invalid: nothing sent
+            raise NotSent(f"cannot send the request: {exc}") from None
+        self._reader.next_response()
+        self._in_exchange = True
+        try:
+            await self.wire.send_all(head + body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise MaybeSent(f"connection broke while sending ({exc!r})") from None
+
+    async def receive_head(self) -> Head:
+        """The response's status line (``MaybeSent`` on anything but a well-formed one)."""
+        reader = self._reader
+        while True:
+            try:
+                head = reader.read_head()
+            except Closed as exc:
+                raise MaybeSent(str(exc)) from None
+            except Malformed as exc:
+                raise MaybeSent(f"malformed response ({exc})") from None
+            if head is not None:
+                return head
+            await self._receive()
+
+    async def receive_data(self) -> bytes | None:
+        """The next piece of the body; None at its end (the connection may then be kept)."""
+        reader = self._reader
+        while True:
+            try:
+                piece = reader.read_body()
+            except Malformed as exc:
+                raise MaybeSent(f"malformed response ({exc})") from None
+            if piece is END:
+                self._in_exchange = False
+                return None
+            if piece is not None:
+                assert isinstance(piece, bytes)
+                return piece
+            await self._receive()
+
+    async def _receive(self) -> None:
+        try:
+            data = await self.wire.receive_some()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise MaybeSent(f"connection broke while receiving ({exc!r})") from None
+        self._reader.feed(data)  # b"" marks the end of the stream
+
+    async def aclose(self) -> None:
+        await self.wire.aclose()
+
+
 class StreamingResponse:
     """A response read as it arrives (an etcd watch); owns its connection until closed."""
 
-    def __init__(self, pool: Pool, connection: Connection, head: h11.Response) -> None:
+    def __init__(self, pool: Pool, connection: Connection, head: Head) -> None:
         self._pool = pool
         self._connection: Connection | None = connection
-        self.status = head.status_code
-        self.reason = head.reason.decode("latin-1")
+        self.status = head.status
+        self.reason = head.reason
         self._pending = b""
         self._ended = False
 
@@ -267,21 +348,31 @@ class Pool:
         came back within ``read_timeout`` (None: no bound of its own).
         """
         connection = await self._send(url, target, body, headers, connect_timeout)
+        response: Response | None = None
         try:
-            with trio.move_on_after(read_timeout if read_timeout is not None else float("inf")):
-                head = await connection.receive_head()
-                chunks = []
-                while (data := await connection.receive_data()) is not None:
-                    chunks.append(data)
-                response = Response(
-                    head.status_code, head.reason.decode("latin-1"), b"".join(chunks)
-                )
-                await self.give_back(connection)
-                return response
-            raise MaybeSent(f"no answer within {read_timeout:g} s")
+            if read_timeout is None:  # a write: bounded by the caller's deadline alone
+                response = await self._receive(connection)
+            else:
+                with trio.move_on_after(read_timeout):
+                    response = await self._receive(connection)
+                if response is None:
+                    raise MaybeSent(f"no answer within {read_timeout:g} s")
         except BaseException:
             await connection.aclose()  # mid-exchange: its state is unknown
             raise
+        await self.give_back(connection)
+        return response
+
+    @staticmethod
+    async def _receive(connection: Connection) -> Response:
+        head = await connection.receive_head()
+        body = await connection.receive_data()
+        if body is not None:  # in more than one piece (rare: etcd's replies are small)
+            chunks = [body]
+            while (body := await connection.receive_data()) is not None:
+                chunks.append(body)
+            body = b"".join(chunks)
+        return Response(head.status, head.reason, body or b"")
 
     async def stream(
         self,
@@ -304,6 +395,9 @@ class Pool:
     async def _send(
         self, url: str, target: str, body: bytes, headers: Headers, connect_timeout: float
     ) -> Connection:
+        # A call whose caller's deadline has passed (or that was cancelled)
+        # must not go out: the plain wire sends without a checkpoint of its own.
+        await trio.lowlevel.checkpoint_if_cancelled()
         connection = await self._checkout(url, connect_timeout)
         try:
             await connection.send_request(target, body, headers)
@@ -315,7 +409,7 @@ class Pool:
     async def give_back(self, connection: Connection) -> None:
         """Keep a connection whose exchange ended cleanly, or close it."""
         idle = self._idle.setdefault(connection.origin, [])
-        if self._closed or len(idle) >= self._max_idle or not connection.reusable():
+        if self._closed or len(idle) >= self._max_idle or not connection.kept_alive():
             await connection.aclose()
         else:
             idle.append(connection)
@@ -365,7 +459,12 @@ class Pool:
             await _close_quietly(stream)
             raise
         self.connects += 1
-        return Connection(stream, origin)
+        if isinstance(stream, trio.SocketStream):
+            # Plain TCP: the socket itself, non-blocking (TCP_NODELAY stays set).
+            sock = socket.socket(fileno=stream.socket.detach())
+            sock.setblocking(False)
+            return Connection(_PlainWire(sock), origin)
+        return Connection(_StreamWire(stream), origin)
 
 
 async def _close_quietly(stream: trio.abc.Stream | None) -> None:
