@@ -282,37 +282,49 @@ class EtcdGateway:
         ``settings.timeout`` (or a write's outcome is unknown), ``EtcdError``
         when etcd refused the request.
         """
-        rounds = _Rounds(len(self._endpoints))
-        maybe_committed = False
-        with trio.move_on_after(self.settings.timeout):
-            while True:
-                endpoint = self.endpoint
-                maybe_committed = not idempotent
-                try:
-                    if not idempotent and self._down_members:
-                        await self._check_leader(endpoint)
-                    return await self._post(endpoint, path, body, idempotent=idempotent)
-                except NotSent as failure:
-                    maybe_committed = False
-                    why = str(failure)
-                except MaybeSent as failure:
-                    if not idempotent:
-                        raise EtcdUnavailable(
-                            f"{endpoint}: {failure}; the write may have been applied",
-                            maybe_committed=True,
-                        ) from None
-                    why = str(failure)
-                await self._next_endpoint(rounds, f"{endpoint}: {why}")
+        deadline = trio.current_time() + self.settings.timeout
+        attempts = _Attempts(len(self._endpoints))
+        if trio.current_effective_deadline() <= deadline:
+            # The caller's bound ends first (in the daemon, every request's
+            # does): it cancels this call before a bound of ours could end
+            # it, so one more cancel scope would bound nothing, and it costs
+            # as much CPU as reading the reply.
+            return await self._call(path, body, idempotent, attempts)
+        with trio.CancelScope(deadline=deadline):
+            return await self._call(path, body, idempotent, attempts)
         raise EtcdUnavailable(
-            f"etcd did not answer within {self.settings.timeout:g} s (last: {rounds.last})",
-            maybe_committed=maybe_committed,
+            f"etcd did not answer within {self.settings.timeout:g} s (last: {attempts.last})",
+            maybe_committed=attempts.maybe_committed,
         )
 
-    async def _next_endpoint(self, rounds: _Rounds, failure: str) -> None:
+    async def _call(
+        self, path: str, body: Mapping[str, Any], idempotent: bool, attempts: _Attempts
+    ) -> Json:
+        """Try the endpoints in turn until one answers (unbounded: ``call`` bounds it)."""
+        while True:
+            endpoint = self.endpoint
+            attempts.maybe_committed = not idempotent
+            try:
+                if not idempotent and self._down_members:
+                    await self._check_leader(endpoint)
+                return await self._post(endpoint, path, body, idempotent=idempotent)
+            except NotSent as failure:
+                attempts.maybe_committed = False
+                why = str(failure)
+            except MaybeSent as failure:
+                if not idempotent:
+                    raise EtcdUnavailable(
+                        f"{endpoint}: {failure}; the write may have been applied",
+                        maybe_committed=True,
+                    ) from None
+                why = str(failure)
+            await self._next_endpoint(attempts, f"{endpoint}: {why}")
+
+    async def _next_endpoint(self, attempts: _Attempts, failure: str) -> None:
         """Move on to the next endpoint; after a whole round of failures, back off first."""
-        rounds.last = failure
+        attempts.last = failure
         self._current = (self._current + 1) % len(self._endpoints)
-        await rounds.after_failure()
+        await attempts.after_failure()
 
     def _connect_timeout(self) -> float:
         # A connect should take well under a millisecond: a slow one means a
@@ -492,17 +504,17 @@ class Watch:
         """Start the watch on a live endpoint from ``next_revision``, within the timeout."""
         body = self._request.body(start_revision=self.next_revision)
         gateway = self._gateway
-        rounds = _Rounds(len(gateway._endpoints))
+        attempts = _Attempts(len(gateway._endpoints))
         with trio.move_on_after(gateway.settings.timeout):
             while True:
                 endpoint = gateway.endpoint
                 try:
                     return await self._start(endpoint, body)
                 except HttpFailure as failure:
-                    await gateway._next_endpoint(rounds, f"{endpoint}: {failure}")
+                    await gateway._next_endpoint(attempts, f"{endpoint}: {failure}")
         raise EtcdUnavailable(
             f"no etcd endpoint took the watch within {gateway.settings.timeout:g} s "
-            f"(last: {rounds.last})"
+            f"(last: {attempts.last})"
         )
 
     async def _start(self, endpoint: str, body: Json) -> StreamingResponse:
@@ -541,14 +553,18 @@ class Watch:
         await self._drop()
 
 
-class _Rounds:
-    """Failover bookkeeping: back off after each full round of failed endpoints."""
+class _Attempts:
+    """Failover bookkeeping of one call: back off after each full round of failed endpoints."""
+
+    __slots__ = ("backoff", "endpoints", "failures", "last", "maybe_committed")
 
     def __init__(self, endpoints: int) -> None:
         self.endpoints = endpoints
         self.failures = 0
         self.backoff = BACKOFF_FIRST
         self.last = "no answer"
+        #: the last attempt was a write that may have reached etcd.
+        self.maybe_committed = False
 
     async def after_failure(self) -> None:
         self.failures += 1

@@ -27,6 +27,7 @@ request that may have reached etcd.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,18 @@ _STATUS_LINE = re.compile(rb"HTTP/1\.1 ([0-9]{3}) ([\t\x20-\x7e\x80-\xff]*)")
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _FIELD_VALUE = rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?"
 _FIELD = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _FIELD_VALUE + rb")[ \t]*")
+# A whole head in one match (status line, then each field line after a CRLF),
+# and the fields that frame the body, found in its field lines: two calls
+# into the regex engine instead of one per line.
+_HEAD = re.compile(
+    rb"HTTP/1\.1 ([0-9]{3}) ([\t\x20-\x7e\x80-\xff]*)"
+    rb"((?:\r\n" + _TOKEN + rb":[ \t]*" + _FIELD_VALUE + rb"[ \t]*)*)"
+)
+_FRAMING_FIELD = re.compile(
+    rb"\r\n(content-length|transfer-encoding|connection):[ \t]*(" + _FIELD_VALUE + rb")[ \t]*"
+    rb"(?=\r\n|\Z)",
+    re.IGNORECASE,
+)
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 # What the parts of a request head may hold (no CR, LF, NUL or other controls).
@@ -90,20 +103,27 @@ def request_head(target: str, host: str, body_length: int, headers: Headers = ()
     head early (CR, LF, a control character) raises ValueError, so no
     request another could be smuggled into is ever sent.
     """
-    lines = [
-        f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {body_length}\r\n"
-    ]
-    for name, value in headers:
-        if not (_REQUEST_NAME.fullmatch(name) and _REQUEST_VALUE.fullmatch(value)):
-            raise ValueError(f"invalid request header {name!r}")
-        lines.append(f"{name}: {value}\r\n")
+    before, after = _head_around_length(target, host, tuple(headers))
+    return b"%s%d%s" % (before, body_length, after)
+
+
+@functools.lru_cache(maxsize=64)
+def _head_around_length(
+    target: str, host: str, headers: tuple[tuple[str, str], ...]
+) -> tuple[bytes, bytes]:
+    """A request head but its Content-Length, checked once: the same few serve every call."""
     if not (_REQUEST_WORD.fullmatch(target) and target.startswith("/")):
         raise ValueError(f"invalid request target {target!r}")
     if not _REQUEST_WORD.fullmatch(host):
         raise ValueError(f"invalid Host {host!r}")
-    lines.append("\r\n")
-    return "".join(lines).encode("ascii")
+    after = ["\r\n"]
+    for name, value in headers:
+        if not (_REQUEST_NAME.fullmatch(name) and _REQUEST_VALUE.fullmatch(value)):
+            raise ValueError(f"invalid request header {name!r}")
+        after.append(f"{name}: {value}\r\n")
+    after.append("\r\n")
+    before = f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    return (before + "Content-Length: ").encode("ascii"), "".join(after).encode("ascii")
 
 
 class ResponseReader:
@@ -174,40 +194,37 @@ class ResponseReader:
                 return None
             if end > MAX_HEAD_BYTES:
                 raise Malformed(f"response head longer than {MAX_HEAD_BYTES} bytes")
-            lines = bytes(buffer[:end]).split(b"\r\n")
+            raw = bytes(buffer[:end])
             del buffer[: end + 4]
-            head = self._parse_head(lines)
+            head = self._parse_head(raw)
             if head is not None:
                 self.has_head = True
                 return head
 
-    def _parse_head(self, lines: list[bytes]) -> Head | None:
-        status_line = _STATUS_LINE.fullmatch(lines[0])
-        if status_line is None:
-            raise Malformed(f"invalid status line {lines[0][:100]!r}")
-        status = int(status_line[1])
+    def _parse_head(self, head: bytes) -> Head | None:
+        match = _HEAD.fullmatch(head)
+        if match is None:
+            raise Malformed(_what_is_wrong(head))
+        status = int(match[1])
         if status < 100:
             raise Malformed(f"status {status} does not exist")
         length: int | None = None
         chunked = False
         keep_alive = True
-        for line in lines[1:]:
-            field = _FIELD.fullmatch(line)
-            if field is None:
-                raise Malformed(f"invalid header line {line[:100]!r}")
-            name = field[1].lower()
+        # Every CRLF in the field lines starts a line (the match above let
+        # no CR or LF into a value), so each hit is a whole field line.
+        for raw_name, value in _FRAMING_FIELD.findall(match[3]):
+            name = raw_name.lower()
             if name == b"content-length":
-                if length is not None or not _DIGITS.fullmatch(field[2]):
-                    raise Malformed(f"Content-Length {field[2][:40]!r} not understood")
-                length = int(field[2])
+                if length is not None or not _DIGITS.fullmatch(value):
+                    raise Malformed(f"Content-Length {value[:40]!r} not understood")
+                length = int(value)
             elif name == b"transfer-encoding":
-                if chunked or field[2].lower() != b"chunked":
-                    raise Malformed(f"Transfer-Encoding {field[2][:40]!r} not understood")
+                if chunked or value.lower() != b"chunked":
+                    raise Malformed(f"Transfer-Encoding {value[:40]!r} not understood")
                 chunked = True
-            elif name == b"connection":
-                tokens = (token.strip().lower() for token in field[2].split(b","))
-                if b"close" in tokens:
-                    keep_alive = False
+            elif b"close" in (token.strip().lower() for token in value.split(b",")):
+                keep_alive = False
         if 100 <= status < 200:
             if status == 101:
                 raise Malformed("101 Switching Protocols, which was not asked for")
@@ -223,7 +240,7 @@ class ResponseReader:
         else:
             self._framing, keep_alive = _TO_EOF, False
         self._keep_alive = keep_alive
-        return Head(status, status_line[2].decode("latin-1"), keep_alive)
+        return Head(status, match[2].decode("latin-1"), keep_alive)
 
     def read_body(self) -> bytes | _End | None:
         """The body's next piece (never empty), :data:`END` after its last, None for more bytes."""
@@ -316,3 +333,14 @@ class ResponseReader:
             piece = bytes(buffer[:at_most])
             del buffer[:at_most]
         return piece
+
+
+def _what_is_wrong(head: bytes) -> str:
+    """Why a response head did not match (the first line at fault), for the error."""
+    status_line, *fields = head.split(b"\r\n")
+    if not _STATUS_LINE.fullmatch(status_line):
+        return f"invalid status line {status_line[:100]!r}"
+    for line in fields:
+        if not _FIELD.fullmatch(line):
+            return f"invalid header line {line[:100]!r}"
+    return "invalid response head"  # not reached: the lines match one by one
