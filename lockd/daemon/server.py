@@ -53,7 +53,7 @@ import select
 import signal
 import socket as stdsocket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,8 +114,9 @@ class Connection:
     waiting: int = 0
     #: those waits by request id, for ``cancel`` (a client reusing an id gets a list).
     waits: dict[RequestId, list[_Wait]] = field(default_factory=dict)
-    #: set while a request the remote backend decides (other than a blocking
-    #: acquire) is in flight: the next line waits for it (see ``_read_lines``).
+    #: set while a blocking acquire a remote backend decides is not parked yet:
+    #: the next line waits for it (see ``_read_lines``; the other requests it
+    #: decides are awaited by the connection's task itself).
     remote_busy: trio.Event | None = None
 
 
@@ -629,7 +630,12 @@ class LockServer:
                     # requests take effect in the order it sent them.
                     self._batch_point(conn)
                     await conn.remote_busy.wait()
-                self._handle_line(conn, line, nursery)
+                remote = self._handle_line(conn, line, nursery)
+                if remote is not None:
+                    # Answered before the next line is read (the replies
+                    # queued before it go out first).
+                    self._batch_point(conn)
+                    await remote
             self._batch_point(conn)
             writer = conn.writer
             if writer is not None and writer.backlogged:
@@ -783,8 +789,14 @@ class LockServer:
 
     # ------------------------------------------------------------- requests
 
-    def _handle_line(self, conn: Connection, line: bytes, nursery: trio.Nursery) -> None:
-        """Answer one request into the outbox, or hand it to a task of its own if it must wait."""
+    def _handle_line(
+        self, conn: Connection, line: bytes, nursery: trio.Nursery
+    ) -> Coroutine[Any, Any, None] | None:
+        """Answer one request into the outbox, or hand it to a task of its own if it must wait.
+
+        A request a remote backend decides without waiting in a queue comes
+        back as a coroutine for the connection's own task to await.
+        """
         started = time.perf_counter()
         handed_off = False
         request: Request | None = None
@@ -798,8 +810,11 @@ class LockServer:
                 result = {"cancelled": self._cancel(conn, request.target)}
                 self._queue(conn, request.id, encode_result(request.id, result))
             elif self.service.remote is not None and self.service.remote.decides(request):
-                self._answer_remote(conn, nursery, request, started)
                 handed_off = True
+                if isinstance(request, Acquire) and request.timeout_ms is not None:
+                    self._answer_remote(conn, nursery, request, started)
+                else:
+                    return self._answer_remote_now(conn, request, started)
             elif isinstance(request, Acquire):
                 step = service.acquire(conn.caller, conn.id, request, pending=conn.waiting)
                 if isinstance(step, Reply):
@@ -823,6 +838,7 @@ class LockServer:
             if request is not None and not handed_off:
                 self._observe(request.op, started)
             self._reschedule()
+        return None
 
     def _reply(
         self, conn: Connection, request_id: RequestId, reply: Reply, *, needs_commit: bool
@@ -855,40 +871,58 @@ class LockServer:
 
     # ------------------------------------------------------- a remote backend
 
-    def _answer_remote(
-        self, conn: Connection, nursery: trio.Nursery, request: Request, started: float
-    ) -> None:
-        """A request a remote backend (etcd) decides, answered in a task of its own.
+    async def _answer_remote_now(self, conn: Connection, request: Request, started: float) -> None:
+        """A request a remote backend (etcd) decides without waiting in a queue.
 
-        A blocking acquire is registered like a parked one, so ``cancel``
-        and shutdown can withdraw it (the backend leaves the queue when its
-        task is cancelled); a grant that is withdrawn or cannot be written
-        is released.
+        The connection's own task awaits it before reading its next line: one
+        request in flight per connection, taking effect in the order sent,
+        without a task of its own (whose start and end cost as much CPU as
+        the reply's etcd call, measured on B1). A grant whose reply cannot be
+        written is released.
+        """
+        remote = self.service.remote
+        assert remote is not None
+        try:
+            reply = await remote.answer(conn.caller, conn.id, request, pending=conn.waiting)
+            self._send(conn, encode_result(request.id, reply.result), reply.grant)
+        except ProtocolError as exc:
+            self._reply_error(conn, request, exc)
+        except Exception:
+            self._reply_internal(conn, request)
+        finally:
+            self._flush()  # the error replies above wait in the outbox
+            self._observe(request.op, started)
+
+    def _answer_remote(
+        self, conn: Connection, nursery: trio.Nursery, request: Acquire, started: float
+    ) -> None:
+        """A blocking acquire a remote backend (etcd) decides, answered in a task of its own.
+
+        It is registered like a parked one, so ``cancel`` and shutdown can
+        withdraw it (the backend leaves the queue when its task is
+        cancelled); a grant that is withdrawn or cannot be written is
+        released.
         """
         remote = self.service.remote
         assert remote is not None
         pending = conn.waiting
-        wait: _Wait | None = None
-        # The connection's next line waits for this: until the answer, or,
-        # for a blocking acquire, until it is parked (bounded by the
-        # pending-acquire limit, it must not hold up later requests while
-        # it waits, but a status right behind it must count it).
+        # The connection's next line waits until it is parked (bounded by
+        # the pending-acquire limit, it must not hold up later requests
+        # while it waits, but a status right behind it must count it).
         conn.remote_busy = done = trio.Event()
-        if isinstance(request, Acquire) and request.timeout_ms is not None:
-            wait = _Wait(None)
-            conn.waits.setdefault(request.id, []).append(wait)
-            conn.waiting += 1
+        wait = _Wait(None)
+        conn.waits.setdefault(request.id, []).append(wait)
+        conn.waiting += 1
 
         async def run() -> None:
             reply: RemoteReply | None = None
             try:
-                with wait.scope if wait is not None else contextlib.nullcontext():
+                with wait.scope:
                     reply = await remote.answer(
                         conn.caller, conn.id, request, pending=pending, parked=done
                     )
-                    if wait is not None:
-                        wait.step = Reply(None)  # answered: a cancel now comes too late
-                if reply is None or (wait is not None and wait.cancelled):
+                    wait.step = Reply(None)  # answered: a cancel now comes too late
+                if reply is None or wait.cancelled:
                     if reply is not None and reply.grant is not None:
                         remote.release_undelivered(reply.grant)
                     if self.shutting_down:
@@ -896,7 +930,7 @@ class LockServer:
                     raise ProtocolError(
                         "CANCELLED",
                         "the acquire was withdrawn by cancel",
-                        details={"key": getattr(request, "key", None)},
+                        details={"key": request.key},
                     )
                 self._send(conn, encode_result(request.id, reply.result), reply.grant)
             except ProtocolError as exc:
@@ -905,8 +939,7 @@ class LockServer:
                 self._reply_internal(conn, request)
             finally:
                 self._flush()  # the error replies above wait in the outbox
-                if wait is not None:
-                    self._forget_wait(conn, request.id, wait)
+                self._forget_wait(conn, request.id, wait)
                 if conn.remote_busy is done:
                     conn.remote_busy = None
                 done.set()
