@@ -8,6 +8,9 @@ elsewhere and which it must report as "maybe committed".
 
 from __future__ import annotations
 
+import base64
+import json
+
 import pytest
 import trio
 from hypothesis import given
@@ -22,6 +25,8 @@ from lockd.daemon.backends.etcd.gateway import (
 )
 from lockd.daemon.backends.etcd.wire import (
     Compare,
+    DeleteOp,
+    PutOp,
     RangeOp,
     TxnResult,
     WatchRequest,
@@ -50,10 +55,12 @@ def test_prefix_end_of_0xff_bytes_is_the_end_of_the_key_space() -> None:
 
 
 def test_requests_use_the_gateways_names_and_string_int64() -> None:
-    body = txn_body(
-        [Compare("k", "create_revision", "==", 0), Compare("k", "value", "!=", b"\x00")],
-        success=[RangeOp("/p/", prefix=True, sort_target="create_revision", limit=5)],
-        failure=[],
+    body = json.loads(
+        txn_body(
+            [Compare("k", "create_revision", "==", 0), Compare("k", "value", "!=", b"\x00")],
+            success=[RangeOp("/p/", prefix=True, sort_target="create_revision", limit=5)],
+            failure=[],
+        )
     )
     assert body["compare"] == [
         {"key": b64("k"), "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
@@ -69,11 +76,58 @@ def test_requests_use_the_gateways_names_and_string_int64() -> None:
             "sort_order": "ASCEND",
         }
     }
-    assert Compare("/p/", "mod_revision", "<", 8, prefix=True).body()["range_end"] == b64("/p0")
+    guard = json.loads(Compare("/p/", "mod_revision", "<", 8, prefix=True).body())
+    assert guard["range_end"] == b64("/p0") and guard["mod_revision"] == "8"
     with pytest.raises(TypeError):
         Compare("k", "mod_revision", "==", "7").body()
     with pytest.raises(ValueError):
         RangeOp("k", range_end="z", prefix=True).body()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+keys = st.binary(min_size=1, max_size=40)
+int64s = st.integers(min_value=1, max_value=2**63 - 1)
+
+
+@given(keys, st.binary(max_size=200), st.one_of(st.just(0), int64s), st.booleans(), keys)
+def test_request_bodies_are_the_json_the_gateway_expects(
+    key: bytes, value: bytes, lease: int, flag: bool, end: bytes
+) -> None:
+    """Bodies are written as JSON text directly: they must read back as the documents
+    the gateway's protobuf JSON mapping expects, whatever bytes the keys hold."""
+    put = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    if flag:
+        put["prev_kv"] = True
+    assert json.loads(PutOp(key, value, lease=lease, prev_kv=flag).body()) == put
+    ranged = {"key": _b64(key), "range_end": _b64(end)}
+    deleted = DeleteOp(key, range_end=end, prev_kv=flag).body()
+    assert json.loads(deleted) == {**ranged, **({"prev_kv": True} if flag else {})}
+    read = RangeOp(key, prefix=True, revision=lease, limit=3, keys_only=flag, count_only=True)
+    expected = {"key": _b64(key), "range_end": _b64(prefix_end(key)), "limit": "3"}
+    expected |= {"count_only": True} | ({"revision": str(lease)} if lease else {})
+    assert json.loads(read.body()) == expected | ({"keys_only": True} if flag else {})
+    guard = Compare(key, "value", "==", value, range_end=end)
+    assert json.loads(guard.body()) == {
+        **ranged,
+        "target": "VALUE",
+        "result": "EQUAL",
+        "value": _b64(value),
+    }
+    watch = WatchRequest(key, prefix=flag, prev_kv=True).body(start_revision=lease)
+    created = {"key": _b64(key), "prev_kv": True}
+    if flag:
+        created["range_end"] = _b64(prefix_end(key))
+    if lease:
+        created["start_revision"] = str(lease)
+    assert json.loads(watch) == {"create_request": created}
+    txn = json.loads(txn_body([guard], [PutOp(key, value, lease=lease, prev_kv=flag)], []))
+    compares = [json.loads(guard.body())]
+    assert txn == {"compare": compares, "success": [{"request_put": put}], "failure": []}
 
 
 def test_replies_fill_in_the_fields_the_gateway_leaves_out() -> None:

@@ -255,7 +255,7 @@ class EtcdGateway:
 
     async def status(self) -> Json:
         """``/v3/maintenance/status`` of whichever member answers (version, leader, revision)."""
-        return await self.call("/v3/maintenance/status", {}, idempotent=True)
+        return await self.call("/v3/maintenance/status", "{}", idempotent=True)
 
     # --- watches -------------------------------------------------------------------
 
@@ -275,13 +275,15 @@ class EtcdGateway:
 
     # --- the transport ------------------------------------------------------------
 
-    async def call(self, path: str, body: Mapping[str, Any], *, idempotent: bool) -> Json:
-        """POST ``body`` to ``path`` on a live endpoint; the reply's JSON document.
+    async def call(self, path: str, body: Mapping[str, Any] | str, *, idempotent: bool) -> Json:
+        """POST ``body`` (a document, or JSON text) to ``path`` on a live endpoint; the reply's
+        JSON document.
 
         Raises ``EtcdUnavailable`` when no endpoint answered within
         ``settings.timeout`` (or a write's outcome is unknown), ``EtcdError``
         when etcd refused the request.
         """
+        data = body.encode() if isinstance(body, str) else _encode(body)
         deadline = trio.current_time() + self.settings.timeout
         attempts = _Attempts(len(self._endpoints))
         if trio.current_effective_deadline() <= deadline:
@@ -289,17 +291,15 @@ class EtcdGateway:
             # does): it cancels this call before a bound of ours could end
             # it, so one more cancel scope would bound nothing, and it costs
             # as much CPU as reading the reply.
-            return await self._call(path, body, idempotent, attempts)
+            return await self._call(path, data, idempotent, attempts)
         with trio.CancelScope(deadline=deadline):
-            return await self._call(path, body, idempotent, attempts)
+            return await self._call(path, data, idempotent, attempts)
         raise EtcdUnavailable(
             f"etcd did not answer within {self.settings.timeout:g} s (last: {attempts.last})",
             maybe_committed=attempts.maybe_committed,
         )
 
-    async def _call(
-        self, path: str, body: Mapping[str, Any], idempotent: bool, attempts: _Attempts
-    ) -> Json:
+    async def _call(self, path: str, data: bytes, idempotent: bool, attempts: _Attempts) -> Json:
         """Try the endpoints in turn until one answers (unbounded: ``call`` bounds it)."""
         while True:
             endpoint = self.endpoint
@@ -307,7 +307,7 @@ class EtcdGateway:
             try:
                 if not idempotent and self._down_members:
                     await self._check_leader(endpoint)
-                return await self._post(endpoint, path, body, idempotent=idempotent)
+                return await self._post(endpoint, path, data, idempotent=idempotent)
             except NotSent as failure:
                 attempts.maybe_committed = False
                 why = str(failure)
@@ -348,7 +348,7 @@ class EtcdGateway:
         go through as a write whose outcome is known.
         """
         try:
-            status = await self._post(endpoint, "/v3/maintenance/status", {}, idempotent=True)
+            status = await self._post(endpoint, "/v3/maintenance/status", b"{}", idempotent=True)
         except MaybeSent as failure:  # a read failed: the write itself was never sent
             raise NotSent(str(failure)) from None
         leader = int(status.get("leader", 0))
@@ -369,22 +369,22 @@ class EtcdGateway:
             if known != member:
                 continue
             try:
-                status = await self._post(endpoint, "/v3/maintenance/status", {}, idempotent=True)
+                status = await self._post(
+                    endpoint, "/v3/maintenance/status", b"{}", idempotent=True
+                )
             except (NotSent, MaybeSent):
                 return False
             return int(status.get("leader", 0)) == member
         return False
 
-    async def _post(
-        self, endpoint: str, path: str, body: Mapping[str, Any], *, idempotent: bool
-    ) -> Json:
+    async def _post(self, endpoint: str, path: str, data: bytes, *, idempotent: bool) -> Json:
         """One attempt; ``NotSent``/``MaybeSent`` for failures another endpoint may not have."""
         headers = await self._auth_headers(endpoint)
         try:
             reply = await self._http.request(
                 endpoint,
                 path,
-                _encode(body),
+                data,
                 headers,
                 connect_timeout=self._connect_timeout(),
                 read_timeout=self._read_timeout(idempotent=idempotent),
@@ -517,7 +517,7 @@ class Watch:
             f"(last: {attempts.last})"
         )
 
-    async def _start(self, endpoint: str, body: Json) -> StreamingResponse:
+    async def _start(self, endpoint: str, body: str) -> StreamingResponse:
         gateway = self._gateway
         headers = await gateway._auth_headers(endpoint)
         # A watch is silent while nothing changes: no read timeout (the
@@ -525,7 +525,7 @@ class Watch:
         response = await gateway._http.stream(
             endpoint,
             "/v3/watch",
-            _encode(body),
+            body.encode(),
             headers,
             connect_timeout=gateway._connect_timeout(),
         )
