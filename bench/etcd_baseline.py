@@ -30,6 +30,15 @@ Systems:
 - ``lockd-etcd@REV`` (``--compare REV``): REV's lockd from a temporary git
   worktree, on the same cluster, B1 and B2, interleaved with this one.
 
+Single calls (``CALLS``), timed one by one in each round: a guarded
+transaction (put-if-absent, then delete-if-ours, each a raft write) and a
+lease grant, through etcd3's gRPC client and through ``EtcdGateway`` on the
+JSON gateway. From them the report writes down B1's ceiling: etcd3's pair is
+a lease grant and two transactions, lockd's at least two gateway
+transactions, so lockd-on-etcd cannot beat etcd3 by more than etcd3's
+measured pair time over two gateway transactions, however little its own
+CPU costs.
+
 etcd3 is unmaintained and does not install beside the project (it needs
 protobuf < 4 and tenacity < 7), so it runs in a throwaway venv of its own::
 
@@ -101,6 +110,11 @@ STALL_MS = 1000.0
 WAIT_S = 60.0  # how long past its stop time a worker may take to finish
 ETCD3_TIMEOUT_S = 10.0  # etcd3's own default for Lock.acquire
 LOCK_TTL_S = 30
+#: single etcd calls timed one by one: a guarded transaction (put-if-absent
+#: and delete-if-ours in turn, each a raft write, as a lock pair's two) and a
+#: lease grant (a raft write too; etcd3's Lock grants one per acquire).
+CALLS = ("txn", "grant")
+CALL_LEASE_TTL_S = 5  # the granted leases end by themselves soon after
 
 
 # ------------------------------------------------------------------ etcd3 side
@@ -150,6 +164,41 @@ class Etcd3Locker:
         self.client.close()
 
 
+def call_loop(call: Callable[[int], Any], stop_at_ns: int) -> dict[str, Any]:
+    """``call(n)`` for n = 0, 1, ... until ``stop_at_ns``; each call's wall time (ns)."""
+    times = []
+    cpu0 = time.process_time()
+    n = 0
+    while now_ns() < stop_at_ns:
+        start = time.perf_counter_ns()
+        call(n)
+        times.append(time.perf_counter_ns() - start)
+        n += 1
+    return {"times_ns": times, "client_cpu_s": time.process_time() - cpu0}
+
+
+def etcd3_calls(client: Any, kind: str, key: str, stop_at_ns: int) -> dict[str, Any]:
+    """etcd3's gRPC client, one call at a time: see ``CALLS``."""
+    tx = client.transactions
+
+    def txn(n: int) -> None:
+        if n % 2 == 0:
+            ok, _ = client.transaction(
+                compare=[tx.create(key) == 0], success=[tx.put(key, "bench")], failure=[]
+            )
+        else:
+            ok, _ = client.transaction(
+                compare=[tx.value(key) == "bench"], success=[tx.delete(key)], failure=[]
+            )
+        if not ok:
+            raise RuntimeError(f"etcd3 call {n} on {key!r} failed its guard")
+
+    def grant(n: int) -> None:
+        client.lease(CALL_LEASE_TTL_S)
+
+    return call_loop(txn if kind == "txn" else grant, stop_at_ns)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One etcd3 process: wait for the common start, run, print the result as JSON."""
     locker = Etcd3Locker(args.endpoint)
@@ -157,6 +206,8 @@ def worker(args: argparse.Namespace) -> None:
     time.sleep(max(0.0, (args.start_ns - now_ns()) / 1e9))
     if args.work == "pairs":
         out: Any = pairs_loop(locker, args.key, args.stop_ns)
+    elif args.work in CALLS:
+        out = etcd3_calls(locker.client, args.work, args.key, args.stop_ns)
     else:
         records = handoff_loop(locker, args.key, args.stop_ns, HOLD_S)
         out = {"records": records, "timeouts": locker.timeouts}
@@ -207,12 +258,13 @@ def etcd3_skip_reason(python: str | None) -> str | None:
 
 
 async def two_txn_pairs(
-    txn: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], key: str, duration_s: float
+    txn: Callable[[str], Awaitable[dict[str, Any]]], key: str, duration_s: float
 ) -> dict[str, Any]:
     """Pairs of put-if-absent and delete-if-still-ours transactions until the time is up.
 
-    ``txn`` posts one ``/v3/kv/txn`` body and returns the reply document; the
-    floors below differ only in how they do that.
+    ``txn`` posts one ``/v3/kv/txn`` body (JSON text, built by the daemon's
+    own ``wire.txn_body``) and returns the reply document; the floors below
+    differ only in how they do that.
     """
     from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp, txn_body
 
@@ -245,10 +297,43 @@ def gateway_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
         async with EtcdGateway(GatewaySettings([endpoint])) as etcd:
             await etcd.status()  # connect outside the timed loop
 
-            async def txn(body: dict[str, Any]) -> dict[str, Any]:
+            async def txn(body: str) -> dict[str, Any]:
                 return await etcd.call("/v3/kv/txn", body, idempotent=False)
 
             return await two_txn_pairs(txn, key, duration_s)
+
+    return trio.run(run)
+
+
+def gateway_calls(endpoint: str, kind: str, key: str, duration_s: float) -> dict[str, Any]:
+    """``CALLS`` one at a time through ``EtcdGateway`` (the daemon's client), one trio task."""
+    import trio
+
+    from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
+    from lockd.daemon.backends.etcd.wire import Compare, DeleteOp, PutOp
+
+    async def run() -> dict[str, Any]:
+        async with EtcdGateway(GatewaySettings([endpoint])) as etcd:
+            await etcd.status()  # connect outside the timed loop
+            times = []
+            cpu0 = time.process_time()
+            stop = now_ns() + int(duration_s * 1e9)
+            n = 0
+            while now_ns() < stop:
+                start = time.perf_counter_ns()
+                if kind == "grant":
+                    await etcd.lease_grant(CALL_LEASE_TTL_S)
+                elif n % 2 == 0:
+                    absent = Compare(key, "create_revision", "==", 0)
+                    if not (await etcd.txn([absent], [PutOp(key, "bench")])).succeeded:
+                        raise RuntimeError(f"gateway call {n} on {key!r} failed its guard")
+                else:
+                    ours = Compare(key, "value", "==", "bench")
+                    if not (await etcd.txn([ours], [DeleteOp(key)])).succeeded:
+                        raise RuntimeError(f"gateway call {n} on {key!r} failed its guard")
+                times.append(time.perf_counter_ns() - start)
+                n += 1
+            return {"times_ns": times, "client_cpu_s": time.process_time() - cpu0}
 
     return trio.run(run)
 
@@ -268,8 +353,8 @@ def h11_pairs(endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
         stream = await trio.open_tcp_stream(host, int(port))
         conn = h11.Connection(h11.CLIENT)
 
-        async def txn(body: dict[str, Any]) -> dict[str, Any]:
-            data = json.dumps(body).encode()
+        async def txn(body: str) -> dict[str, Any]:
+            data = body.encode()
             headers = [("Host", host), ("Content-Type", "application/json")]
             headers.append(("Content-Length", str(len(data))))
             out = conn.send(h11.Request(method="POST", target="/v3/kv/txn", headers=headers))
@@ -341,6 +426,9 @@ def lockd_handoffs(daemons: Sequence[LockdDaemon], key: str, duration_s: float) 
 # ------------------------------------------------------------------ the runs
 
 
+Rounds = dict[str, list[dict[str, float]]]
+
+
 def pairs_row(result: dict[str, Any]) -> dict[str, float]:
     seconds = (result["end_ns"] - result["start_ns"]) / 1e9
     pairs = max(result["pairs"], 1)
@@ -378,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker")
     w.add_argument("--endpoint", required=True)
     w.add_argument("--key", required=True)
-    w.add_argument("--work", choices=["pairs", "handoff"], required=True)
+    w.add_argument("--work", choices=["pairs", "handoff", *CALLS], required=True)
     w.add_argument("--start-ns", type=int, required=True)
     w.add_argument("--stop-ns", type=int, required=True)
     parser.add_argument("--etcd3-python", help="python of a venv where etcd3 imports")
@@ -401,13 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()[0]
         with checkout(args.compare) as tree:
             earlier = None if tree is None else (args.compare, tree)
-            b1, b2 = measure(cluster, None if skip else args.etcd3_python, args.quick, earlier)
+            b1, b2, calls = measure(
+                cluster, None if skip else args.etcd3_python, args.quick, earlier
+            )
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
-    print(report(b1, b2, skip, load))
+    print(report(b1, b2, calls, skip, load))
     if args.out:
-        args.out.write_text(json.dumps({"b1": b1, "b2": b2, "skip": skip}, indent=1, default=str))
+        out = {"b1": b1, "b2": b2, "calls": calls, "skip": skip}
+        args.out.write_text(json.dumps(out, indent=1, default=str))
     return 0
 
 
@@ -416,12 +507,12 @@ def measure(
     etcd3_python: str | None,
     quick: bool,
     earlier: tuple[str, Path] | None = None,
-) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[dict[str, Any]]]]:
-    """B1 and B2 rounds, systems interleaved (each round starts with the next one).
+) -> tuple[Rounds, dict[str, list[dict[str, Any]]], Rounds]:
+    """B1, single calls and B2 rounds, systems interleaved (each round starts with the next one).
 
     ``earlier``: (revision, checkout) of a lockd to run beside this one.
     """
-    rounds, b1_s, b2_s = (2, 2.0, 4.0) if quick else (5, 4.0, 10.0)
+    rounds, b1_s, b2_s, call_s = (2, 2.0, 4.0, 1.0) if quick else (5, 4.0, 10.0, 2.0)
     lockds = [LOCKD] if earlier is None else [LOCKD, f"{LOCKD}@{earlier[0]}"]
     systems = [*lockds, "gateway", "h11"] if etcd3_python is None else ["etcd3", *lockds]
     if etcd3_python is not None:
@@ -434,6 +525,8 @@ def measure(
     endpoints = [endpoint, *(m.client_url for m in cluster.members if m is not leader)]
     b1: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     b2: dict[str, list[dict[str, Any]]] = {s: [] for s in b2_systems}
+    clients = ["gateway"] if etcd3_python is None else ["etcd3", "gateway"]
+    calls: Rounds = {f"{client} {kind}": [] for client in clients for kind in CALLS}
     nodes = ["bench-a", "bench-b"]
     with contextlib.ExitStack() as stack:
         daemons = {LOCKD: stack.enter_context(lockd_on_etcd(endpoints, nodes))}
@@ -454,6 +547,16 @@ def measure(
                     result = gateway_pairs(endpoint, key, b1_s)
                 b1[system].append(pairs_row(result))
                 print(f"round {n + 1}/{rounds} B1 {system}: {b1[system][-1]}", file=sys.stderr)
+            for call in rotated(list(calls), n):
+                client, kind = call.split()
+                key = f"/bench/calls/{client}/{kind}/{n}"
+                if client == "etcd3":
+                    assert etcd3_python is not None
+                    timed = run_etcd3(etcd3_python, endpoint, key, kind, 1, call_s)[0]
+                else:
+                    timed = gateway_calls(endpoint, kind, key, call_s)
+                calls[call].append(calls_row(timed))
+                print(f"round {n + 1}/{rounds} call {call}: {calls[call][-1]}", file=sys.stderr)
             for system in rotated(b2_systems, n):
                 if system in daemons:
                     analysis = lockd_handoffs(daemons[system], f"b2:{system}:{n}", b2_s)
@@ -463,7 +566,17 @@ def measure(
                 b2[system].append(analysis)
                 p50 = analysis["p50_ms"]
                 print(f"round {n + 1}/{rounds} B2 {system}: p50 {p50:.2f} ms", file=sys.stderr)
-    return b1, b2
+    return b1, b2, calls
+
+
+def calls_row(result: dict[str, Any]) -> dict[str, float]:
+    times = sorted(result["times_ns"])
+    return {
+        "p50_ms": statistics.median(times) / 1e6,
+        "p90_ms": times[int(len(times) * 0.9)] / 1e6,
+        "cpu_us": result["client_cpu_s"] / len(times) * 1e6,
+        "calls": len(times),
+    }
 
 
 def etcd3_handoffs(python: str, endpoint: str, key: str, duration_s: float) -> dict[str, Any]:
@@ -476,8 +589,9 @@ def etcd3_handoffs(python: str, endpoint: str, key: str, duration_s: float) -> d
 
 
 def report(
-    b1: dict[str, list[dict[str, float]]],
+    b1: Rounds,
     b2: dict[str, list[dict[str, Any]]],
+    calls: Rounds,
     skip: str | None,
     load: float,
 ) -> str:
@@ -506,6 +620,7 @@ def report(
         lines[-1] += " (goal: >= 2x)"
     for earlier in (s for s in b1 if s.startswith(f"{LOCKD}@")):
         lines.append(f"  {LOCKD} / {earlier}: {fmt_ratio(ratio(pairs[LOCKD], pairs[earlier]))}")
+    lines += calls_report(calls, pairs)
     lines += ["", f"B2 hand-off, {HANDOFF_PROCS} processes (median over rounds; {LOCKD}: "]
     lines[-1] += "two daemons, two processes on each)"
     rows = [_b2_row(system, results) for system, results in b2.items()]
@@ -521,6 +636,35 @@ def report(
             " (goal: p50 <= 3 ms, p99 <= 20 ms, 0 stalls, FIFO 100 %)"
         )
     return "\n".join(lines)
+
+
+def calls_report(calls: Rounds, pairs: dict[str, float]) -> list[str]:
+    """The single-call table, and what it says about B1's ceiling against etcd3."""
+    med = {
+        call: {f: statistics.median(r[f] for r in results) for f in ("p50_ms", "p90_ms", "cpu_us")}
+        for call, results in calls.items()
+    }
+    lines = ["", "Single etcd calls, one at a time (medians over rounds of each round's)"]
+    rows = [
+        [call, f"{m['p50_ms']:.2f}", f"{m['p90_ms']:.2f}", fmt_num(m["cpu_us"])]
+        for call, m in med.items()
+    ]
+    lines.append(table(["call", "p50 ms", "p90 ms", "client CPU us/call"], rows))
+    if "etcd3 txn" not in med:
+        return lines
+    grpc_txn, grant = med["etcd3 txn"]["p50_ms"], med["etcd3 grant"]["p50_ms"]
+    gateway_txn = med["gateway txn"]["p50_ms"]
+    etcd3_pair = 1000 / pairs["etcd3"]
+    floor = 2 * gateway_txn
+    lines += [
+        f"  etcd3 pair: lease grant + 2 txns = {grant:.2f} + 2 x {grpc_txn:.2f}"
+        f" = {grant + 2 * grpc_txn:.2f} ms (measured pair {etcd3_pair:.2f} ms)",
+        f"  lockd pair: at least 2 gateway txns = 2 x {gateway_txn:.2f} = {floor:.2f} ms"
+        f" (measured {1000 / pairs[LOCKD]:.2f} ms)",
+        f"  B1 ceiling against etcd3: {etcd3_pair:.2f} / {floor:.2f}"
+        f" = {fmt_ratio(ratio(etcd3_pair, floor))} (goal: >= 2x)",
+    ]
+    return lines
 
 
 def _b2_row(system: str, results: list[dict[str, Any]]) -> list[str]:
