@@ -271,7 +271,8 @@ async def test_a_deletion_wakes_only_the_waiters_it_concerns(backends: Backends)
         await until(lambda: known() == 3)
         assert await one.release("wk", holder.handle)  # n2's waiter is the head
         await until(lambda: len(results) == 1)
-        # n2's grant deleted the waiter just before ours: that woke it, once.
+        # n1's hand-off granted n2's waiter, deleting the waiter just before
+        # ours: that woke it, once (n2 untying the delivered hold does not).
         await until(lambda: mine.decisions == decided + 1)
         await trio.sleep(0.2)
         assert mine.decisions == decided + 1

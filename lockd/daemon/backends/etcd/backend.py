@@ -71,6 +71,11 @@ def lease_seconds(ttl_ms: int) -> int:
     return max(MIN_LEASE_TTL, math.ceil(ttl_ms / 1000))
 
 
+def kept_lease(hold: Hold) -> KeptLease:
+    """The lease of a hold that ends, for the pool: it lives at least as its record says."""
+    return KeptLease(hold.lease, hold.ttl_ms // 1000, max(hold.expires_at, hold.lease_end))
+
+
 class EtcdBackend:
     """One daemon's side of the locks kept in etcd. Run it with ``await nursery.start(b.run)``."""
 
@@ -95,6 +100,9 @@ class EtcdBackend:
         self._cleanup_wanted = trio.Event()
         #: releaseOnClose holds granted on each connection: conn -> hold keys.
         self._bound: dict[int, dict[bytes, Hold]] = defaultdict(dict)
+        #: tied holds this daemon delivered (another daemon granted them), to untie.
+        self._tied: dict[bytes, Hold] = {}
+        self._untie_wanted = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closing = False
 
@@ -109,6 +117,7 @@ class EtcdBackend:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._clean_up)
+            nursery.start_soon(self._untie_delivered)
             await nursery.start(self._keep_session)
             task_status.started()
 
@@ -122,6 +131,8 @@ class EtcdBackend:
         """
         self._closing = True
         with trio.move_on_after(self.settings.etcd_timeout):
+            for hold in list(self._tied.values()):  # delivered: they outlive the session
+                await self._untie(hold)
             for bound in self._bound.values():
                 for hold in bound.values():
                     await self._unbind(hold)
@@ -142,6 +153,46 @@ class EtcdBackend:
                 DeleteOp(self.layout.binding(hold.key, hold.handle)),
             ],
         )
+
+    async def _untie_delivered(self) -> None:
+        """Untie the TTL holds other daemons granted to our waiters, once delivered.
+
+        Their holders have them now: from here on they must outlive this
+        daemon's session, like any TTL hold. One guarded write per hold,
+        after the reply went out (its hand-off stays one write); a hold
+        released or renewed first needs none (both untie it).
+        """
+        while True:
+            await self._untie_wanted.wait()
+            self._untie_wanted = trio.Event()
+            for hold in list(self._tied.values()):
+                try:
+                    await self._untie(hold)
+                except (EtcdUnavailable, EtcdError) as exc:
+                    log.debug(kv(event="untie_retry", key=hold.key, error=exc))
+                    self._untie_wanted.set()
+                    await trio.sleep(RETRY_INTERVAL)
+                    break
+
+    async def _untie(self, hold: Hold) -> None:
+        """Rewrite a tied hold untied (same lease, same fence), unless it changed since."""
+        hold_key = self.layout.hold(hold.key, hold.handle)
+        if self._tied.get(hold_key) is not hold:
+            return  # released or renewed meanwhile: nothing to untie
+        await self.etcd.txn(
+            [Compare(hold_key, "mod_revision", "==", hold.mod_revision)],
+            [
+                PutOp(hold_key, replace(hold, tied=False).value(), lease=hold.lease),
+                DeleteOp(self.layout.binding(hold.key, hold.handle)),
+            ],
+        )
+        if self._tied.get(hold_key) is hold:
+            del self._tied[hold_key]
+
+    def untie_later(self, hold: Hold) -> None:
+        """A tied hold was delivered to its holder: untie it in the background."""
+        self._tied[self.layout.hold(hold.key, hold.handle)] = hold
+        self._untie_wanted.set()
 
     async def _keep_session(self, *, task_status: trio.TaskStatus[None]) -> None:
         started = False
@@ -217,12 +268,13 @@ class EtcdBackend:
             self.leases.note(kept.id, kept.alive_until)
             hold = replace(
                 template,
-                handle=new_handle_id(),
+                handle=template.handle or new_handle_id(),
                 lease=kept.id,
                 ttl_ms=ttl_s * 1000,
                 # The TTL's end (a fresh lease lives at least that long); a
                 # stale one's is raised by settle() once its keepalive answered.
                 expires_at=min(kept.alive_until, now_ms + ttl_s * 1000),
+                lease_end=kept.alive_until,
             )
             return hold, refresh
         sent = self.clock.wall_ms()
@@ -230,10 +282,11 @@ class EtcdBackend:
         self.leases.note(grant.id, sent + grant.ttl * 1000)
         hold = replace(
             template,
-            handle=new_handle_id(),
+            handle=template.handle or new_handle_id(),
             lease=grant.id,
             ttl_ms=ttl_s * 1000,
             expires_at=sent + ttl_s * 1000,
+            lease_end=sent + grant.ttl * 1000,
         )
         return hold, None
 
@@ -253,16 +306,17 @@ class EtcdBackend:
         if refresh is None:
             return hold
         # The lease lives HEADROOM_S past the TTL counted from its keepalive.
-        refreshed = await refresh.wait() - HEADROOM_S * 1000
-        return replace(hold, expires_at=max(hold.expires_at, refreshed))
+        alive_until = await refresh.wait()
+        refreshed = alive_until - HEADROOM_S * 1000
+        return replace(
+            hold,
+            expires_at=max(hold.expires_at, refreshed),
+            lease_end=max(hold.lease_end, alive_until),
+        )
 
     def recycle(self, hold: Hold, refresh: Refresh | None) -> None:
         """Keep the lease of a hold that was not granted, for the next grant."""
-        self.keep_lease(
-            refresh.lease
-            if refresh is not None
-            else KeptLease(hold.lease, hold.ttl_ms // 1000, hold.expires_at)
-        )
+        self.keep_lease(refresh.lease if refresh is not None else kept_lease(hold))
 
     def prepare_lease(self, ttl_s: int) -> None:
         """Have a lease of ``ttl_s`` kept for a waiter's grant: its hand-off skips the grant."""
@@ -321,6 +375,9 @@ class EtcdBackend:
         self.delete_later(self.layout.binding(hold.key, hold.handle))
         self.revoke_later(hold.lease)
 
+    def _cleanup_order(self, etcd_key: bytes) -> tuple[bool, bytes]:
+        return (not self.layout.is_waiter(etcd_key), etcd_key)
+
     async def _clean_up(self) -> None:
         """Delete doomed keys and revoke doomed leases, retrying until etcd answers."""
         while True:
@@ -328,7 +385,10 @@ class EtcdBackend:
             self._cleanup_wanted = trio.Event()
             try:
                 while self._doomed_keys:
-                    batch = sorted(self._doomed_keys)[:CLEANUP_BATCH]
+                    # Waiter keys first: once a waiter key is gone no grant of
+                    # it can commit, so the hold a grant may have written is
+                    # deleted after it, never before.
+                    batch = sorted(self._doomed_keys, key=self._cleanup_order)[:CLEANUP_BATCH]
                     await self.etcd.txn([], [DeleteOp(key) for key in batch])
                     self._doomed_keys.difference_update(batch)
                 while self._doomed_leases:
@@ -489,8 +549,22 @@ class EtcdBackend:
         key = template.key
         waiter: LocalWaiter | None = None
         key_queue: KeyQueue | None = None
+        # The record names the whole hold, so whichever daemon releases the
+        # key can grant it (KeyQueue.hand_off).
+        template = replace(template, handle=new_handle_id())
         like = Waiter(
-            b"", 0, template.principal, template.owner, template.mode, template.limit, self.node
+            b"",
+            0,
+            template.principal,
+            template.owner,
+            template.mode,
+            template.limit,
+            self.node,
+            handle=template.handle,
+            ttl_ms=ttl_s * 1000,
+            pid=template.pid,
+            process=template.process,
+            bound=template.bound,
         )
         try:
             with trio.move_on_at(deadline):
@@ -514,6 +588,8 @@ class EtcdBackend:
             raise
         if granted is not None:
             self.track(granted, conn)
+            if granted.tied:
+                self.untie_later(granted)
         return granted
 
     async def _enqueue(
@@ -567,7 +643,7 @@ class EtcdBackend:
         if not holds.kvs:
             return None
         hold = Hold.parse(key, handle, holds.kvs[0])
-        if hold.bound and not bindings.kvs:
+        if hold.needs_binding and not bindings.kvs:
             self.delete_later(hold_key)  # its daemon's session ended: the hold is dead
             return None
         return hold
@@ -583,38 +659,62 @@ class EtcdBackend:
             except LeaseNotFound:
                 return None
             self.leases.note(hold.lease, sent + ttl * 1000)
-            renewed = replace(hold, expires_at=sent + min(ttl, ttl_s) * 1000)
+            renewed = replace(
+                hold,
+                expires_at=sent + min(ttl, ttl_s) * 1000,
+                lease_end=sent + ttl * 1000,
+                tied=False,
+            )
         else:
             grant = await self.etcd.lease_grant(ttl_s + HEADROOM_S)
             self.leases.note(grant.id, sent + grant.ttl * 1000)
             renewed = replace(
-                hold, lease=grant.id, ttl_ms=ttl_s * 1000, expires_at=sent + ttl_s * 1000
+                hold,
+                lease=grant.id,
+                ttl_ms=ttl_s * 1000,
+                expires_at=sent + ttl_s * 1000,
+                lease_end=sent + grant.ttl * 1000,
+                tied=False,
             )
-        # Rewrite the record (its expiry), unless it changed since it was read.
+        # Rewrite the record (its expiry), unless it changed since it was read;
+        # a tied hold is untied on the way (its holder has it).
+        ops: list[Op] = [PutOp(hold_key, renewed.value(), lease=renewed.lease)]
+        if hold.tied:
+            ops.append(DeleteOp(self.layout.binding(hold.key, hold.handle)))
+            self._tied.pop(hold_key, None)
         result = await self.etcd.txn(
-            [Compare(hold_key, "mod_revision", "==", hold.mod_revision)],
-            [PutOp(hold_key, renewed.value(), lease=renewed.lease)],
+            [Compare(hold_key, "mod_revision", "==", hold.mod_revision)], ops
         )
         if renewed.lease != hold.lease:
-            unused = hold if result.succeeded else renewed
-            self.keep_lease(KeptLease(unused.lease, unused.ttl_ms // 1000, unused.expires_at))
+            self.keep_lease(kept_lease(hold if result.succeeded else renewed))
         return renewed if result.succeeded else None
 
     async def release(self, key: str, handle: str) -> bool:
+        """Delete the hold; with waiters queued, grant them in the same transaction.
+
+        The hand-off needs a view of the key's queue: this daemon has one
+        while it has waiters on the key or holds granted through its queue
+        (``KeyQueue.hand_off``). Without one, or with nothing to grant, the
+        release is a plain deletion and each waiter's daemon grants it.
+        """
         hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
-        result = await self.etcd.txn(
-            [],
-            [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
-        )
-        holds, bindings = result.responses
+        self._tied.pop(hold_key, None)
+        key_queue = self._queues.get(key)
+        result = await key_queue.hand_off(hold_key) if key_queue is not None else None
+        if result is None:
+            result = await self.etcd.txn(
+                [],
+                [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
+            )
+        holds, bindings = result.responses[:2]
         if not getattr(holds, "prev_kvs", None):
             return False
         hold = Hold.parse(key, handle, holds.prev_kvs[0])  # type: ignore[union-attr]
-        self.keep_lease(KeptLease(hold.lease, hold.ttl_ms // 1000, hold.expires_at))
+        self.keep_lease(kept_lease(hold))
         for bound in self._bound.values():
             bound.pop(hold_key, None)
-        # A bound hold whose binding had gone was dead already: not the holder.
-        return not hold.bound or bool(getattr(bindings, "prev_kvs", None))
+        # A bound (or tied) hold whose binding had gone was dead already: not the holder.
+        return not hold.needs_binding or bool(getattr(bindings, "prev_kvs", None))
 
     async def status(self, key: str) -> RemoteStatus:
         directory = await self._read(key)

@@ -8,9 +8,13 @@ directory guards a decision (docs/etcd-design.md §2-3):
 - ``h/<handle id>``: a hold, on its own lease (the TTL); its create
   revision is its fence;
 - ``b/<handle id>``: the binding of a ``releaseOnClose`` hold, on the
-  daemon's session lease: a bound hold is live only while both exist;
+  daemon's session lease: a bound hold is live only while both exist. A
+  TTL hold that another daemon granted is *tied* the same way to the
+  session of the waiter's daemon until that daemon has it (§5);
 - ``w/<session lease, hex>/<seq>``: a waiter, on the session lease; queue
-  order is its create revision, then its key.
+  order is its create revision, then its key. It carries the whole hold it
+  asks for (handle, TTL, pid, process, ``releaseOnClose``), so any daemon
+  can grant it.
 
 Beside the directories, ``<prefix>n/<node>`` on a daemon's session lease
 claims its node name (``nodeclaim.py``).
@@ -48,7 +52,16 @@ class Layout:
         return self.locks + key.encode().hex().encode() + b"/"
 
     def hold(self, key: str, handle: str) -> bytes:
-        return self.directory(key) + b"h/" + handle.encode()
+        return self.holds(key) + handle.encode()
+
+    def holds(self, key: str) -> bytes:
+        """The prefix of every hold of ``key``."""
+        return self.directory(key) + b"h/"
+
+    def is_waiter(self, etcd_key: bytes) -> bool:
+        """True for a waiter record (``w/`` in its directory)."""
+        parts = etcd_key[len(self.locks) :].split(b"/")
+        return etcd_key.startswith(self.locks) and len(parts) > 1 and parts[1] == b"w"
 
     def binding(self, key: str, handle: str) -> bytes:
         return self.directory(key) + b"b/" + handle.encode()
@@ -87,6 +100,12 @@ class Hold:
     expires_at: int
     lease: int
     bound: bool
+    #: granted by another daemon and not yet confirmed by its own: live only
+    #: while its binding (on its daemon's session lease) exists.
+    tied: bool = False
+    #: the lease's true end as its granter knew it (epoch ms, 0: unknown);
+    #: ``expires_at`` is the TTL's end, up to HEADROOM_S earlier.
+    lease_end: int = 0
     #: revisions etcd gave the record (0 before it is written).
     fence: int = 0
     mod_revision: int = 0
@@ -106,9 +125,16 @@ class Hold:
                 "ttlMs": self.ttl_ms,
                 "expiresAt": self.expires_at,
                 "bound": self.bound,
+                "tied": self.tied,
+                "leaseEnd": self.lease_end,
             },
             separators=(",", ":"),
         ).encode()
+
+    @property
+    def needs_binding(self) -> bool:
+        """Live only while its binding exists (``releaseOnClose``, or tied)."""
+        return self.bound or self.tied
 
     @classmethod
     def parse(cls, key: str, handle: str, kv: KeyValue) -> Hold:
@@ -127,6 +153,8 @@ class Hold:
             expires_at=doc["expiresAt"],
             lease=kv.lease,
             bound=doc["bound"],
+            tied=doc.get("tied", False),
+            lease_end=doc.get("leaseEnd", 0),
             fence=kv.create_revision,
             mod_revision=kv.mod_revision,
         )
@@ -134,7 +162,13 @@ class Hold:
 
 @dataclass(frozen=True)
 class Waiter:
-    """A queued request, as its record says."""
+    """A queued request, as its record says.
+
+    It names the hold it asks for in full (``handle`` .. ``bound``), so the
+    daemon that releases the key can grant it in its release's own
+    transaction. A record without ``handle`` (written by a daemon before
+    that) is granted by its own daemon only.
+    """
 
     etcd_key: bytes
     create_revision: int
@@ -145,6 +179,11 @@ class Waiter:
     node: str
     #: the session lease it hangs on.
     lease: int = 0
+    handle: str | None = None
+    ttl_ms: int = 0
+    pid: int | None = None
+    process: str | None = None
+    bound: bool = False
 
     def value(self) -> bytes:
         doc = {
@@ -153,6 +192,11 @@ class Waiter:
             "mode": self.mode,
             "limit": self.limit,
             "node": self.node,
+            "handle": self.handle,
+            "ttlMs": self.ttl_ms,
+            "pid": self.pid,
+            "process": self.process,
+            "bound": self.bound,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -168,11 +212,40 @@ class Waiter:
             limit=doc["limit"],
             node=doc["node"],
             lease=kv.lease,
+            handle=doc.get("handle"),
+            ttl_ms=doc.get("ttlMs", 0),
+            pid=doc.get("pid"),
+            process=doc.get("process"),
+            bound=doc.get("bound", False),
         )
 
     @property
     def claim(self) -> queue.Claim:
         return queue.Claim(self.etcd_key, self.create_revision, _mode(self.mode), self.limit)
+
+    @property
+    def grantable(self) -> bool:
+        """True when its record names the whole hold (any daemon may grant it)."""
+        return self.handle is not None and self.ttl_ms > 0
+
+    def hold(self, key: str) -> Hold:
+        """The hold it asks for, less what a grant fills in (lease, expiry, fence)."""
+        assert self.handle is not None
+        return Hold(
+            key=key,
+            handle=self.handle,
+            principal=self.principal,
+            owner=self.owner,
+            mode=self.mode,
+            limit=self.limit,
+            node=self.node,
+            pid=self.pid,
+            process=self.process,
+            ttl_ms=self.ttl_ms,
+            expires_at=0,
+            lease=0,
+            bound=self.bound,
+        )
 
 
 @dataclass
@@ -209,7 +282,7 @@ class Directory:
         directory = cls(key, revision, present={kv.key for kv in kvs}, records=list(kvs))
         for name, kv in found:
             hold = Hold.parse(key, name.decode(), kv)
-            if hold.bound and name not in bindings:
+            if hold.needs_binding and name not in bindings:
                 directory.dead.append(kv.key)
             else:
                 directory.holds.append(hold)

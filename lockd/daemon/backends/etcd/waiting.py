@@ -20,13 +20,24 @@ with local waiters, one task and one watch each. The queue task
 Nothing is granted from memory: a grant is a transaction over what was read.
 A waiter whose key vanished (the session lease ran out during an etcd
 outage) is written again at the tail, as after a daemon restart.
+
+A waiter record names the whole hold it asks for, so another daemon may
+grant it: the daemon that releases the key grants the head in its
+release's own transaction (:meth:`KeyQueue.hand_off`, one raft write per
+hand-off). The waiter's daemon learns of its grant from the watch (or a
+read): the hold key its waiter named appears. A waiter that leaves deletes
+its key and reads that hold key in one transaction (:meth:`KeyQueue.leave`),
+so a grant that crossed the leave is found, never left behind.
+
+While a hold granted through the queue lives, the queue stays (and its
+watch), so the daemon that releases that hold can decide from what the
+watch shows without reading first.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -44,6 +55,8 @@ from lockd.daemon.backends.etcd.wire import (
     Op,
     PutOp,
     RangeOp,
+    RangeResult,
+    TxnResult,
     WatchRequest,
 )
 from lockd.logfmt import kv
@@ -69,12 +82,23 @@ class LocalWaiter:
     done: trio.Event = field(default_factory=trio.Event)
 
 
+#: a hand-off's transaction tried again at most this often when its guard
+#: fails (each failure brings the directory as it is); then a plain release.
+HAND_OFF_TRIES = 4
+
+
 class KeyQueue:
     def __init__(self, backend: EtcdBackend, key: str, revision: int) -> None:
         self.backend = backend
         self.key = key
         self.directory_key = backend.layout.directory(key)
         self.waiters: dict[bytes, LocalWaiter] = {}
+        #: the hold key each waiter of ours will be granted under -> the waiter
+        #: (until it has its hold or has left).
+        self.expected: dict[bytes, LocalWaiter] = {}
+        #: hold keys granted to our waiters that still exist: the queue (and its
+        #: view) stays while they do, for their release's hand-off.
+        self.holding: set[bytes] = set()
         #: held while deciding, and by a waiter that leaves: never both at once.
         self.lock = trio.Lock()
         self.changed = trio.Event()
@@ -82,6 +106,10 @@ class KeyQueue:
         #: the watch's later events applied (None: unknown, read first).
         self.records: dict[bytes, KeyValue] | None = None
         self.revision = 0
+        #: the revision of this queue's last committed write: a hand-off
+        #: decides only from a view that shows it (set when the view advances).
+        self.own_revision = 0
+        self._advanced = trio.Event()
         self._watch_from = revision + 1
         #: etcd keys whose deletion can let a waiter of ours move, as of the
         #: last decision that granted nothing (None: any deletion wakes).
@@ -92,37 +120,81 @@ class KeyQueue:
     def join(self, waiter: LocalWaiter, directory: Directory) -> None:
         """Take a waiter whose key is written; ``directory`` was read after it was."""
         self.waiters[waiter.record.etcd_key] = waiter
+        self.expected[self._hold_key(waiter)] = waiter
         self._learn(directory)
         self.changed.set()
+
+    def _hold_key(self, waiter: LocalWaiter) -> bytes:
+        return self.backend.layout.hold(self.key, waiter.hold.handle)
+
+    def _granted_in(self, waiter: Waiter, released: bytes) -> bool:
+        """True when the view shows the hold ``waiter`` asks for (or it is the one released)."""
+        assert waiter.handle is not None and self.records is not None
+        hold_key = self.backend.layout.hold(self.key, waiter.handle)
+        return hold_key == released or hold_key in self.records
 
     async def leave(self, waiter: LocalWaiter) -> Hold | None:
         """Withdraw ``waiter`` (timeout, cancel, connection gone) unless it was granted.
 
-        Returns its hold when the grant came first. Shielded: a cancelled
-        acquire must still leave the queue.
+        Returns its hold when the grant came first, by this daemon or by
+        another one. Shielded: a cancelled acquire must still leave the queue.
         """
         with trio.CancelScope(shield=True):
             async with self.lock:
                 key = waiter.record.etcd_key
                 if waiter.granted is None and key in self.waiters:
                     del self.waiters[key]
-                    await self._delete(key)
+                    await self._withdraw(waiter)
+                self.expected.pop(self._hold_key(waiter), None)
         return waiter.granted
 
-    async def _delete(self, key: bytes) -> None:
-        """Delete a waiter key now, so the answer that follows is true at once.
+    async def _withdraw(self, waiter: LocalWaiter) -> None:
+        """Delete the waiter key and, in the same transaction, read the hold it was to get.
 
-        While etcd does not answer, the clean-up list deletes it later.
+        Another daemon may grant the waiter until its key is gone: when the
+        key was gone already and the hold is there, the grant came first
+        (``waiter.granted`` is set). While etcd does not answer, the
+        clean-up list deletes the waiter key, then the hold and binding a
+        grant may have written (waiter keys go first: no grant commits
+        after its waiter key is gone).
         """
-        deleted = False
-        with trio.move_on_after(self.backend.timeout):
+        backend, key, hold_key = self.backend, waiter.record.etcd_key, self._hold_key(waiter)
+        with trio.move_on_after(backend.timeout):
             try:
-                await self.backend.etcd.txn([], [DeleteOp(key)])
-                deleted = True
+                result = await backend.etcd.txn(
+                    [], [DeleteOp(key, prev_kv=True), RangeOp(hold_key)]
+                )
             except (EtcdUnavailable, EtcdError):
                 pass
-        if not deleted:
-            self.backend.delete_later(key)
+            else:
+                deleted, read = result.responses
+                if not getattr(deleted, "prev_kvs", None) and getattr(read, "kvs", None):
+                    self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, read.kvs[0]))  # type: ignore[union-attr]
+                return
+        backend.delete_later(key)
+        if waiter.granted is None:
+            backend.delete_later(hold_key)
+            backend.delete_later(backend.layout.binding(self.key, waiter.hold.handle))
+
+    def _granted(self, waiter: LocalWaiter, hold: Hold) -> None:
+        """``waiter`` has its hold (granted by us or by another daemon): wake its acquire."""
+        if waiter.granted is not None:
+            return
+        waiter.granted = hold
+        self.waiters.pop(waiter.record.etcd_key, None)
+        hold_key = self._hold_key(waiter)
+        self.expected.pop(hold_key, None)
+        self.holding.add(hold_key)
+        waiter.done.set()
+
+    def _deliver_read(self) -> None:
+        """Grants to our waiters that a read shows (a watch event shows them one by one)."""
+        assert self.records is not None
+        for hold_key, waiter in list(self.expected.items()):
+            record = self.records.get(hold_key)
+            if record is not None and record.create_revision > waiter.record.create_revision > 0:
+                self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, record))
+        self.holding.intersection_update(self.records)
 
     # ------------------------------------------------------------ the task
 
@@ -136,7 +208,7 @@ class KeyQueue:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch)
             while True:
-                if not self.waiters:
+                if not self.waiters and not self.holding:
                     retire()
                     break
                 await self.changed.wait()
@@ -159,6 +231,8 @@ class KeyQueue:
         if self.records is None or directory.revision > self.revision:
             self.records = {record.key: record for record in directory.records}
             self.revision = directory.revision
+            self._advanced.set()
+            self._deliver_read()
 
     def _apply(self, events: list[Event]) -> None:
         """Bring the known records up to the watch's events (older ones are in the read)."""
@@ -170,10 +244,17 @@ class KeyQueue:
                 continue
             if event.type == "DELETE":
                 self.records.pop(event.kv.key, None)
+                if event.kv.key in self.holding:
+                    self.holding.discard(event.kv.key)
+                    self.changed.set()  # the queue may have nothing left to serve
             else:
                 self.records[event.kv.key] = event.kv
+                waiter = self.expected.get(event.kv.key)
+                if waiter is not None:  # a grant to one of ours, maybe by another daemon
+                    self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, event.kv))
         if events:
             self.revision = max(self.revision, events[-1].kv.mod_revision)
+            self._advanced.set()
 
     def _view(self) -> Directory:
         assert self.records is not None
@@ -202,10 +283,25 @@ class KeyQueue:
                 await trio.sleep(RETRY_INTERVAL)
 
     def _wakes(self, event: Event) -> bool:
-        """True for a deletion that can let one of our waiters move."""
+        """True for a deletion that can let one of our waiters move.
+
+        A binding deleted while its hold lives on untied (its daemon untied
+        a delivered hold, or a renew did) makes no room.
+        """
         if event.type != "DELETE":
             return False  # a record written never makes room
-        return self.wake_keys is None or event.kv.key in self.wake_keys
+        if self.wake_keys is not None and event.kv.key not in self.wake_keys:
+            return False
+        return not self._untied(event.kv.key)
+
+    def _untied(self, binding_key: bytes) -> bool:
+        """True when ``binding_key`` is a binding whose hold is known and needs none."""
+        layout, directory = self.backend.layout, self.directory_key
+        if self.records is None or not binding_key.startswith(directory + b"b/"):
+            return False
+        handle = binding_key[len(directory) + 2 :].decode()
+        record = self.records.get(layout.hold(self.key, handle))
+        return record is not None and not Hold.parse(self.key, handle, record).needs_binding
 
     def _wake_keys(self, decision: queue.QueueDecision) -> frozenset[bytes]:
         """What our waiters wait for: ``wake_on``, the bindings of those holds, their own keys.
@@ -259,12 +355,17 @@ class KeyQueue:
             self._learn(result)
 
     async def _grant(self, directory: Directory, mine: list[LocalWaiter]) -> Directory | None:
-        """One guarded transaction granting ``mine``; None when it committed, else the new read."""
+        """One guarded transaction granting ``mine``; None when it committed, else the new read.
+
+        A grant that failed in any way may still have committed: its holds
+        are then found by the next read (or the watch) and delivered, or by
+        a leaving waiter's :meth:`_withdraw`; nothing is cleaned up here.
+        """
         backend = self.backend
         holds: list[Hold] = []
         refreshes: list[Refresh | None] = []
         ops: list[Op] = [DeleteOp(key) for key in directory.dead]
-        with self._unless_committed(holds):
+        try:
             for waiter in mine:
                 hold, refresh = await backend.new_hold(waiter.hold, waiter.ttl_s)
                 holds.append(hold)
@@ -277,61 +378,188 @@ class KeyQueue:
             result = await backend.etcd.txn(
                 [guard], ops, [RangeOp(self.directory_key, prefix=True)]
             )
+        except BaseException:
+            self.records = None  # read again: the read shows what committed
+            raise
         if not result.succeeded:
             for hold, refresh in zip(holds, refreshes, strict=True):
                 backend.recycle(hold, refresh)
-            read = result.responses[0]
-            assert hasattr(read, "kvs")
-            return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)
-        # Granted now, before any await: a waiter that leaves meanwhile gets
-        # its hold (and releases it); settling only refines the expiry.
-        for waiter, hold in zip(mine, holds, strict=True):
-            del self.waiters[waiter.record.etcd_key]
-            waiter.granted = replace(hold, fence=result.header.revision)
-        try:
-            for waiter, refresh in zip(mine, refreshes, strict=True):
-                assert waiter.granted is not None
-                waiter.granted = await backend.settle(waiter.granted, refresh)
-        finally:
-            for waiter in mine:
-                waiter.done.set()
-        for waiter in self.waiters.values():  # the next hand-off's lease, ahead
-            backend.prepare_lease(waiter.ttl_s)
+            return self._directory_of(result)
+        settled = [
+            await backend.settle(replace(hold, fence=result.header.revision), refresh)
+            for hold, refresh in zip(holds, refreshes, strict=True)
+        ]
+        self.own_revision = result.header.revision
+        for waiter, hold in zip(mine, settled, strict=True):
+            self._granted(waiter, hold)
+        self._prepare_leases()
         return None
 
-    @contextmanager
-    def _unless_committed(self, holds: list[Hold]) -> Iterator[None]:
-        """A grant that failed in any way may still have committed: clean its holds up."""
+    def _prepare_leases(self) -> None:
+        for waiter in self.waiters.values():  # the next hand-off's lease, ahead
+            self.backend.prepare_lease(waiter.ttl_s)
+
+    def _directory_of(self, result: TxnResult) -> Directory:
+        """The directory a transaction read (its last response)."""
+        read = result.responses[-1]
+        assert isinstance(read, RangeResult)
+        return Directory.parse(self.backend.layout, self.key, read.kvs, result.header.revision)
+
+    # --------------------------------------------------- the one-write hand-off
+
+    async def hand_off(self, hold_key: bytes) -> TxnResult | None:
+        """Release ``hold_key`` and grant the waiters its end lets go, in one transaction.
+
+        Decided from what the watch shows (no read), for every daemon's
+        waiters alike: ``queue.decide`` over the holds without this one
+        grants the head of the queue, then each next head that fits. The
+        transaction is guarded by the revision of that view for the holds
+        (no hold written since) and by each granted waiter's own key (still
+        queued, same create revision); a waiter queued after the view is
+        behind every granted one, so it does not matter. A waiter of another
+        daemon gets its binding on that daemon's session lease: a TTL hold
+        is *tied* to it until that daemon has seen the grant, so a grant to
+        a daemon that died ends with its session. The grants stop at the
+        first waiter whose record does not name its hold (written by an
+        older daemon, which grants it itself).
+
+        Returns the committed transaction (its first two responses: the
+        hold's and its binding's deletions), or None when there is nothing
+        to grant or no view yet: then the caller releases plainly.
+        """
+        layout = self.backend.layout
+        async with self.lock:
+            for _ in range(HAND_OFF_TRIES):
+                if not await self._caught_up():
+                    return None
+                directory = self._view()
+                holds = [c for c in directory.hold_claims(layout) if c.etcd_key != hold_key]
+                decision = queue.decide(holds, [w.claim for w in directory.waiters])
+                by_key = {w.etcd_key: w for w in directory.waiters}
+                heads: list[Waiter] = []
+                for claim in decision.granted:
+                    waiter = by_key[claim.etcd_key]
+                    if not waiter.grantable or self._granted_in(waiter, hold_key):
+                        break  # an older daemon's record; or granted already (a stale view)
+                    heads.append(waiter)
+                if not heads:
+                    return None
+                result = await self._hand_off(directory, hold_key, heads)
+                if result is None or result.succeeded:
+                    return result
+                self._learn(self._directory_of(result))
+        return None
+
+    async def _caught_up(self) -> bool:
+        """Wait (within the etcd timeout) until the view shows this queue's last write.
+
+        A hold this queue granted may be released before the watch showed
+        the grant; a view without it would grant its waiter again.
+        """
+        with trio.move_on_after(self.backend.timeout):
+            while self.records is None or self.revision < self.own_revision:
+                if self.records is None:
+                    self._learn(await self._read())
+                    continue
+                self._advanced = trio.Event()
+                await self._advanced.wait()
+            return True
+        return False
+
+    async def _hand_off(
+        self, directory: Directory, hold_key: bytes, heads: list[Waiter]
+    ) -> TxnResult | None:
+        """The hand-off's transaction; None when etcd refused it (nothing committed)."""
+        backend, layout = self.backend, self.backend.layout
+        binding_key = layout.binding(self.key, hold_key[len(layout.holds(self.key)) :].decode())
+        holds = layout.holds(self.key)
+        compares = [Compare(holds, "mod_revision", "<", directory.revision + 1, prefix=True)]
+        ops: list[Op] = [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)]
+        ops += [DeleteOp(dead) for dead in directory.dead if dead != hold_key]
+        granted: list[tuple[LocalWaiter | None, Hold, Refresh | None]] = []
         try:
-            yield
+            for head in heads:
+                mine = self.waiters.get(head.etcd_key)
+                template = mine.hold if mine is not None else head.hold(self.key)
+                hold, refresh = await backend.new_hold(template, head.ttl_ms // 1000)
+                granted.append((mine, hold, refresh))
+                compares.append(
+                    Compare(head.etcd_key, "create_revision", "==", head.create_revision)
+                )
+                ops.append(DeleteOp(head.etcd_key))
+                if mine is not None:
+                    ops += await backend.hold_puts(hold)
+                    continue
+                # Another daemon's waiter: its record must say the TTL's true
+                # end, so a kept lease's keepalive answers first (no raft write).
+                hold = await backend.settle(hold, refresh)
+                granted[-1] = (None, hold, None)
+                hold = replace(hold, tied=not hold.bound)
+                ops += [
+                    PutOp(layout.hold(self.key, hold.handle), hold.value(), lease=hold.lease),
+                    PutOp(layout.binding(self.key, hold.handle), head.node, lease=head.lease),
+                ]
+            result = await backend.etcd.txn(
+                compares, ops, [RangeOp(self.directory_key, prefix=True)]
+            )
+        except EtcdError as exc:
+            # Refused, so not committed (a kept lease that ended under the
+            # grant): the caller releases plainly, the waiters' daemons grant.
+            # The leases are not kept (one of them is gone); they end alone.
+            log.info(kv(event="hand_off_refused", key=self.key, error=exc))
+            return None
         except BaseException:
-            for hold in holds:
-                self.backend.release_undelivered(hold)
+            # Maybe committed: our waiters' holds are delivered by the next
+            # read; another daemon's by its own watch. Leases are not reused.
+            self.records = None
+            self.changed.set()
             raise
+        if not result.succeeded:
+            for _mine, hold, refresh in granted:
+                backend.recycle(hold, refresh)
+            return result
+        self.own_revision = result.header.revision
+        for mine, hold, refresh in granted:
+            hold = replace(hold, fence=result.header.revision)
+            backend.track(hold)
+            if mine is not None:
+                self._granted(mine, await backend.settle(hold, refresh))
+        self._prepare_leases()
+        return result
 
     async def _requeue(self, lost: list[LocalWaiter]) -> Directory:
-        """Write lost waiters again, at the tail (their session ended under them)."""
+        """Write lost waiters again, at the tail (their session ended under them).
+
+        Only while the hold each was to get does not exist: a waiter key is
+        also gone when another daemon granted it, and then the read that a
+        failed guard returns delivers the grant instead.
+        """
         backend = self.backend
         ops: list[Op] = []
+        compares: list[Compare] = []
+        renewed: list[Waiter] = []
         for waiter in lost:
-            old = waiter.record.etcd_key
-            del self.waiters[old]
-            waiter.record = await backend.new_waiter_record(self.key, waiter.record)
-            self.waiters[waiter.record.etcd_key] = waiter
-            record = waiter.record
+            record = await backend.new_waiter_record(self.key, waiter.record)
+            renewed.append(record)
+            compares.append(Compare(self._hold_key(waiter), "create_revision", "==", 0))
             # Deleting the old key too: a queue must never keep a waiter nobody serves.
-            ops += [DeleteOp(old), PutOp(record.etcd_key, record.value(), lease=record.lease)]
-            log.info(kv(event="waiter_requeued", key=self.key))
+            ops += [
+                DeleteOp(waiter.record.etcd_key),
+                PutOp(record.etcd_key, record.value(), lease=record.lease),
+            ]
+        read = RangeOp(self.directory_key, prefix=True)
         try:
-            result = await backend.etcd.txn([], [*ops, RangeOp(self.directory_key, prefix=True)])
+            result = await backend.etcd.txn(compares, [*ops, read], [read])
         except BaseException:
-            for waiter in lost:
-                # Maybe written: deleted later, then found lost and written again.
-                waiter.record = replace(waiter.record, create_revision=1)
-                backend.delete_later(waiter.record.etcd_key)
+            for record in renewed:
+                # Maybe written: deleted later (the old key is lost already).
+                backend.delete_later(record.etcd_key)
+            self.records = None  # read again: a hold granted meanwhile is delivered
             raise
-        for waiter in lost:
-            waiter.record = replace(waiter.record, create_revision=result.header.revision)
-        read = result.responses[-1]
-        assert hasattr(read, "kvs")
-        return Directory.parse(backend.layout, self.key, read.kvs, result.header.revision)
+        if result.succeeded:
+            for waiter, record in zip(lost, renewed, strict=True):
+                del self.waiters[waiter.record.etcd_key]
+                waiter.record = replace(record, create_revision=result.header.revision)
+                self.waiters[waiter.record.etcd_key] = waiter
+                log.info(kv(event="waiter_requeued", key=self.key))
+        return self._directory_of(result)

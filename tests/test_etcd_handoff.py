@@ -1,0 +1,225 @@
+"""The one-write hand-off (docs/etcd-design.md §5): the releaser grants the queue's head.
+
+In process, on the real 3-member cluster: two ``EtcdBackend`` objects with
+different node names stand for two hosts. A release by the daemon that
+has a view of the key's queue deletes the hold and grants the head
+waiter(s) in one transaction, whichever daemon they belong to; the
+waiter's daemon learns of the grant from its watch. These tests pin that
+it is one transaction (the old hold is gone at exactly the grant's
+revision), FIFO and fences across hosts, the head groups of shared holds
+and semaphores, the waiter that leaves just as it is granted (no orphan
+hold), and the fall back to the two-write path for a record that does not
+name its hold (an older daemon's).
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from lockd.daemon.backends.etcd.backend import EtcdBackend
+from lockd.daemon.backends.etcd.records import Hold
+from lockd.daemon.backends.etcd.waiting import KeyQueue
+from lockd.daemon.backends.etcd.wire import Event, PutOp, RangeOp
+from tests.test_etcd_backend import (
+    ALICE,
+    BOB,
+    Backends,
+    acquired,
+    backends,
+    parked,
+    records,
+    request,
+    until,
+)
+
+__all__ = ["backends"]  # the fixture, used by name
+
+
+async def one_write(backend: EtcdBackend, released: Hold, granted: Hold) -> bool:
+    """True when ``released`` was deleted by the transaction that wrote ``granted``."""
+    hold_key = backend.layout.hold(released.key, released.handle)
+    before = await backend.etcd.range(RangeOp(hold_key, revision=granted.fence - 1))
+    at = await backend.etcd.range(RangeOp(hold_key, revision=granted.fence))
+    return bool(before.kvs) and not at.kvs
+
+
+async def hold_record(backend: EtcdBackend, hold: Hold) -> Hold | None:
+    found = await backend.etcd.get(backend.layout.hold(hold.key, hold.handle))
+    return Hold.parse(hold.key, hold.handle, found.kvs[0]) if found.kvs else None
+
+
+async def test_the_releaser_grants_another_hosts_head_waiter_in_its_release(
+    backends: Backends,
+) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(one, request("h"))
+    results: list[object] = []
+    async with (
+        parked(two, request("h", timeout_ms=20_000), BOB, results),
+        parked(one, request("h", timeout_ms=20_000), ALICE, results),
+        parked(two, request("h", timeout_ms=20_000), BOB, results),
+    ):
+        assert await one.release("h", holder.handle)  # n1 has a queue here: it hands off
+        await until(lambda: len(results) == 1)
+        first = results[0]
+        assert isinstance(first, Hold) and first.node == "n2" and first.principal == "user:bob"
+        assert first.fence > holder.fence and await one_write(one, holder, first)
+        # n2 has it now: the tie to n2's session is undone in the background.
+        await until(lambda: not two._tied)
+        untied = await hold_record(two, first)
+        assert untied is not None and not untied.tied and untied.fence == first.fence
+        assert not (await one.etcd.get(one.layout.binding("h", first.handle))).kvs
+
+        # n2's queue stayed while its waiter's hold lives: n2 hands off to n1.
+        assert await two.release("h", first.handle)
+        await until(lambda: len(results) == 2)
+        second = results[1]
+        assert isinstance(second, Hold) and second.node == "n1" and second.fence > first.fence
+        assert await one_write(two, first, second)
+        assert await one.release("h", second.handle)
+        await until(lambda: len(results) == 3)
+    third = results[2]
+    assert isinstance(third, Hold) and third.node == "n2" and third.fence > second.fence
+    assert await two.release("h", third.handle)
+    assert (await one.status("h")).holds == []
+    await until(lambda: "h" not in one._queues and "h" not in two._queues)
+
+
+async def test_a_shared_head_group_is_granted_in_the_release(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    writer = await acquired(one, request("g"))
+    results: list[object] = []
+    shared = request("g", timeout_ms=20_000, mode="shared")
+    async with (
+        parked(two, shared, BOB, results),
+        parked(one, request("g", timeout_ms=20_000, mode="shared"), ALICE, results),
+        parked(two, request("g", timeout_ms=20_000, mode="shared"), BOB, results),
+        parked(one, request("g", timeout_ms=20_000), ALICE, results),  # exclusive: waits
+    ):
+        assert await one.release("g", writer.handle)
+        await until(lambda: len(results) == 3)
+        readers = [r for r in results if isinstance(r, Hold)]
+        assert len(readers) == 3 and {r.node for r in readers} == {"n1", "n2"}
+        assert len({r.fence for r in readers}) == 1  # one transaction granted all three
+        assert await one_write(one, writer, readers[0])
+        assert (await two.status("g")).waiters == 1
+        for reader in readers:
+            backend = one if reader.node == "n1" else two
+            assert await backend.release("g", reader.handle)
+        await until(lambda: len(results) == 4)
+        last = results[3]
+        assert isinstance(last, Hold) and last.mode == "exclusive"
+        assert await one.release("g", last.handle)
+
+
+async def test_a_semaphore_slot_goes_to_the_head_only(backends: Backends) -> None:
+    one, two = await backends("n1"), await backends("n2")
+    first = await acquired(one, request("s", limit=2))
+    await acquired(two, request("s", limit=2), BOB)
+    results: list[object] = []
+    async with (
+        parked(two, request("s", timeout_ms=20_000, limit=2), BOB, results),
+        parked(one, request("s", timeout_ms=20_000, limit=2), ALICE, results),
+    ):
+        assert await one.release("s", first.handle)
+        await until(lambda: len(results) == 1)
+        head = results[0]
+        assert isinstance(head, Hold) and head.node == "n2" and await one_write(one, first, head)
+        await trio.sleep(0.2)
+        assert len(results) == 1 and (await one.status("s")).waiters == 1
+        assert await two.release("s", head.handle)
+        await until(lambda: len(results) == 2)
+        assert isinstance(results[1], Hold) and results[1].node == "n1"
+
+
+def deaf(key_queue: KeyQueue) -> None:
+    """Make a queue blind to the grant of its waiters (the grant crosses the leave)."""
+    apply = key_queue._apply
+
+    def without_grants(events: list[Event]) -> None:
+        mine = key_queue.expected.keys() | key_queue.waiters.keys()
+        apply([e for e in events if e.kv.key not in mine])
+
+    key_queue._apply = without_grants  # type: ignore[method-assign]
+
+
+async def test_a_waiter_cancelled_as_it_is_granted_leaves_no_hold(backends: Backends) -> None:
+    """The grant commits, the waiter's daemon has not seen it, the waiter leaves.
+
+    Its leave deletes the waiter key and reads the hold key in one
+    transaction, finds the grant, and releases it: the key goes to the next
+    waiter (here one of the releasing host).
+    """
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(one, request("c"))
+    results: list[object] = []
+    async with (
+        parked(two, request("c", timeout_ms=20_000), BOB, results) as cancelled,
+        parked(one, request("c", timeout_ms=20_000), ALICE, results),
+    ):
+        deaf(two._queues["c"])
+        assert await one.release("c", holder.handle)
+        [orphan] = [h for h in (await one.status("c")).holds]
+        assert orphan.node == "n2" and orphan.tied
+        cancelled.cancel()  # the client went away, or cancelled, right then
+        await until(lambda: len(results) == 1)
+        granted = results[0]
+        assert isinstance(granted, Hold) and granted.node == "n1"
+        assert [h.handle for h in (await one.status("c")).holds] == [granted.handle]
+        assert not (await one.etcd.get(one.layout.binding("c", orphan.handle))).kvs
+        assert await one.release("c", granted.handle)
+    assert await records(one, "c") == []
+
+
+async def test_a_waiter_timed_out_as_it_is_granted_gets_the_hold(backends: Backends) -> None:
+    """A timeout that crosses the grant answers the grant (as on SQLite): nothing orphaned."""
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(one, request("t"))
+    results: list[object] = []
+    async with (
+        parked(two, request("t", timeout_ms=1500), BOB, results),
+        parked(one, request("t", timeout_ms=20_000), ALICE, results),
+    ):
+        deaf(two._queues["t"])
+        assert await one.release("t", holder.handle)
+        await until(lambda: len(results) == 1)  # its timeout passed: it left
+        timed_out = results[0]
+        assert isinstance(timed_out, Hold) and timed_out.node == "n2"
+        await until(lambda: not two._tied)  # delivered: untied
+        record = await hold_record(two, timed_out)
+        assert record is not None and not record.tied
+        assert await two.release("t", timed_out.handle)
+        await until(lambda: len(results) == 2)
+        assert isinstance(results[1], Hold) and results[1].node == "n1"
+        assert await one.release("t", results[1].handle)
+
+
+async def test_a_waiter_record_without_its_hold_is_granted_by_its_own_daemon(
+    backends: Backends,
+) -> None:
+    """An older daemon's record names no hold: the release is plain, its daemon grants."""
+    one, two = await backends("n1"), await backends("n2")
+    holder = await acquired(one, request("o"))
+    results: list[object] = []
+    async with (
+        parked(two, request("o", timeout_ms=20_000), BOB, results),
+        parked(one, request("o", timeout_ms=20_000), ALICE, results),
+    ):
+        [waiter] = two._queues["o"].waiters.values()
+        doc = json.loads(waiter.record.value())
+        old = {k: doc[k] for k in ("principal", "owner", "mode", "limit", "node")}
+        await two.etcd.txn(
+            [],
+            [PutOp(waiter.record.etcd_key, json.dumps(old).encode(), lease=waiter.record.lease)],
+        )
+        await until(lambda: not one._queues["o"]._view().waiters[0].grantable)
+        assert await one.release("o", holder.handle)
+        await until(lambda: len(results) == 1)
+        granted = results[0]
+        assert isinstance(granted, Hold) and granted.node == "n2" and not granted.tied
+        assert not await one_write(one, holder, granted)  # two writes: release, then grant
+        assert await two.release("o", granted.handle)
+        await until(lambda: len(results) == 2)
+        assert isinstance(results[1], Hold) and await one.release("o", results[1].handle)
