@@ -230,6 +230,11 @@ def test_kill9_of_a_host_frees_its_waiters_and_bound_holds_not_its_ttl_holds(
             killed_at = time.monotonic()
             dying.close()
             assert b.release(in_queue).released
+            # Host b's release handed the key to the head, host a's waiter,
+            # whose key lives on with a's session: that grant is tied to the
+            # session (nobody on host a will ever answer it) and ends with it.
+            status = b.status(queue)
+            assert status.held and status.raw["node"] == "host-a"
             # Host a's waiter is ahead, but dead: host b's waiter gets the key
             # once host a's session lease ends.
             behind.finish(timeout=DEAD_HOST_BOUND + PROMPT)

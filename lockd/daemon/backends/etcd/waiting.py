@@ -414,7 +414,7 @@ class KeyQueue:
         waiters alike: ``queue.decide`` over the holds without this one
         grants the head of the queue, then each next head that fits. The
         transaction is guarded by the revision of that view for the holds
-        (no hold written since) and by each granted waiter's own key (still
+        (no hold created since) and by each granted waiter's own key (still
         queued, same create revision); a waiter queued after the view is
         behind every granted one, so it does not matter. A waiter of another
         daemon gets its binding on that daemon's session lease: a TTL hold
@@ -472,8 +472,10 @@ class KeyQueue:
         """The hand-off's transaction; None when etcd refused it (nothing committed)."""
         backend, layout = self.backend, self.backend.layout
         binding_key = layout.binding(self.key, hold_key[len(layout.holds(self.key)) :].decode())
+        # No hold *created* since the view: a rewrite (renew, untie, unbind)
+        # keeps a hold's mode, limit and place, so it does not change who fits.
         holds = layout.holds(self.key)
-        compares = [Compare(holds, "mod_revision", "<", directory.revision + 1, prefix=True)]
+        compares = [Compare(holds, "create_revision", "<", directory.revision + 1, prefix=True)]
         ops: list[Op] = [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)]
         ops += [DeleteOp(dead) for dead in directory.dead if dead != hold_key]
         granted: list[tuple[LocalWaiter | None, Hold, Refresh | None]] = []
