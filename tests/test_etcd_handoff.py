@@ -45,6 +45,25 @@ async def one_write(backend: EtcdBackend, released: Hold, granted: Hold) -> bool
     return bool(before.kvs) and not at.kvs
 
 
+async def viewing(backend: EtcdBackend, key: str, waiters: int) -> None:
+    """Until ``backend``'s queue of ``key`` has joined and its view shows ``waiters``.
+
+    ``parked`` returns once a waiter key is written, a moment before its
+    daemon's queue knows it: a release then would find no queue (and be
+    plain, the two-write path).
+    """
+
+    def ready() -> bool:
+        key_queue = backend._queues.get(key)
+        return (
+            key_queue is not None
+            and key_queue.records is not None
+            and (len(key_queue._view().waiters) == waiters)
+        )
+
+    await until(ready)
+
+
 async def hold_record(backend: EtcdBackend, hold: Hold) -> Hold | None:
     found = await backend.etcd.get(backend.layout.hold(hold.key, hold.handle))
     return Hold.parse(hold.key, hold.handle, found.kvs[0]) if found.kvs else None
@@ -61,6 +80,7 @@ async def test_the_releaser_grants_another_hosts_head_waiter_in_its_release(
         parked(one, request("h", timeout_ms=20_000), ALICE, results),
         parked(two, request("h", timeout_ms=20_000), BOB, results),
     ):
+        await viewing(one, "h", 3)
         assert await one.release("h", holder.handle)  # n1 has a queue here: it hands off
         await until(lambda: len(results) == 1)
         first = results[0]
@@ -98,6 +118,7 @@ async def test_a_shared_head_group_is_granted_in_the_release(backends: Backends)
         parked(two, request("g", timeout_ms=20_000, mode="shared"), BOB, results),
         parked(one, request("g", timeout_ms=20_000), ALICE, results),  # exclusive: waits
     ):
+        await viewing(one, "g", 4)
         assert await one.release("g", writer.handle)
         await until(lambda: len(results) == 3)
         readers = [r for r in results if isinstance(r, Hold)]
@@ -123,6 +144,7 @@ async def test_a_semaphore_slot_goes_to_the_head_only(backends: Backends) -> Non
         parked(two, request("s", timeout_ms=20_000, limit=2), BOB, results),
         parked(one, request("s", timeout_ms=20_000, limit=2), ALICE, results),
     ):
+        await viewing(one, "s", 2)
         assert await one.release("s", first.handle)
         await until(lambda: len(results) == 1)
         head = results[0]
@@ -135,12 +157,17 @@ async def test_a_semaphore_slot_goes_to_the_head_only(backends: Backends) -> Non
 
 
 def deaf(key_queue: KeyQueue) -> None:
-    """Make a queue blind to the grant of its waiters (the grant crosses the leave)."""
+    """Make a queue blind to every transaction that touches its waiters or their holds.
+
+    So it never sees its waiter granted (nor decides on that hand-off) and
+    the grant crosses the waiter's leave.
+    """
     apply = key_queue._apply
 
     def without_grants(events: list[Event]) -> None:
         mine = key_queue.expected.keys() | key_queue.waiters.keys()
-        apply([e for e in events if e.kv.key not in mine])
+        hidden = {e.kv.mod_revision for e in events if e.kv.key in mine}
+        apply([e for e in events if e.kv.mod_revision not in hidden])
 
     key_queue._apply = without_grants  # type: ignore[method-assign]
 
@@ -159,7 +186,9 @@ async def test_a_waiter_cancelled_as_it_is_granted_leaves_no_hold(backends: Back
         parked(two, request("c", timeout_ms=20_000), BOB, results) as cancelled,
         parked(one, request("c", timeout_ms=20_000), ALICE, results),
     ):
+        await until(lambda: "c" in two._queues)
         deaf(two._queues["c"])
+        await viewing(one, "c", 2)
         assert await one.release("c", holder.handle)
         [orphan] = [h for h in (await one.status("c")).holds]
         assert orphan.node == "n2" and orphan.tied
@@ -179,10 +208,12 @@ async def test_a_waiter_timed_out_as_it_is_granted_gets_the_hold(backends: Backe
     holder = await acquired(one, request("t"))
     results: list[object] = []
     async with (
-        parked(two, request("t", timeout_ms=1500), BOB, results),
+        parked(two, request("t", timeout_ms=3000), BOB, results),
         parked(one, request("t", timeout_ms=20_000), ALICE, results),
     ):
+        await until(lambda: "t" in two._queues)
         deaf(two._queues["t"])
+        await viewing(one, "t", 2)
         assert await one.release("t", holder.handle)
         await until(lambda: len(results) == 1)  # its timeout passed: it left
         timed_out = results[0]

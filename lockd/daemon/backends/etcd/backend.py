@@ -499,6 +499,7 @@ class EtcdBackend:
         # The fast path: a free key is taken in one transaction.
         compares = [Compare(directory_key, "create_revision", "==", 0, prefix=True)]
         ops: list[Op] = puts
+        retaken: Hold | None = None  # the caller's own hold a re-take replaces
         while True:
             try:
                 result = await self.etcd.txn(compares, ops, [RangeOp(directory_key, prefix=True)])
@@ -506,6 +507,8 @@ class EtcdBackend:
                 self.release_undelivered(hold)
                 raise
             if result.succeeded:
+                if retaken is not None:  # only now: a failed guard leaves it held
+                    self.revoke_later(retaken.lease)
                 granted = replace(hold, fence=result.header.revision)
                 self.track(granted, conn)
                 return granted
@@ -521,13 +524,14 @@ class EtcdBackend:
             if refused is not None:
                 return refused
             ops = [DeleteOp(dead) for dead in directory.dead]
+            retaken = None
             if own is not None and is_retake(own.principal, own.owner, hold.principal, hold.owner):
                 hold = replace(hold, retake=True)
                 ops += [
                     DeleteOp(self.layout.hold(key, own.handle)),
                     DeleteOp(self.layout.binding(key, own.handle)),
                 ]
-                self.revoke_later(own.lease)
+                retaken = own
             elif not may_take_now(directory.fits(hold.mode, hold.limit), len(directory.waiters)):
                 return directory if waiting else None
             ops += puts
