@@ -67,6 +67,7 @@ class BuildHotPath(build_ext):
         # Compile and link even when build/ looks up to date: lockd.native
         # takes an extension older than its source for a stale build.
         self.force = True
+        self._remove_strays()
         try:
             super().run()
         except Exception as exc:  # no compiler, no Python headers, a compile error
@@ -78,6 +79,14 @@ class BuildHotPath(build_ext):
                 (HERE / self.get_ext_filename(ext.name)).unlink(missing_ok=True)
             self.extensions = []
             _warn(f"compiling failed ({exc})")
+
+    def _remove_strays(self) -> None:
+        """Extensions in the source tree of modules no longer compiled (an editable
+        install copied them there): Python would still load them, and fail."""
+        wanted = {HERE / self.get_ext_filename(ext.name) for ext in self.extensions}
+        for path in (HERE / "lockd").rglob("*.so"):
+            if path not in wanted:
+                path.unlink()
 
 
 class HotPathDistribution(Distribution):

@@ -32,10 +32,10 @@ from pathlib import Path
 from types import ModuleType
 
 #: The pure, synchronous modules of the request path that setup.py compiles
-#: (parse, decide, engine bookkeeping, encode). Not here: the trio server and
-#: its socket code (async), the store (its time is inside SQLite, and tests
-#: subclass it), the cold index (bisects a sequence view, which a compiled
-#: class is not).
+#: (parse, decide, engine bookkeeping, encode), all in lockd.daemon (the CLI
+#: imports none of them). Not here: the trio server and its socket code
+#: (async), the store (its time is inside SQLite, and tests subclass it), the
+#: cold index (bisects a sequence view, which a compiled class is not).
 COMPILED = (
     "lockd.daemon.clock",
     "lockd.daemon.engine",
@@ -46,7 +46,6 @@ COMPILED = (
     "lockd.daemon.service",
     "lockd.daemon.stats",
     "lockd.daemon.undo",
-    "lockd.timefmt",
 )
 #: The extension that holds the code of all of them (each module's own
 #: extension is a small shim that loads its part from here).
