@@ -53,7 +53,7 @@ import select
 import signal
 import socket as stdsocket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -883,7 +883,17 @@ class LockServer:
         remote = self.service.remote
         assert remote is not None
         try:
-            reply = await remote.answer(conn.caller, conn.id, request, pending=conn.waiting)
+            answer = remote.answer(conn.caller, conn.id, request, pending=conn.waiting)
+            await self._send_remote(conn, request, answer)
+        finally:
+            self._observe(request.op, started)
+
+    async def _send_remote(
+        self, conn: Connection, request: Request, answer: Awaitable[RemoteReply]
+    ) -> None:
+        """Write the backend's answer to ``request``, or its error; release an undelivered grant."""
+        try:
+            reply = await answer
             self._send(conn, encode_result(request.id, reply.result), reply.grant)
         except ProtocolError as exc:
             self._reply_error(conn, request, exc)
@@ -891,7 +901,6 @@ class LockServer:
             self._reply_internal(conn, request)
         finally:
             self._flush()  # the error replies above wait in the outbox
-            self._observe(request.op, started)
 
     def _answer_remote(
         self, conn: Connection, nursery: trio.Nursery, request: Acquire, started: float
@@ -914,31 +923,29 @@ class LockServer:
         conn.waits.setdefault(request.id, []).append(wait)
         conn.waiting += 1
 
-        async def run() -> None:
+        async def answer() -> RemoteReply:
             reply: RemoteReply | None = None
+            with wait.scope:
+                reply = await remote.answer(
+                    conn.caller, conn.id, request, pending=pending, parked=done
+                )
+                wait.step = Reply(None)  # answered: a cancel now comes too late
+            if reply is None or wait.cancelled:
+                if reply is not None and reply.grant is not None:
+                    remote.release_undelivered(reply.grant)
+                if self.shutting_down:
+                    raise shutting_down()
+                raise ProtocolError(
+                    "CANCELLED",
+                    "the acquire was withdrawn by cancel",
+                    details={"key": request.key},
+                )
+            return reply
+
+        async def run() -> None:
             try:
-                with wait.scope:
-                    reply = await remote.answer(
-                        conn.caller, conn.id, request, pending=pending, parked=done
-                    )
-                    wait.step = Reply(None)  # answered: a cancel now comes too late
-                if reply is None or wait.cancelled:
-                    if reply is not None and reply.grant is not None:
-                        remote.release_undelivered(reply.grant)
-                    if self.shutting_down:
-                        raise shutting_down()
-                    raise ProtocolError(
-                        "CANCELLED",
-                        "the acquire was withdrawn by cancel",
-                        details={"key": request.key},
-                    )
-                self._send(conn, encode_result(request.id, reply.result), reply.grant)
-            except ProtocolError as exc:
-                self._reply_error(conn, request, exc)
-            except Exception:
-                self._reply_internal(conn, request)
+                await self._send_remote(conn, request, answer())
             finally:
-                self._flush()  # the error replies above wait in the outbox
                 self._forget_wait(conn, request.id, wait)
                 if conn.remote_busy is done:
                     conn.remote_busy = None
