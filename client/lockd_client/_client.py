@@ -418,9 +418,8 @@ class LockClient:
                 failure = f"cannot connect ({exc.strerror or exc})"
                 can_retry = self._connected_once  # nothing was sent: safe for every op
             else:
-                message = {"id": self._next_id(), "op": op, **args}
                 try:
-                    reply = conn.request(message, read_timeout)
+                    reply = conn.request(op, args, read_timeout)
                 except ConnectionLost as exc:
                     self._forget(conn)
                     if self._closed:

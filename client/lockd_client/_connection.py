@@ -43,7 +43,7 @@ from typing import Any
 
 from ._requests import late_grant
 from ._trust import check_folder, check_peer
-from ._wire import BadLine, ReplyLines, encode
+from ._wire import BadLine, ReplyLines, encode_request
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 
@@ -139,14 +139,15 @@ class Connection:
         """True once the connection is unusable."""
         return self._dead is not None
 
-    def request(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-        """Send ``message`` and return the reply with its id.
+    def request(self, op: str, args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Send request ``op`` with ``args`` under a fresh id; return the reply with that id.
 
         Raises ConnectionLost when the connection breaks before the reply is
         in (``sent=False`` if the request never left), ReplyTimeout when
         ``timeout`` seconds pass without it.
         """
-        line = encode(message)
+        rid = self._next_id()
+        line = encode_request(rid, op, args)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._dead is not None:
             raise self._lost(sent=False)
@@ -163,7 +164,7 @@ class Connection:
             with self._lock:
                 self._kill_locked("interrupted while sending")
             raise
-        return self._wait_reply(message["id"], message["op"], deadline)
+        return self._wait_reply(rid, op, deadline)
 
     def close(self) -> None:
         """Close the connection; threads waiting on it get ConnectionLost."""
@@ -259,8 +260,13 @@ class Connection:
         except BadLine as exc:
             self._kill_locked(str(exc), protocol=True)
             return
+        replies_by_id, abandoned = self._replies, self._abandoned
         for reply in replies:
-            self._file_locked(reply)
+            rid = reply.get("id")
+            if type(rid) is int and rid not in abandoned:
+                replies_by_id[rid] = reply  # the usual case of _file_locked, inline
+            else:
+                self._file_locked(reply)
 
     def _file_locked(self, reply: dict[str, Any]) -> None:
         rid = reply.get("id")
@@ -296,7 +302,7 @@ class Connection:
             rid = self._next_id()
             with self._lock:
                 self._abandoned[rid] = op
-            line = encode({"id": rid, "op": op, **args})
+            line = encode_request(rid, op, args)
             try:
                 with self._send_lock:
                     self._sock.sendall(line, _NOSIGNAL)

@@ -67,12 +67,16 @@ def grant_args(
         "key": check_key(key),
         "ttlMs": seconds_to_ms(ttl, "ttl", allow_zero=False),
     }
-    if check_owner(owner) is not None:
-        args["owner"] = owner
-    if check_bool(release_on_close, "release_on_close"):
+    # The defaults (no owner, False, False, 1) skip their checks: same
+    # outcome, in the same order, with fewer calls on every plain request.
+    if owner is not None:
+        args["owner"] = check_owner(owner)
+    if release_on_close is not False and check_bool(release_on_close, "release_on_close"):
         args["releaseOnClose"] = True
-    if check_bool(shared, "shared"):
+    if shared is not False and check_bool(shared, "shared"):
         args["mode"] = "shared"
+    if type(limit) is int and limit == 1:
+        return args
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise TypeError(f"limit must be an int, got {type(limit).__name__}")
     if not 1 <= limit <= MAX_LIMIT:
