@@ -41,8 +41,9 @@ MAX_REASON_CHARS = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 _DECODER = json.JSONDecoder()
-#: The scanner behind ``raw_decode`` (C when available), called without its wrapper.
-_scan_once = _DECODER.scan_once
+#: The scanner behind ``raw_decode`` (C when available), called without its
+#: wrapper. JSONDecoder sets it in __init__; the type stubs do not list it.
+_scan_once: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 
 
 def decode(text: str) -> Any:
