@@ -1,0 +1,288 @@
+"""The client's hot-path short cuts agree with the general code they stand in for.
+
+Each short cut (request lines joined from quoted pieces, a one-line reply
+decoded without splitting, results checked in one expression, remembered key
+checks) must give exactly what the general path gives, errors included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from lockd_client import Handle, ReleaseResult, _wire
+from lockd_client._errors import LockdError
+from lockd_client._requests import grant_args
+
+# Field values a request may carry: the fast path takes str, int and bool;
+# anything else (None, floats, lists) must fall back to the general encoder.
+_values = st.one_of(
+    st.text(),
+    st.integers(),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(st.integers(), max_size=3),
+)
+_names = st.one_of(st.sampled_from(["key", "ttlMs", "handle", "owner", "id", "op"]), st.text())
+
+
+def _no_surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@given(
+    rid=st.integers(min_value=0, max_value=2**63),
+    op=st.text().filter(_no_surrogates),
+    args=st.dictionaries(_names, _values, max_size=6).filter(
+        lambda d: (
+            all(_no_surrogates(k) for k in d)
+            and all(_no_surrogates(v) for v in d.values() if isinstance(v, str))
+        )
+    ),
+)
+def test_request_lines_are_byte_identical_to_the_general_encoder(
+    rid: int, op: str, args: dict[str, Any]
+) -> None:
+    message = {"id": rid, "op": op, **args}
+    line = _wire.encode_request(rid, op, args)
+    assert line == _wire.encode(message)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == message
+
+
+@given(st.text(), st.text())
+def test_any_key_and_owner_string_round_trips(key: str, owner: str) -> None:
+    """Escaping of every character (quotes, backslashes, controls, U+2028, astral)."""
+    args = {"key": key, "ttlMs": 30000, "owner": owner}
+    if not (_no_surrogates(key) and _no_surrogates(owner)):
+        with pytest.raises(UnicodeEncodeError):  # as the general encoder does
+            _wire.encode_request(7, "tryAcquire", args)
+        return
+    line = _wire.encode_request(7, "tryAcquire", args)
+    expected = json.dumps(
+        {"id": 7, "op": "tryAcquire", **args}, ensure_ascii=False, separators=(",", ":")
+    )
+    assert line == expected.encode() + b"\n"
+    assert json.loads(line)["key"] == key and json.loads(line)["owner"] == owner
+
+
+def test_request_lines_refuse_what_the_general_encoder_refuses() -> None:
+    with pytest.raises(ValueError):
+        _wire.encode_request(1, "x", {"bad": float("nan")})
+    with pytest.raises(TypeError):
+        _wire.encode_request(1, "x", {"bad": object()})
+
+
+class _IntLike(int):
+    def __repr__(self) -> str:
+        return "not-json"
+
+
+def test_int_subclasses_and_odd_names_take_the_general_encoder() -> None:
+    args: dict[Any, Any] = {"n": _IntLike(5), 3: "three"}
+    assert _wire.encode_request(1, "x", args) == _wire.encode({"id": 1, "op": "x", **args})
+    assert json.loads(_wire.encode_request(1, "x", args)) == {
+        "id": 1,
+        "op": "x",
+        "n": 5,
+        "3": "three",
+    }
+
+
+# -- replies -------------------------------------------------------------------------
+
+
+def _reference_feed(chunks: list[bytes]) -> list[Any]:
+    """What a stream of chunks means: one JSON object per non-blank line."""
+    lines = b"".join(chunks).split(b"\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+_reply_objects = st.dictionaries(
+    st.text(max_size=5), st.one_of(st.text(max_size=8), st.integers(), st.booleans(), st.none())
+)
+
+
+@given(
+    replies=st.lists(_reply_objects, max_size=5),
+    blanks=st.lists(st.sampled_from([b"", b" ", b"\t"]), max_size=2),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=4),
+)
+def test_replies_decode_alike_whole_or_in_pieces(
+    replies: list[dict[str, Any]], blanks: list[bytes], cuts: list[int]
+) -> None:
+    lines = [json.dumps(r, ensure_ascii=False).encode() for r in replies] + blanks
+    stream = b"".join(line + b"\n" for line in lines)
+    points = sorted({min(c, len(stream)) for c in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    feeder = _wire.ReplyLines()
+    got: list[Any] = []
+    for chunk in chunks:
+        if chunk:
+            got.extend(feeder.feed(chunk))
+    assert got == _reference_feed(chunks)
+
+
+@pytest.mark.parametrize("line", [b"[1]\n", b"garbage\n", b'{"id":1}x\n', b"\xff\n", b'"s"\n'])
+def test_a_single_bad_line_is_refused_as_before(line: bytes) -> None:
+    with pytest.raises(_wire.BadLine):
+        _wire.ReplyLines().feed(line)
+
+
+def test_a_single_blank_line_is_skipped() -> None:
+    assert _wire.ReplyLines().feed(b"  \n") == []
+    assert _wire.ReplyLines().feed(b"\n") == []
+
+
+# -- results -------------------------------------------------------------------------
+
+
+class _Dict(dict[str, Any]):
+    """A dict that is not exactly a dict: it always takes the field-by-field checks."""
+
+
+_field_values = st.one_of(
+    st.text(max_size=4), st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False)
+)
+
+
+def _outcome(build: Any, result: dict[str, Any]) -> Any:
+    try:
+        made = build(result)
+    except LockdError as exc:
+        return ("error", exc.code, str(exc))
+    return ("made", {f.name: getattr(made, f.name) for f in dataclasses.fields(made)})
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "key": _field_values,
+            "handle": _field_values,
+            "fence": _field_values,
+            "owner": _field_values,
+            "ttlMs": _field_values,
+            "leaseExpiresAt": st.sampled_from([None, "2026-11-30T03:31:00.123Z", 5]),
+        },
+    )
+)
+def test_grant_results_decode_alike_on_both_paths(result: dict[str, Any]) -> None:
+    assert _outcome(Handle.from_result, result) == _outcome(Handle.from_result, _Dict(result))
+
+
+@given(st.fixed_dictionaries({}, optional={"released": _field_values, "reason": _field_values}))
+def test_release_results_decode_alike_on_both_paths(result: dict[str, Any]) -> None:
+    assert _outcome(ReleaseResult.from_result, result) == _outcome(
+        ReleaseResult.from_result, _Dict(result)
+    )
+
+
+def test_a_fast_built_release_result_is_still_frozen_and_comparable() -> None:
+    raw = {"released": True}
+    made = ReleaseResult.from_result(raw)
+    assert made == ReleaseResult(released=True, reason=None, raw=raw)
+    assert repr(made) == "ReleaseResult(released=True, reason=None)"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.released = False  # type: ignore[misc]
+
+
+def test_lease_expiry_reads_upper_and_lower_case_z() -> None:
+    upper = Handle.from_result(
+        {
+            "key": "k",
+            "handle": "h",
+            "fence": 1,
+            "ttlMs": 1,
+            "leaseExpiresAt": "2026-01-02T03:04:05.006Z",
+        }
+    )
+    lower = Handle.from_result(
+        {
+            "key": "k",
+            "handle": "h",
+            "fence": 1,
+            "ttlMs": 1,
+            "leaseExpiresAt": "2026-01-02T03:04:05.006z",
+        }
+    )
+    assert upper.lease_expires_at == lower.lease_expires_at
+    assert upper.lease_expires_at is not None and upper.lease_expires_at.utcoffset() is not None
+
+
+# -- argument checks ------------------------------------------------------------------
+
+
+@given(st.text(max_size=20))
+def test_a_remembered_key_check_gives_the_first_answer(key: str) -> None:
+    def outcome() -> object:
+        try:
+            return _wire.check_key(key)
+        except (TypeError, ValueError) as exc:
+            return type(exc)
+
+    first = outcome()
+    assert outcome() == first
+    if first is key:
+        assert key in _wire._checked_keys
+
+
+def test_refused_keys_and_str_subclasses_are_not_remembered() -> None:
+    class Key(str):
+        pass
+
+    for bad in ("", "a\nb", "x" * 1025):
+        with pytest.raises(ValueError):
+            _wire.check_key(bad)
+        assert bad not in _wire._checked_keys
+    sub = Key("subclass-key")
+    assert _wire.check_key(sub) is sub
+    assert "subclass-key" not in _wire._checked_keys
+
+
+def test_remembered_keys_stay_bounded() -> None:
+    for n in range(3 * _wire._CHECKED_KEYS_MAX):
+        _wire.check_key(f"bounded:{n}")
+    assert len(_wire._checked_keys) <= _wire._CHECKED_KEYS_MAX
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"release_on_close": 0}, TypeError),
+        ({"release_on_close": None}, TypeError),
+        ({"shared": 0}, TypeError),
+        ({"limit": True}, TypeError),
+        ({"limit": 1.0}, TypeError),
+        ({"limit": 0}, ValueError),
+        ({"shared": True, "limit": 2}, ValueError),
+        ({"owner": ""}, ValueError),
+    ],
+)
+def test_grant_arguments_off_the_defaults_are_still_checked(
+    kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    plain = {"owner": None, "release_on_close": False, "shared": False, "limit": 1}
+    with pytest.raises(error):
+        grant_args("k", 1, **{**plain, **kwargs})
+
+
+def test_grant_arguments_on_and_off_the_defaults() -> None:
+    assert grant_args("k", 30.0, None, False) == {"key": "k", "ttlMs": 30000}
+    assert grant_args("k", 1, "o", True, True) == {
+        "key": "k",
+        "ttlMs": 1000,
+        "owner": "o",
+        "releaseOnClose": True,
+        "mode": "shared",
+    }
+    assert grant_args("k", 1, None, False, False, 3) == {"key": "k", "ttlMs": 1000, "limit": 3}
