@@ -34,6 +34,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import shutil
 import socket
 import statistics
@@ -164,12 +165,15 @@ def client_loop(path: str, pairs: int) -> tuple[float, float]:
         return time.perf_counter() - started, time.process_time() - cpu
 
 
+_LOOPS: dict[str, Callable[[str, int], tuple[float, float]]] = {
+    "raw": raw_loop,
+    "client": client_loop,
+}
+
+
 def run_rounds(path: str, rounds: int, pairs: int) -> dict[str, dict[str, list[float]]]:
     """Per round and loop: pairs/s (wall) and client CPU µs per pair, interleaved."""
-    loops: dict[str, Callable[[str, int], tuple[float, float]]] = {
-        "raw": raw_loop,
-        "client": client_loop,
-    }
+    loops = _LOOPS
     for loop in loops.values():  # warm-up: imports, caches, the server's first thread
         loop(path, max(1, pairs // 10))
     out: dict[str, dict[str, list[float]]] = {name: {"rate": [], "cpu_us": []} for name in loops}
@@ -178,6 +182,36 @@ def run_rounds(path: str, rounds: int, pairs: int) -> dict[str, dict[str, list[f
             wall, cpu = loop(path, pairs)
             out[name]["rate"].append(pairs / wall)
             out[name]["cpu_us"].append(cpu / pairs * 1e6)
+    return out
+
+
+def count_instructions(path: str, pairs: int) -> dict[str, float]:
+    """Instructions per pair of each loop, counted by valgrind (callgrind), not timed.
+
+    Each loop runs in a child process under callgrind twice, for ``pairs``
+    and for ``pairs // 10`` pairs; the difference divided by the difference
+    in pairs leaves out start-up and the first connection. User-space
+    instructions only (system calls show as one instruction each): the one
+    figure the shared box's load does not move, so a 2 % change in the
+    client's own work shows, where CPU time per pair needs many rounds.
+    """
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    few = max(1, pairs // 10)
+    out: dict[str, float] = {}
+    for name in _LOOPS:
+        counts = []
+        for n in (few, pairs):
+            command = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+            command += [sys.executable, __file__, "--client-dir", str(_CLIENT_DIR)]
+            command += ["--count-loop", name, "--pairs", str(n), path]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            found = re.search(r"Collected : (\d+)", done.stderr)
+            if found is None:
+                raise RuntimeError(f"no instruction count from callgrind: {done.stderr[-500:]}")
+            counts.append(int(found.group(1)))
+        out[name] = (counts[1] - counts[0]) / (pairs - few)
     return out
 
 
@@ -200,16 +234,34 @@ def main() -> None:
         metavar="DIR",
         help="import lockd_client from DIR (default: this checkout's client/)",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per pair with valgrind instead of timing (steady under load)",
+    )
     parser.add_argument("--serve", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--count-loop", choices=sorted(_LOOPS), help=argparse.SUPPRESS)
+    parser.add_argument("path", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
             serve(args.serve)
         return
+    if args.count_loop:  # a child of --instructions, under valgrind
+        _LOOPS[args.count_loop](args.path, args.pairs)
+        return
     server = FakeServer()
     try:
         if args.profile:
             profile(server.path, args.pairs, 25)
+            return
+        if args.instructions:
+            counts = count_instructions(server.path, args.pairs)
+            print(f"instructions per pair (callgrind, user space), fake server, {args.pairs} pairs")
+            print(f"  lockd_client from {_CLIENT_DIR / 'lockd_client'}")
+            for name, count in counts.items():
+                print(f"  {name:<7} {count:>10,.0f}")
+            print(f"  client/raw {counts['client'] / counts['raw']:.2f}x")
             return
         data = run_rounds(server.path, args.rounds, args.pairs)
     finally:
