@@ -15,13 +15,14 @@ name its hold (an older daemon's).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import trio
 
 from lockd.daemon.backends.etcd.backend import EtcdBackend
-from lockd.daemon.backends.etcd.records import Hold
-from lockd.daemon.backends.etcd.waiting import KeyQueue
-from lockd.daemon.backends.etcd.wire import Event, PutOp, RangeOp
+from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
+from lockd.daemon.backends.etcd.waiting import KeyQueue, LocalWaiter
+from lockd.daemon.backends.etcd.wire import Event, KeyValue, PutOp, RangeOp
 from tests.test_etcd_backend import (
     ALICE,
     BOB,
@@ -254,3 +255,38 @@ async def test_a_waiter_record_without_its_hold_is_granted_by_its_own_daemon(
         assert await two.release("o", granted.handle)
         await until(lambda: len(results) == 2)
         assert isinstance(results[1], Hold) and await one.release("o", results[1].handle)
+
+
+async def test_a_grant_the_watch_showed_before_its_waiter_joined_is_delivered(
+    backends: Backends,
+) -> None:
+    """Another daemon may grant a waiter before its enqueue's reply came back.
+
+    The queue's watch then shows the hold before the waiter joins (with a
+    read older than the view): joining delivers it from the view. Before,
+    the grant was never delivered and the hold sat until its TTL (a 31 s
+    stall in B2 under load).
+    """
+    backend = await backends("n1")
+    layout = backend.layout
+    key_queue = KeyQueue(backend, "j", revision=10)
+    key_queue._learn(Directory(key="j", revision=10))
+    waiter_key = layout.waiter("j", 1, 1)
+    record = Waiter(
+        waiter_key, 11, "user:bob", None, "exclusive", 1, "n1", 1, "H1", 2000, 7, "job", False
+    )
+    hold = record.hold("j")
+    granted = replace(hold, lease=5, ttl_ms=2000, expires_at=1, tied=True)
+    hold_key = layout.hold("j", "H1")
+    key_queue._apply(
+        [
+            Event("PUT", KeyValue(waiter_key, record.value(), 11, 11, 1, 1), None),
+            Event("DELETE", KeyValue(waiter_key, b"", 0, 12, 0, 0), None),
+            Event("PUT", KeyValue(hold_key, granted.value(), 12, 12, 1, 5), None),
+        ]
+    )
+    waiter = LocalWaiter(record, hold, 2)
+    key_queue.join(waiter, Directory(key="j", revision=11))  # its enqueue's read
+    assert waiter.done.is_set() and waiter.granted is not None
+    assert waiter.granted.fence == 12 and waiter.granted.tied
+    assert not key_queue.waiters and key_queue.holding == {hold_key}

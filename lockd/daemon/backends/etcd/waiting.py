@@ -227,12 +227,17 @@ class KeyQueue:
             nursery.cancel_scope.cancel()
 
     def _learn(self, directory: Directory) -> None:
-        """Take a read of the directory, unless what is known is newer."""
+        """Take a read of the directory, unless what is known is newer.
+
+        Either way, grants the view shows to waiters it holds now are
+        delivered: a waiter joins after its enqueue's reply, and the watch
+        may have shown its grant (by another daemon) before that.
+        """
         if self.records is None or directory.revision > self.revision:
             self.records = {record.key: record for record in directory.records}
             self.revision = directory.revision
             self._advanced.set()
-            self._deliver_read()
+        self._deliver_read()
 
     def _apply(self, events: list[Event]) -> None:
         """Bring the known records up to the watch's events (older ones are in the read)."""
