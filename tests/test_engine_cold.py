@@ -7,6 +7,7 @@ against both and compares every answer and every row written.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable
 from typing import Any
@@ -36,30 +37,11 @@ class Loader:
     def __call__(self, keys: list[str]) -> Iterable[Lease]:
         self.asked.append(list(keys))
         wanted = set(keys)
-        return [fresh(lease) for lease in self.rows if lease.key in wanted]
+        return [copy.copy(lease) for lease in self.rows if lease.key in wanted]
 
     @property
     def loaded(self) -> list[str]:
         return [key for keys in self.asked for key in keys]
-
-
-def fresh(lease: Lease) -> Lease:
-    """A copy of a stored lease (copy.copy cannot copy a Lease compiled by mypyc)."""
-    return Lease(
-        lease.key,
-        lease.handle,
-        lease.fence,
-        lease.owner,
-        lease.principal,
-        lease.ttl_ms,
-        lease.expires_at,
-        lease.conn,
-        lease.mode,
-        lease.limit,
-        lease.slot,
-        lease.pid,
-        lease.process,
-    )
 
 
 def cold_engine(leases: list[Lease], now: int = 0, fence: int = 0) -> tuple[LockEngine, Loader]:
@@ -396,7 +378,7 @@ def answer(result: object) -> Any:
 def test_cold_restore_answers_exactly_as_restore(leases: list[Lease], steps: list[Any]) -> None:
     fence = max((lease.fence for lease in leases), default=0)
     eager = make_engine(fence=fence)
-    eager.restore([fresh(lease) for lease in leases], now=0)
+    eager.restore([copy.copy(lease) for lease in leases], now=0)
     cold, _ = cold_engine(leases, fence=fence)
     handles = [lease.handle for lease in leases]
     rows: list[dict[Any, Any]] = [{}, {}]

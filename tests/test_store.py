@@ -234,7 +234,7 @@ def test_unusable_database_is_a_store_error(tmp_path: Path) -> None:
 def test_apply_rolls_back_a_failed_batch(store: Store) -> None:
     store.apply(changes({"a": lease("a", 1)}, fence=1))
     broken = lease("b", 2)
-    broken.mode = "neither"  # CHECK violation (a compiled Lease takes no None for a str)
+    broken.principal = None  # type: ignore[assignment]  # NOT NULL violation
     with pytest.raises(sqlite3.IntegrityError):
         store.apply(changes({"a": None, "b": broken}, fence=2))
     leases, fence = store.load()

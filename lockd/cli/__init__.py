@@ -23,7 +23,6 @@ from typing import Any
 
 import click
 
-from lockd import native
 from lockd.cli.common import (
     EXIT_CODES_HELP,
     LockdGroup,
@@ -49,10 +48,7 @@ __all__ = ["EXIT_CODES_HELP", "main"]
     epilog=EXIT_CODES_HELP,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-# The hot path's build shows here for operators: "mypyc" or why it is pure Python.
-@click.version_option(
-    package_name="lockd", message=f"%(prog)s %(version)s (hot path: {native.hot_path()})"
-)
+@click.version_option(package_name="lockd")
 def main() -> None:
     """lockd: leases on named keys for the processes of one host."""
 

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from lockd import native
 from lockd.config import BackendSettings, ConfigError, Paths, Settings, load_settings
 from lockd.daemon import fdlimit, fencemark, systemd
 from lockd.daemon.clock import Clock, SystemClock
@@ -187,7 +186,6 @@ def build(
             max_connections=max_connections,
             nofile=nofile,
             rules=(policy.rules_result()["policy"] or {}).get("file", "open default"),
-            hot_path=native.hot_path(),
         )
     )
     daemon = Daemon(paths, settings, policy, store, service, server, sock, owns, lock_fd)

@@ -90,9 +90,7 @@ class UndoLog:
         cls = type(obj)
         fields_getter = self._getters.get(cls)
         if fields_getter is None:
-            # A class compiled by mypyc has no __slots__; it lists its fields
-            # in __mypyc_attrs__ instead.
-            fields = tuple(getattr(cls, "__mypyc_attrs__", None) or cls.__slots__)
+            fields = tuple(cls.__slots__)
             fields_getter = self._getters[cls] = (fields, operator.attrgetter(*fields))
         fields, getter = fields_getter
         entries.append((_WHOLE, obj, fields, getter(obj)))
