@@ -24,6 +24,12 @@ Measured on the 2-core dev box (9 rounds x 2000 pairs, three runs each): the
 client before the hot-path rework (bc6b828) did 5.0-10.2 k pairs/s, 2.0-2.6x
 slower than the raw loop (66-128 µs CPU per pair); after it, 17.0-17.6 k
 pairs/s, 1.18-1.21x (33 µs CPU per pair, raw 25 µs).
+
+``--instructions`` counts instead of timing: each loop runs under valgrind's
+callgrind for N and N/10 pairs, and the difference gives user-space
+instructions per pair, steady under any load. Client cpu-work rework
+(98a6884 against 707cac6): 161.9 k -> 126.3 k instructions per pair, the raw
+loop 122 k (bench/README.md, "The client's own CPU").
 """
 
 from __future__ import annotations
