@@ -1009,8 +1009,10 @@ def test_stuck_send_is_not_sent_and_goes_again_on_a_new_connection(
         responder(answer)(peer, index)
 
     server = serve(script)
-    prefix = "p" * (4 << 20)  # far more than the socket buffers hold
-    with make_client(server.path, request_timeout=0.5, retry_window=2) as client:
+    prefix = "p" * (1 << 20)  # far more than the socket buffers hold (~200 KiB)
+    # The retry must get its whole MiB read and answered within one request
+    # timeout: 0.5 s was too tight at load 12 (a third connection followed).
+    with make_client(server.path, request_timeout=2, retry_window=6) as client:
         assert client.list(prefix=prefix) == []
         done.set()
     deadline = time.monotonic() + 5
