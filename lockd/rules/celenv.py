@@ -293,10 +293,11 @@ def run_rule(
 ) -> Any:
     """Evaluate ``rule`` with ``groups`` visible to ``isMemberOf``; errors propagate.
 
-    ``budget``: seconds of CPU time the evaluation may use, enforced with
-    ``ITIMER_VIRTUAL`` (only in the main thread, where signals are
-    delivered; elsewhere the evaluation is not bounded). Over it,
-    :class:`RuleOverBudget` is raised.
+    ``budget``: seconds of CPU time the evaluation may use. ``ITIMER_VIRTUAL``
+    stops a runaway evaluation early (only in the main thread, where signals
+    are delivered); the verdict rests on the thread's CPU time measured after
+    it, so an evaluation over its budget raises :class:`RuleOverBudget`
+    whether or not the timer fired.
     """
     token = _CALLER_GROUPS.set(groups)
     timed = budget is not None and threading.current_thread() is threading.main_thread()
