@@ -172,13 +172,19 @@ def encode_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
     """``encode({"id": rid, "op": op, **args})``, byte for byte, with less work.
 
     Requests are flat objects of strings, ints and bools, so the line is
-    joined from pieces here (each string quoted by the very function the
-    JSON encoder uses) instead of going through the general encoder, which
-    costs several times as much for a small object. Anything else (another
-    value type, a field named ``id`` or ``op``) takes :func:`encode`.
+    joined from pieces (each string quoted by the very function the JSON
+    encoder uses) instead of going through the general encoder, which costs
+    several times as much for a small object. Anything else (another value
+    type, a field named ``id`` or ``op``) takes :func:`encode`.
     """
+    line = _joined_request(rid, op, args)
+    return line if line is not None else encode({"id": rid, "op": op, **args})
+
+
+def _joined_request(rid: int, op: str, args: dict[str, Any]) -> bytes | None:
+    """The request line joined from pieces, or None when it needs the general encoder."""
     if type(rid) is not int or type(op) is not str or "id" in args or "op" in args:
-        return encode({"id": rid, "op": op, **args})
+        return None
     parts = ['{"id":', _int_text(rid), ',"op":', _quote(op)]
     for name, value in args.items():
         kind = type(value)
@@ -189,11 +195,11 @@ def encode_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
         elif kind is bool:
             text = "true" if value else "false"
         else:
-            return encode({"id": rid, "op": op, **args})
+            return None
         head = _field_heads.get(name)
         if head is None:
             if type(name) is not str:
-                return encode({"id": rid, "op": op, **args})
+                return None
             head = _field_heads[name] = f",{_quote(name)}:"
         parts.append(head)
         parts.append(text)
