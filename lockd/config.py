@@ -202,6 +202,10 @@ def _check_endpoint(url: str, where: str) -> None:
         raise ConfigError(f"{where}: {url!r} is not an etcd URL (http://HOST:PORT or https://...)")
 
 
+#: integer keys for which 0 is a value (it turns the feature off).
+_ZERO_TURNS_OFF = frozenset({"busy_poll_us"})
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every key ``lockd.toml`` accepts, with its default (documented in README)."""
@@ -228,6 +232,9 @@ class Settings:
     max_pending_per_connection: int = 1024
     #: CPU milliseconds one rule evaluation may use; over it the request is denied.
     rule_budget_ms: int = 50
+    #: microseconds a connection's task polls for the next request before it
+    #: parks in epoll (adaptive; 0 turns it off). See README "Performance".
+    busy_poll_us: int = 200
     #: log level: debug, info, warning or error.
     log_level: str = "info"
     #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.
@@ -255,8 +262,9 @@ class Settings:
             elif isinstance(default, int):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise ConfigError(f"{source}: {key!r} must be an integer")
-                if value < 1:
-                    raise ConfigError(f"{source}: {key!r} must be at least 1")
+                least = 0 if key in _ZERO_TURNS_OFF else 1
+                if value < least:
+                    raise ConfigError(f"{source}: {key!r} must be at least {least}")
                 values[key] = value
             else:
                 if not isinstance(value, str):
@@ -273,6 +281,8 @@ class Settings:
             raise ConfigError(f"{source}: 'sqlite_synchronous' must be NORMAL or FULL")
         if not 1024 <= self.max_line_bytes <= 16 * 1024 * 1024:
             raise ConfigError(f"{source}: 'max_line_bytes' must be between 1024 and 16777216")
+        if self.busy_poll_us > 1000:
+            raise ConfigError(f"{source}: 'busy_poll_us' must be at most 1000")
         if self.max_buffered_bytes < self.max_line_bytes:
             raise ConfigError(f"{source}: 'max_buffered_bytes' must be at least 'max_line_bytes'")
 

@@ -42,6 +42,7 @@ GOOD: dict[str, Any] = {
     "partial_line_timeout_ms": 5000,
     "max_buffered_bytes": 1048576,
     "rule_budget_ms": 20,
+    "busy_poll_us": 0,
     "log_level": "debug",
     "sqlite_synchronous": "FULL",
 }
@@ -129,10 +130,30 @@ def test_int_keys_need_an_integer(tmp_path: Path, key: str, value: str) -> None:
     assert repr(key) in message and "integer" in message
 
 
+#: integer keys whose 0 turns something off.
+ZERO_OK = {"busy_poll_us"}
+
+
 @pytest.mark.parametrize("key", INT_KEYS)
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_int_keys_must_be_positive(tmp_path: Path, key: str, value: str) -> None:
-    assert repr(key) in refused(tmp_path, f"{key} = {value}\n")
+    if key in ZERO_OK and value == "0":
+        write(tmp_path, f"{key} = 0\n")
+        assert getattr(load_settings(tmp_path), key) == 0
+        return
+    message = refused(tmp_path, f"{key} = {value}\n")
+    assert repr(key) in message and f"at least {0 if key in ZERO_OK else 1}" in message
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0, True), (200, True), (1000, True), (1001, False)])
+def test_busy_poll_us_bounds(tmp_path: Path, value: int, ok: bool) -> None:
+    assert Settings().busy_poll_us == 200
+    text = f"busy_poll_us = {value}\n"
+    if ok:
+        write(tmp_path, text)
+        assert load_settings(tmp_path).busy_poll_us == value
+    else:
+        assert "'busy_poll_us' must be at most 1000" in refused(tmp_path, text)
 
 
 @pytest.mark.parametrize("key", STR_KEYS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from lockd.daemon import sockio
@@ -611,6 +612,106 @@ async def test_a_stream_of_ready_requests_lets_another_connection_in(short_tmp: 
     # scheduler may run a's task first once more), not after INLINE_READS.
     assert len(stream.seen) == 1 and stream.seen[0] <= 2, stream.seen
     assert ids == list(range(1, 62))
+
+
+# ---------------------------------------------------------- busy polling
+
+#: A budget no test waits out: if polling did not end when it should, the
+#: clients' 10 s socket timeouts fail the test.
+LONG_POLL_NS = 60 * 10**9
+
+
+def blocking_peer(path: Path) -> stdsocket.socket:
+    raw = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    raw.settimeout(10)
+    raw.connect(str(path))
+    return raw
+
+
+def call_blocking(raw: stdsocket.socket, request: dict[str, Any]) -> dict[str, Any]:
+    """Send one request and read its one-line reply, outside trio (a client's thread)."""
+    raw.sendall(json.dumps(request).encode() + b"\n")
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = raw.recv(65536)
+        assert chunk, "the daemon closed the connection"
+        data += chunk
+    reply: dict[str, Any] = json.loads(data)
+    return reply
+
+
+async def in_thread(work: Callable[[], Any]) -> Any:
+    """Run a blocking client in a thread; the daemon's loop may be polling meanwhile."""
+    return await trio.to_thread.run_sync(work)
+
+
+async def test_a_lone_connection_polls_for_its_next_request_instead_of_parking(
+    short_tmp: Path,
+) -> None:
+    async with running(short_tmp, limits=Limits(busy_poll_ns=LONG_POLL_NS)) as h:
+        counter = ConnectionSteps()
+
+        def five_hellos() -> list[int]:
+            with blocking_peer(h.socket) as raw:
+                return [call_blocking(raw, {"id": i, "op": "hello"})["id"] for i in range(5)]
+
+        trio.lowlevel.add_instrument(counter)
+        try:
+            ids = await in_thread(five_hellos)
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+    assert ids == list(range(5))
+    # Each request came after the previous reply, from another thread: with
+    # no polling, nearly each would cost the task a scheduler pass.
+    assert counter.steps <= 3, counter.steps
+
+
+async def test_a_polling_connection_lets_another_connection_in(short_tmp: Path) -> None:
+    async with running(short_tmp, limits=Limits(busy_poll_ns=LONG_POLL_NS)) as h:
+
+        def a_then_b() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+            with blocking_peer(h.socket) as a:
+                first = call_blocking(a, {"id": 1, "op": "hello"})
+                # a's task is polling now; a new connection ends it ...
+                with blocking_peer(h.socket) as b:
+                    second = call_blocking(b, {"id": 2, "op": "hello"})
+                    # ... and so does a request of another connection.
+                    third = call_blocking(b, {"id": 3, "op": "hello"})
+                return first, second, third
+
+        replies = await in_thread(a_then_b)
+    assert [r["id"] for r in replies] == [1, 2, 3]
+    assert all(r["ok"] for r in replies)
+
+
+async def test_a_connection_with_an_acquire_waiting_does_not_poll(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    polled_while_waiting: list[int] = []
+    polls = 0
+    async with running(short_tmp, limits=Limits(busy_poll_ns=10**6)) as h:
+        next_bytes = sockio.BusyPoll.next_bytes
+
+        def recording(poll: sockio.BusyPoll, *args: Any, **kwargs: Any) -> bytes | None:
+            nonlocal polls
+            polls += 1
+            conn = next(c for c in h.server.connections.values() if c.busy is poll)
+            if conn.waiting:
+                polled_while_waiting.append(conn.id)
+            return next_bytes(poll, *args, **kwargs)
+
+        monkeypatch.setattr(sockio.BusyPoll, "next_bytes", recording)
+        (_, holder), (_, waiter) = await peers_in_one_pass(h, 2)
+        granted = await holder.call(try_acquire(1, "k"))
+        await waiter.send(acquire(2, "k", timeoutMs=30_000))
+        assert await until(lambda: h.engine.waiter_count == 1)
+        await holder.call(
+            {"id": 3, "op": "release", "key": "k", "handle": granted["result"]["handle"]}
+        )
+        handed = await waiter.recv()
+    assert handed is not None and handed["ok"] and handed["result"]["handle"]
+    assert polls > 0  # the connections did poll between requests ...
+    assert polled_while_waiting == []  # ... but not while an acquire of theirs waited
 
 
 # ---------------------------------------------------- shutdown and framing

@@ -157,6 +157,7 @@ def build(
         max_connections_per_uid=settings.max_connections_per_uid,
         partial_line_timeout=settings.partial_line_timeout_ms / 1000,
         max_buffered_bytes=settings.max_buffered_bytes,
+        busy_poll_ns=settings.busy_poll_us * 1000,
     )
     server = LockServer(service, identity, limits, reload_rules=policy.reload)
     inherited = systemd.listen_fds()

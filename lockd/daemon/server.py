@@ -16,7 +16,10 @@ connection whose next request is already there reads it at once, without
 a scheduler pass (:meth:`LockServer._read_now`, at most
 :data:`INLINE_READS` in a row): a client that sends as soon as it has its
 reply usually has, since on a busy box it preempts the daemon inside the
-``send`` that woke it.
+``send`` that woke it. On an idle box the client runs on the other CPU, and
+the connection polls its socket a moment for the request before parking
+(``busy_poll_us``, adaptive: :class:`~lockd.daemon.sockio.BusyPoll`), which
+spares both sides a cross-CPU wake-up per request.
 
 Group commit: the replies of requests handled inline wait in an outbox.
 After a connection's requests of one read, the batch is committed -- one
@@ -118,6 +121,8 @@ class Connection:
     #: the next line waits for it (see ``_read_lines``; the other requests it
     #: decides are awaited by the connection's task itself).
     remote_busy: trio.Event | None = None
+    #: polls for the next request a moment before parking (see ``_read_now``).
+    busy: sockio.BusyPoll = field(default_factory=lambda: sockio.BusyPoll(0))
 
 
 @dataclass(eq=False, slots=True)
@@ -171,6 +176,9 @@ class Limits:
     partial_line_timeout: float = 10.0
     #: incomplete request lines held for all connections together, in bytes.
     max_buffered_bytes: int = 16 * 1024 * 1024
+    #: nanoseconds a connection's task polls for its next request before it
+    #: parks (0: never; see :class:`~lockd.daemon.sockio.BusyPoll`).
+    busy_poll_ns: int = 0
 
     @property
     def owner_reserve(self) -> int:
@@ -249,11 +257,16 @@ class LockServer:
             async with trio.open_nursery() as conns:
                 accepting = trio.CancelScope()
                 conns.start_soon(self._accept_loop, listen_sock, conns, accepting)
+                # A connection coming in ends a busy poll (see _read_now).
+                with contextlib.suppress(OSError):
+                    self._readable.register(listen_sock, select.EPOLLIN)
                 systemd.ready(self._status_line())
                 task_status.started()
                 await self._shutdown_event.wait()
                 systemd.stopping()
                 accepting.cancel()
+                with contextlib.suppress(OSError):
+                    self._readable.unregister(listen_sock)
                 await self._drain_waiters()
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
@@ -541,7 +554,9 @@ class LockServer:
             sock.close()
             return
         self._conn_ids += 1
-        conn = Connection(self._conn_ids, sock, caller)
+        conn = Connection(
+            self._conn_ids, sock, caller, busy=sockio.BusyPoll(self.limits.busy_poll_ns)
+        )
         self.connections[conn.id] = conn
         self.service.stats.count("connectionsAccepted")
         if log.isEnabledFor(logging.DEBUG):
@@ -719,6 +734,12 @@ class LockServer:
         read here without a scheduler pass and an epoll re-registration.
         Not while a batch is open (its other connections' tasks must run to
         join it) or another connection has a request waiting: those go first.
+
+        When nothing is there yet, the connection polls for it a moment
+        (:class:`~lockd.daemon.sockio.BusyPoll`; a request of another
+        connection or a new connection ends it at once) -- unless it has an
+        acquire waiting: its client is most likely blocked on that one, and
+        the next thing to happen is another connection's release.
         """
         if self._outbox or self.service.batch_open:
             return None
@@ -729,9 +750,15 @@ class LockServer:
                 if ready_fd != fd:
                     return None
                 ours = True
-            if not ours:
-                return None
-        return sockio.recv_ready(conn.sock)
+            if ours:
+                return sockio.recv_ready(conn.sock)
+        else:
+            data = sockio.recv_ready(conn.sock)
+            if data is not None:
+                return data
+        if conn.waiting:
+            return None
+        return conn.busy.next_bytes(conn.sock, self._readable)
 
     def _batch_point(self, conn: Connection) -> None:
         """After a connection's requests of one read: commit and answer, unless more are coming.

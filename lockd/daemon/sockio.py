@@ -11,7 +11,9 @@ whose queue only the slow path (a partially written reply) uses.
 
 from __future__ import annotations
 
+import select
 import socket
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -48,6 +50,71 @@ def recv_ready(sock: socket.socket) -> bytes | None:
     try:
         return sock.recv(RECV_BYTES)
     except BlockingIOError:
+        return None
+
+
+class BusyPoll:
+    """Wait a little for a connection's next request by polling its socket, adaptively.
+
+    Why: a client that sends its next request as soon as it has a reply
+    (a loop of try/release, a script taking several keys) makes the round
+    trip strictly serial, and on a VM every side that sleeps between
+    requests pays for a cross-CPU wake-up: the sender's ``send`` runs the
+    kernel's wake-up (an inter-processor interrupt, a VM exit here) and the
+    sleeper comes back through the idle loop. perf put ~40 % of the
+    daemon's CPU under B1 there (bench/README.md, "Busy-polling"). Polling
+    with non-blocking ``recv`` for up to ``budget_ns`` instead of parking
+    in epoll means the client's ``send`` finds nobody to wake, and the
+    daemon's CPU per request goes *down* although it polls.
+
+    Polling costs a CPU the whole budget when nothing comes, so it adapts:
+    a miss makes the connection skip its next 1, 3, 7, ... 63 chances
+    (doubling per miss in a row); a hit starts again from nothing. A
+    connection whose client pauses between requests (``lockd run``
+    renewing, a cron job) is polled rarely; one that streams is polled
+    every time. It stops at once, without counting a miss, when another
+    connection has a request waiting or a new one comes in (``others``, the
+    server's epoll of every connection and the listening socket): those are
+    served through the scheduler as before. Nothing else runs while it
+    polls (the expiry timer, a woken waiter's task), hence the small budget.
+    """
+
+    __slots__ = ("budget_ns", "misses", "skip")
+
+    #: consecutive misses that count; the skip is at most ``2**MAX_MISSES - 1``.
+    MAX_MISSES = 6
+
+    def __init__(self, budget_ns: int) -> None:
+        self.budget_ns = budget_ns
+        self.misses = 0
+        #: chances to let pass before polling again (after misses).
+        self.skip = 0
+
+    def next_bytes(
+        self,
+        sock: socket.socket,
+        others: select.epoll | None = None,
+        now_ns: Callable[[], int] = time.perf_counter_ns,
+    ) -> bytes | None:
+        """What ``sock`` sends within the budget (b"" at EOF), or None."""
+        if self.budget_ns <= 0:
+            return None
+        if self.skip:
+            self.skip -= 1
+            return None
+        fd = sock.fileno()
+        deadline = now_ns() + self.budget_ns
+        while True:
+            data = recv_ready(sock)
+            if data is not None:
+                self.misses = 0
+                return data
+            if others is not None and any(ready != fd for ready, _ in others.poll(0, 2)):
+                return None
+            if now_ns() >= deadline:
+                break
+        self.misses = min(self.misses + 1, self.MAX_MISSES)
+        self.skip = (1 << self.misses) - 1
         return None
 
 

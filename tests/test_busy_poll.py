@@ -1,0 +1,121 @@
+"""``sockio.BusyPoll``: polling a connection for its next request, and backing off.
+
+The clock is injected: a miss is a jump of the fake clock past the budget,
+not a wait.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from lockd.daemon.sockio import BusyPoll
+
+BUDGET_NS = 1_000_000
+
+
+class FakeClock:
+    """Each reading moves time on by ``step_ns``: a poll loop ends after a few turns."""
+
+    def __init__(self, step_ns: int = BUDGET_NS // 4) -> None:
+        self.now = 0
+        self.step_ns = step_ns
+        self.readings = 0
+
+    def __call__(self) -> int:
+        self.readings += 1
+        self.now += self.step_ns
+        return self.now
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    with ours, peer:
+        yield ours, peer
+
+
+def miss(poll: BusyPoll, sock: socket.socket) -> None:
+    assert poll.skip == 0
+    assert poll.next_bytes(sock, now_ns=FakeClock()) is None
+
+
+def test_a_request_already_there_is_read_and_clears_the_misses(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, peer = pair
+    poll = BusyPoll(BUDGET_NS)
+    poll.misses = 3
+    peer.send(b'{"id":1,"op":"hello"}\n')
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b'{"id":1,"op":"hello"}\n'
+    assert poll.misses == 0 and poll.skip == 0
+
+
+def test_end_of_file_is_an_answer(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    peer.shutdown(socket.SHUT_WR)
+    assert BusyPoll(BUDGET_NS).next_bytes(ours, now_ns=FakeClock()) == b""
+
+
+def test_a_miss_polls_until_the_budget_is_spent(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, _ = pair
+    clock = FakeClock(step_ns=BUDGET_NS // 10)
+    poll = BusyPoll(BUDGET_NS)
+    assert poll.next_bytes(ours, now_ns=clock) is None
+    # One reading sets the deadline, then one per turn until it is reached.
+    assert clock.readings == 1 + 10
+    assert poll.misses == 1 and poll.skip == 1
+
+
+def test_misses_in_a_row_double_the_chances_skipped_up_to_63(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, peer = pair
+    poll = BusyPoll(BUDGET_NS)
+    skips = []
+    for _ in range(8):
+        miss(poll, ours)
+        skips.append(poll.skip)
+        # While skipping, a request that is there is left for the scheduler.
+        peer.send(b"x")
+        clock = FakeClock()
+        for _ in range(poll.skip):
+            assert poll.next_bytes(ours, now_ns=clock) is None
+        assert clock.readings == 0
+        assert ours.recv(10) == b"x"
+    assert skips == [1, 3, 7, 15, 31, 63, 63, 63]
+    # A hit starts again from nothing.
+    peer.send(b"y")
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b"y"
+    miss(poll, ours)
+    assert poll.skip == 1
+
+
+def test_it_stops_when_another_connection_has_a_request(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, _ = pair
+    other, other_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with other, other_peer, select.epoll() as readable:
+        readable.register(ours, select.EPOLLIN)
+        readable.register(other, select.EPOLLIN)
+        poll = BusyPoll(BUDGET_NS)
+        other_peer.send(b"waiting")
+        clock = FakeClock(step_ns=1)  # the budget alone would take a million turns
+        assert poll.next_bytes(ours, readable, now_ns=clock) is None
+        assert clock.readings == 1  # the deadline's: gave up at the first turn
+        # Not a miss: the connection polls again next time.
+        assert poll.misses == 0 and poll.skip == 0
+        assert other.recv(10) == b"waiting"
+
+
+def test_a_zero_budget_never_reads(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    peer.send(b"x")
+    clock = FakeClock()
+    assert BusyPoll(0).next_bytes(ours, now_ns=clock) is None
+    assert clock.readings == 0 and ours.recv(10) == b"x"
