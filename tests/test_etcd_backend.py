@@ -58,7 +58,10 @@ async def backends(etcd_cluster: EtcdCluster) -> AsyncIterator[Backends]:
     async with trio.open_nursery() as nursery:
 
         async def start(
-            node: str = "n1", timeout: float = 5.0, endpoints: list[str] | None = None
+            node: str = "n1",
+            timeout: float = 5.0,
+            endpoints: list[str] | None = None,
+            session_ttl: int = 2,
         ) -> EtcdBackend:
             settings = BackendSettings(
                 kind="etcd",
@@ -66,7 +69,7 @@ async def backends(etcd_cluster: EtcdCluster) -> AsyncIterator[Backends]:
                 prefix=prefix,
                 node=node,
                 etcd_timeout=timeout,
-                session_ttl=2,
+                session_ttl=session_ttl,
             )
             gateway = EtcdGateway(GatewaySettings(settings.endpoints, timeout=timeout))
             backend = EtcdBackend(gateway, settings, SystemClock())
@@ -510,6 +513,34 @@ async def test_waiters_survive_the_loss_of_their_session(backends: Backends) -> 
             while (await two.status("lost")).waiters != 1:
                 await trio.sleep(0.02)
         assert await two.release("lost", holder.handle)
+        await until(lambda: len(results) == 1)
+    assert isinstance(results[0], Hold) and results[0].principal == "user:bob"
+
+
+async def test_a_request_that_finds_the_session_gone_starts_a_new_one(backends: Backends) -> None:
+    """The session ended while its keeper was not looking (a stopped daemon,
+    a partition): the next request that puts a key on it learns first. It
+    must get a new session and succeed, not fail with "lease not found"."""
+    # A 10 s session: its keeper asks etcd every 3.3 s, so the requests
+    # below nearly always come before it has noticed.
+    one, two = await backends("n1", session_ttl=10), await backends("n2")
+    old = one.session_lease
+    assert old is not None
+    await one.etcd.lease_revoke(old)
+    bound = await acquired(one, request("gone-bound", bound=True), conn=7)
+    new = one.session_lease
+    assert new not in (None, old)
+    # The hold's binding is on the new session: it ends with it, not before.
+    binding = await one.etcd.range(RangeOp(one.layout.binding("gone-bound", bound.handle)))
+    assert [kv.lease for kv in binding.kvs] == [new]
+    # A waiter key goes on the session too.
+    holder = await acquired(two, request("gone-queue"))
+    assert new is not None
+    await one.etcd.lease_revoke(new)
+    results: list[object] = []
+    async with parked(one, request("gone-queue", timeout_ms=30_000), BOB, results):
+        assert one.session_lease not in (None, old, new)
+        assert await two.release("gone-queue", holder.handle)
         await until(lambda: len(results) == 1)
     assert isinstance(results[0], Hold) and results[0].principal == "user:bob"
 

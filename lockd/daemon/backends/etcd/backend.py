@@ -220,15 +220,41 @@ class EtcdBackend:
                 if self._session is session:
                     await session.lost.wait()
                 nursery.cancel_scope.cancel()
-            if self._session is not session:
-                await trio.sleep(RETRY_INTERVAL * 4)
-                continue
             if self._closing:
                 return  # ended by close(): no new session for a daemon that stops
+            if not session.lost.is_set():  # never granted, or its node name not claimed
+                await trio.sleep(RETRY_INTERVAL * 4)
+                continue
             # Lost: waiters and bindings went with it; queues re-queue their waiters.
-            self._session, self._session_ready = None, trio.Event()
+            self._forget(session)
             for key_queue in self._queues.values():
                 key_queue.changed.set()
+
+    def _forget(self, session: Session) -> None:
+        if self._session is session:
+            self._session, self._session_ready = None, trio.Event()
+
+    async def _session_ended(self) -> bool:
+        """Whether etcd says the session lease is gone; then a new session starts now.
+
+        A transaction that puts a key on the session lease (a waiter, the
+        binding of a ``releaseOnClose`` hold) is refused with "lease not
+        found" when the session ended while this daemon could not keep it
+        alive -- stopped, or cut off from etcd past the TTL -- and its keeper
+        has not heard yet (it asks every third of the TTL). Ask etcd now,
+        and if the lease is gone, end the session here rather than fail the
+        request: :meth:`_wait_session` then waits for the next one.
+        """
+        session = self._session
+        if session is None:
+            return True
+        try:
+            await self.etcd.lease_keepalive(session.lease_id)
+        except LeaseNotFound:
+            session.mark_lost()
+            self._forget(session)
+            return True
+        return False
 
     @property
     def session_lease(self) -> int | None:
@@ -476,9 +502,12 @@ class EtcdBackend:
         try:
             outcome = await self._take_now(hold, conn, waiting=waiting)
         except LeaseNotFound:
-            if refresh is None:
+            # A lease the transaction put a key on is gone: the hold's kept
+            # lease (it ended before its keepalive arrived) or the daemon's
+            # session (see _session_ended). Once more, with new ones (the
+            # failed hold's own lease is being revoked: never reused).
+            if not await self._session_ended() and refresh is None:
                 raise
-            # The kept lease ended before its keepalive arrived: a new one.
             hold, refresh = await self.new_hold(template, ttl_s, reuse=False)
             outcome = await self._take_now(hold, conn, waiting=waiting)
         if isinstance(outcome, Hold):
@@ -611,6 +640,11 @@ class EtcdBackend:
                 parked.set()  # it waits for etcd now: the connection goes on
                 await trio.sleep(RETRY_INTERVAL)
                 record = await self.new_waiter_record(key, record)
+                continue
+            except LeaseNotFound:
+                if not await self._session_ended():
+                    raise
+                record = await self.new_waiter_record(key, record)  # on the next session
                 continue
             except BaseException:
                 self.delete_later(record.etcd_key)

@@ -68,6 +68,11 @@ class Session:
         try:
             await self._keep_alive()
         except LeaseNotFound:
+            self.mark_lost()
+
+    def mark_lost(self) -> None:
+        """etcd said the lease is gone (to the keeper, or to a request that used it)."""
+        if not self.lost.is_set():
             log.warning(
                 "etcd session lease %x is gone; its waiters and holds with it", self.lease_id
             )
