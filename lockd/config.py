@@ -233,7 +233,7 @@ class Settings:
     #: CPU milliseconds one rule evaluation may use; over it the request is denied.
     rule_budget_ms: int = 50
     #: microseconds a connection's task polls for the next request before it
-    #: parks in epoll (adaptive; 0 turns it off). See README "Performance".
+    #: parks in epoll (adaptive; 0 turns it off). See bench/README.md, "Busy-polling".
     busy_poll_us: int = 200
     #: log level: debug, info, warning or error.
     log_level: str = "info"
