@@ -81,16 +81,16 @@ def test_misses_in_a_row_double_the_chances_skipped_up_to_63(
         miss(poll, ours)
         skips.append(poll.skip)
         # While skipping, a request that is there is left for the scheduler.
-        peer.send(b"x")
+        peer.send(b"x\n")
         clock = FakeClock()
         for _ in range(poll.skip):
             assert poll.next_bytes(ours, now_ns=clock) is None
         assert clock.readings == 0
-        assert ours.recv(10) == b"x"
+        assert ours.recv(10) == b"x\n"
     assert skips == [1, 3, 7, 15, 31, 63, 63, 63]
     # A hit starts again from nothing.
-    peer.send(b"y")
-    assert poll.next_bytes(ours, now_ns=FakeClock()) == b"y"
+    peer.send(b"y\n")
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b"y\n"
     miss(poll, ours)
     assert poll.skip == 1
 
@@ -119,3 +119,18 @@ def test_a_zero_budget_never_reads(pair: tuple[socket.socket, socket.socket]) ->
     clock = FakeClock()
     assert BusyPoll(0).next_bytes(ours, now_ns=clock) is None
     assert clock.readings == 0 and ours.recv(10) == b"x"
+
+
+def test_bytes_without_a_whole_request_count_as_a_miss(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A client trickling a byte at a time must not keep the daemon polling for it."""
+    ours, peer = pair
+    poll = BusyPoll(BUDGET_NS)
+    peer.send(b'{"id":1,')
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b'{"id":1,'  # read all the same
+    assert poll.misses == 1 and poll.skip == 1
+    assert poll.next_bytes(ours, now_ns=FakeClock()) is None  # skipped
+    peer.send(b'"op":"hello"}\n')
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b'"op":"hello"}\n'
+    assert poll.misses == 0 and poll.skip == 0

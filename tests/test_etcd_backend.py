@@ -22,6 +22,7 @@ from lockd.daemon.backends.etcd.backend import EtcdBackend, lease_seconds
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, GatewaySettings
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
+from lockd.daemon.backends.etcd.session import Session
 from lockd.daemon.backends.etcd.wire import RangeOp
 from lockd.daemon.clock import SystemClock
 from lockd.daemon.holds import Refused
@@ -517,13 +518,21 @@ async def test_waiters_survive_the_loss_of_their_session(backends: Backends) -> 
     assert isinstance(results[0], Hold) and results[0].principal == "user:bob"
 
 
-async def test_a_request_that_finds_the_session_gone_starts_a_new_one(backends: Backends) -> None:
+async def test_a_request_that_finds_the_session_gone_starts_a_new_one(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The session ended while its keeper was not looking (a stopped daemon,
     a partition): the next request that puts a key on it learns first. It
     must get a new session and succeed, not fail with "lease not found"."""
-    # A 10 s session: its keeper asks etcd every 3.3 s, so the requests
-    # below nearly always come before it has noticed.
-    one, two = await backends("n1", session_ttl=10), await backends("n2")
+    two = await backends("n2")
+
+    async def keeper_looking_away(self: Session) -> None:
+        await trio.sleep_forever()
+
+    # n1's keepers never ask: only the requests can find their sessions gone
+    # (a 10 s session outlives the test).
+    monkeypatch.setattr(Session, "_keep_alive", keeper_looking_away)
+    one = await backends("n1", session_ttl=10)
     old = one.session_lease
     assert old is not None
     await one.etcd.lease_revoke(old)

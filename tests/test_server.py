@@ -666,21 +666,25 @@ async def test_a_lone_connection_polls_for_its_next_request_instead_of_parking(
     assert counter.steps <= 3, counter.steps
 
 
-async def test_a_polling_connection_lets_another_connection_in(short_tmp: Path) -> None:
+async def test_a_polling_connection_lets_new_connections_and_other_requests_in(
+    short_tmp: Path,
+) -> None:
     async with running(short_tmp, limits=Limits(busy_poll_ns=LONG_POLL_NS)) as h:
 
-        def a_then_b() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        def two_clients() -> list[dict[str, Any]]:
             with blocking_peer(h.socket) as a:
-                first = call_blocking(a, {"id": 1, "op": "hello"})
-                # a's task is polling now; a new connection ends it ...
+                replies = [call_blocking(a, {"id": 1, "op": "hello"})]
+                # a's task polls now: a new connection ends it ...
                 with blocking_peer(h.socket) as b:
-                    second = call_blocking(b, {"id": 2, "op": "hello"})
-                    # ... and so does a request of another connection.
-                    third = call_blocking(b, {"id": 3, "op": "hello"})
-                return first, second, third
+                    replies.append(call_blocking(b, {"id": 2, "op": "hello"}))
+                    # ... b's task polls now: a request of a ends it ...
+                    replies.append(call_blocking(a, {"id": 3, "op": "hello"}))
+                    # ... and a's again: a request of b ends that.
+                    replies.append(call_blocking(b, {"id": 4, "op": "hello"}))
+                return replies
 
-        replies = await in_thread(a_then_b)
-    assert [r["id"] for r in replies] == [1, 2, 3]
+        replies = await in_thread(two_clients)
+    assert [r["id"] for r in replies] == [1, 2, 3, 4]
     assert all(r["ok"] for r in replies)
 
 

@@ -157,7 +157,10 @@ def build(
         max_connections_per_uid=settings.max_connections_per_uid,
         partial_line_timeout=settings.partial_line_timeout_ms / 1000,
         max_buffered_bytes=settings.max_buffered_bytes,
-        busy_poll_ns=settings.busy_poll_us * 1000,
+        # On etcd a request waits milliseconds for the cluster anyway, and a
+        # poll would hold up other connections' etcd replies (the poll ends
+        # only for client sockets): SQLite only.
+        busy_poll_ns=settings.busy_poll_us * 1000 if settings.backend.kind == "sqlite" else 0,
     )
     server = LockServer(service, identity, limits, reload_rules=policy.reload)
     inherited = systemd.listen_fds()

@@ -69,7 +69,8 @@ class BusyPoll:
 
     Polling costs a CPU the whole budget when nothing comes, so it adapts:
     a miss makes the connection skip its next 1, 3, 7, ... 63 chances
-    (doubling per miss in a row); a hit starts again from nothing. A
+    (doubling per miss in a row); a hit starts again from nothing, and
+    only bytes that end a request line count as one. A
     connection whose client pauses between requests (``lockd run``
     renewing, a cron job) is polled rarely; one that streams is polled
     every time. It stops at once, without counting a miss, when another
@@ -107,15 +108,23 @@ class BusyPoll:
         while True:
             data = recv_ready(sock)
             if data is not None:
-                self.misses = 0
+                if data and b"\n" not in data:
+                    # No whole request: a client trickling bytes must not
+                    # keep the daemon polling for it.
+                    self._missed()
+                else:
+                    self.misses = 0
                 return data
             if others is not None and any(ready != fd for ready, _ in others.poll(0, 2)):
                 return None
             if now_ns() >= deadline:
                 break
+        self._missed()
+        return None
+
+    def _missed(self) -> None:
         self.misses = min(self.misses + 1, self.MAX_MISSES)
         self.skip = (1 << self.misses) - 1
-        return None
 
 
 class ReplyWriter:

@@ -234,27 +234,23 @@ class EtcdBackend:
         if self._session is session:
             self._session, self._session_ready = None, trio.Event()
 
-    async def _session_ended(self) -> bool:
-        """Whether etcd says the session lease is gone; then a new session starts now.
+    def _session_refused(self, lease: int) -> None:
+        """etcd refused a key on ``lease``, a session lease of ours: that session is over.
 
-        A transaction that puts a key on the session lease (a waiter, the
-        binding of a ``releaseOnClose`` hold) is refused with "lease not
-        found" when the session ended while this daemon could not keep it
-        alive -- stopped, or cut off from etcd past the TTL -- and its keeper
-        has not heard yet (it asks every third of the TTL). Ask etcd now,
-        and if the lease is gone, end the session here rather than fail the
-        request: :meth:`_wait_session` then waits for the next one.
+        A daemon stopped or cut off from etcd past the session TTL comes
+        back with a session etcd has ended, and a request may learn it
+        before the keeper does (it asks every third of the TTL): the
+        transaction of a ``releaseOnClose`` acquire (its binding) or a
+        blocking acquire (its waiter key) is refused "lease not found". End
+        the session here, so the keeper grants the next one now and
+        :meth:`_wait_session` waits for it, rather than hand out the dead
+        lease again. A lease that is no longer the session's (the keeper
+        replaced it already) needs nothing.
         """
         session = self._session
-        if session is None:
-            return True
-        try:
-            await self.etcd.lease_keepalive(session.lease_id)
-        except LeaseNotFound:
+        if session is not None and session.lease_id == lease:
             session.mark_lost()
             self._forget(session)
-            return True
-        return False
 
     @property
     def session_lease(self) -> int | None:
@@ -381,6 +377,14 @@ class EtcdBackend:
         etcd_key = self.layout.waiter(key, session, next(self._seq))
         return replace(like, etcd_key=etcd_key, create_revision=0, lease=session, node=self.node)
 
+    async def _next_waiter_record(self, key: str, like: Waiter) -> Waiter:
+        """A new waiter record, once a session is there (the caller's deadline bounds it)."""
+        while True:
+            try:
+                return await self.new_waiter_record(key, like)
+            except EtcdUnavailable:
+                await trio.sleep(RETRY_INTERVAL)
+
     def track(self, hold: Hold, conn: int | None = None) -> None:
         """Note a grant: the last fence, and a bound hold's connection (released when it closes)."""
         self.last_fence = max(self.last_fence, hold.fence)
@@ -499,17 +503,23 @@ class EtcdBackend:
         self, template: Hold, ttl_s: int, conn: int, *, waiting: bool
     ) -> Hold | Refused | Directory | None:
         hold, refresh = await self.new_hold(template, ttl_s)
-        try:
-            outcome = await self._take_now(hold, conn, waiting=waiting)
-        except LeaseNotFound:
-            # A lease the transaction put a key on is gone: the hold's kept
-            # lease (it ended before its keepalive arrived) or the daemon's
-            # session (see _session_ended). Once more, with new ones (the
-            # failed hold's own lease is being revoked: never reused).
-            if not await self._session_ended() and refresh is None:
-                raise
-            hold, refresh = await self.new_hold(template, ttl_s, reuse=False)
-            outcome = await self._take_now(hold, conn, waiting=waiting)
+        for attempt in range(3):
+            session = self.session_lease
+            try:
+                outcome = await self._take_now(hold, conn, waiting=waiting)
+                break
+            except LeaseNotFound:
+                # A lease the transaction put a key on is gone. A kept lease
+                # may have ended before its keepalive arrived: once more with
+                # a new one. A new lease cannot be gone yet, so then it was
+                # the session, for a bound hold's binding (_session_refused).
+                # Either way the failed hold's lease is being revoked: the
+                # next try gets a new one.
+                if attempt == 2 or (refresh is None and not hold.bound):
+                    raise
+                if refresh is None and session is not None:
+                    self._session_refused(session)
+                hold, refresh = await self.new_hold(template, ttl_s, reuse=False)
         if isinstance(outcome, Hold):
             try:
                 return await self.settle(outcome, refresh)
@@ -634,17 +644,15 @@ class EtcdBackend:
             put = PutOp(record.etcd_key, record.value(), lease=record.lease)
             try:
                 result = await self.etcd.txn([], [put, RangeOp(directory_key, prefix=True)])
-            except EtcdUnavailable as exc:
+            except (EtcdUnavailable, LeaseNotFound) as exc:
                 self.delete_later(record.etcd_key)
                 log.debug(kv(event="enqueue_retry", key=key, error=exc))
                 parked.set()  # it waits for etcd now: the connection goes on
-                await trio.sleep(RETRY_INTERVAL)
-                record = await self.new_waiter_record(key, record)
-                continue
-            except LeaseNotFound:
-                if not await self._session_ended():
-                    raise
-                record = await self.new_waiter_record(key, record)  # on the next session
+                if isinstance(exc, LeaseNotFound):  # the session is over (its only lease)
+                    self._session_refused(record.lease)
+                else:
+                    await trio.sleep(RETRY_INTERVAL)
+                record = await self._next_waiter_record(key, record)
                 continue
             except BaseException:
                 self.delete_later(record.etcd_key)
