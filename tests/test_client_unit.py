@@ -1287,17 +1287,20 @@ def test_auto_renew_renews_and_stops(serve: Callable[[Script], FakeServer]) -> N
     server = serve(responder(answer))
     lost: list[Handle] = []
     with make_client(server.path) as client:
-        with client.lock("k", ttl=0.06, timeout=1, auto_renew=True, on_lost=lost.append) as h:
-            deadline = time.monotonic() + 2
+        # Renewed every 0.5 s; each renew has 0.85 s to come back before the
+        # lease counts as lost. (A 60 ms TTL left a renew 34 ms: a test process
+        # starved of CPU on a loaded box lost the lease, "no reply within 0.01 s".)
+        with client.lock("k", ttl=1.5, timeout=1, auto_renew=True, on_lost=lost.append) as h:
+            deadline = time.monotonic() + 10
             while server.ops().count("renew") < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
         ops_at_exit = server.ops()
-        time.sleep(0.05)
+        time.sleep(0.6)  # longer than the renew interval
         assert server.ops() == ops_at_exit  # the renew thread has stopped
     assert ops_at_exit.count("renew") >= 3 and ops_at_exit[-1] == "release"
     assert not lost and not h.lost
     renew = next(r for r in server.requests if r["op"] == "renew")
-    assert renew["ttlMs"] == 60 and renew["handle"] == HANDLE_ID
+    assert renew["ttlMs"] == 1500 and renew["handle"] == HANDLE_ID
     assert not [t for t in threading.enumerate() if t.name.startswith("lockd-renew")]
 
 
@@ -1320,10 +1323,13 @@ def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], Fak
     with make_client(server.path) as client:
         with (
             pytest.raises(LockLostError, match="lease_lost") as caught,
-            client.lock("k", ttl=0.03, timeout=1, auto_renew=True, on_lost=on_lost) as handle,
+            # The first renew (after 0.5 s) answers lease_lost. A 30 ms TTL
+            # let a slow acquire reply put the give-up time behind it: the
+            # loss came as "about to run out" instead, on a loaded box.
+            client.lock("k", ttl=1.5, timeout=1, auto_renew=True, on_lost=on_lost) as handle,
         ):
-            assert called.wait(2)
-            time.sleep(0.05)  # it must not renew again or report twice
+            assert called.wait(10)
+            time.sleep(0.6)  # it must not renew again or report twice
         assert lost == [handle] and handle.lost
         assert server.ops() == ["acquire", "renew", "release"]
     assert (caught.value.key, caught.value.fence, caught.value.code) == ("k", 7, "LEASE_LOST")
