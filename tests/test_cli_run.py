@@ -65,6 +65,11 @@ def _run_argv() -> list[str]:
 
 LOCKD_RUN = _run_argv()
 
+#: How long lockd run may take to exit once COMMAND is gone or it was told to
+#: stop: COMMAND's exit, the release round trip and lockd run's own exit took
+#: over 5 s on a 2-core box at load 9 (test_signals_are_forwarded, in CI).
+RUN_EXIT = 20.0
+
 # Child programs (run by lockd run as COMMAND). argv[1] is a marker file.
 TRAP_TERM = """
 import signal, sys, time, pathlib
@@ -433,8 +438,9 @@ def test_sigkill_frees_the_key_at_once_and_kills_command(
     assert held(client, "doomed")
     proc.kill()
     proc.wait(5)
-    # releaseOnClose: freed when the connection closes, not after the 60 s TTL.
-    wait_until(lambda: not held(client, "doomed"), 1.0, "the key to be freed")
+    # releaseOnClose: freed when the connection closes, not after the 60 s TTL
+    # (on etcd the release is a raft write: 1 s was tight for a loaded box).
+    wait_until(lambda: not held(client, "doomed"), 10.0, "the key to be freed")
     wait_until(lambda: pid_gone(pid), 2.0, "COMMAND to die (PDEATHSIG)")
 
 
@@ -497,9 +503,7 @@ def test_signals_are_forwarded(
     proc = start_run(shared, key, "--", PY, "-c", TRAP_TERM, str(marker))
     wait_ready(marker)
     proc.send_signal(sig)
-    # Generous: COMMAND's exit, the release round trip and lockd run's own
-    # exit took over 5 s on a 2-core box at load 9.
-    assert proc.wait(20) == 7  # COMMAND's own status after handling the signal
+    assert proc.wait(RUN_EXIT) == 7  # COMMAND's own status after handling the signal
     assert marker.read_text().startswith(sig.name)
     assert not held(client, key)
 
@@ -511,7 +515,7 @@ def test_sigterm_to_lockd_run_ends_plain_command_with_143(
     proc = start_run(shared, "fwd2", "--", PY, "-c", PID_THEN_SLEEP, str(marker))
     wait_ready(marker)
     proc.terminate()
-    assert proc.wait(5) == 128 + signal.SIGTERM
+    assert proc.wait(RUN_EXIT) == 128 + signal.SIGTERM
 
 
 def test_sigint_while_waiting_exits_130_and_leaves_the_queue(
@@ -521,7 +525,7 @@ def test_sigint_while_waiting_exits_130_and_leaves_the_queue(
     proc = start_run(shared, "--wait", "20s", "queue", "--", "true")
     wait_until(lambda: client.status("queue").waiters == 1, what="the waiter")
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(5) == 130
+    assert proc.wait(RUN_EXIT) == 130
     wait_until(lambda: client.status("queue").waiters == 0, what="the waiter to leave")
 
 
@@ -562,7 +566,7 @@ def test_on_lost_kill(shared: DaemonProcess, client: LockClient, short_tmp: Path
     )
     pid = int(wait_ready(marker).split()[1])
     assert client.break_lock("lk", "test").broken
-    assert proc.wait(5) == EXIT_LOST
+    assert proc.wait(RUN_EXIT) == EXIT_LOST
     assert pid_gone(pid)
     assert "SIGKILL" in (proc.stderr.read() if proc.stderr else "")
 
