@@ -14,6 +14,7 @@ commit neither crashes the daemon nor strands a waiter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket as stdsocket
@@ -37,6 +38,8 @@ from lockd.daemon.server import INLINE_READS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller, IdentityConfig
+
+from .test_protocol_live import RawConn
 
 MEMBER = Caller("user", "alice", "member", 1000, 1000, 4242, frozenset({"alice"}))
 OWNER = Caller("user", "root", "owner", 0, 0, 1, frozenset({"root"}))
@@ -621,30 +624,6 @@ async def test_a_stream_of_ready_requests_lets_another_connection_in(short_tmp: 
 LONG_POLL_NS = 60 * 10**9
 
 
-def blocking_peer(path: Path) -> stdsocket.socket:
-    raw = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-    raw.settimeout(10)
-    raw.connect(str(path))
-    return raw
-
-
-def call_blocking(raw: stdsocket.socket, request: dict[str, Any]) -> dict[str, Any]:
-    """Send one request and read its one-line reply, outside trio (a client's thread)."""
-    raw.sendall(json.dumps(request).encode() + b"\n")
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = raw.recv(65536)
-        assert chunk, "the daemon closed the connection"
-        data += chunk
-    reply: dict[str, Any] = json.loads(data)
-    return reply
-
-
-async def in_thread(work: Callable[[], Any]) -> Any:
-    """Run a blocking client in a thread; the daemon's loop may be polling meanwhile."""
-    return await trio.to_thread.run_sync(work)
-
-
 async def test_a_lone_connection_polls_for_its_next_request_instead_of_parking(
     short_tmp: Path,
 ) -> None:
@@ -652,12 +631,12 @@ async def test_a_lone_connection_polls_for_its_next_request_instead_of_parking(
         counter = ConnectionSteps()
 
         def five_hellos() -> list[int]:
-            with blocking_peer(h.socket) as raw:
-                return [call_blocking(raw, {"id": i, "op": "hello"})["id"] for i in range(5)]
+            with contextlib.closing(RawConn(h.socket, timeout=10)) as raw:
+                return [raw.call({"id": i, "op": "hello"})["id"] for i in range(5)]
 
         trio.lowlevel.add_instrument(counter)
         try:
-            ids = await in_thread(five_hellos)
+            ids = await trio.to_thread.run_sync(five_hellos)
         finally:
             trio.lowlevel.remove_instrument(counter)
     assert ids == list(range(5))
@@ -672,18 +651,18 @@ async def test_a_polling_connection_lets_new_connections_and_other_requests_in(
     async with running(short_tmp, limits=Limits(busy_poll_ns=LONG_POLL_NS)) as h:
 
         def two_clients() -> list[dict[str, Any]]:
-            with blocking_peer(h.socket) as a:
-                replies = [call_blocking(a, {"id": 1, "op": "hello"})]
+            with contextlib.closing(RawConn(h.socket, timeout=10)) as a:
+                replies = [a.call({"id": 1, "op": "hello"})]
                 # a's task polls now: a new connection ends it ...
-                with blocking_peer(h.socket) as b:
-                    replies.append(call_blocking(b, {"id": 2, "op": "hello"}))
+                with contextlib.closing(RawConn(h.socket, timeout=10)) as b:
+                    replies.append(b.call({"id": 2, "op": "hello"}))
                     # ... b's task polls now: a request of a ends it ...
-                    replies.append(call_blocking(a, {"id": 3, "op": "hello"}))
+                    replies.append(a.call({"id": 3, "op": "hello"}))
                     # ... and a's again: a request of b ends that.
-                    replies.append(call_blocking(b, {"id": 4, "op": "hello"}))
+                    replies.append(b.call({"id": 4, "op": "hello"}))
                 return replies
 
-        replies = await in_thread(two_clients)
+        replies = await trio.to_thread.run_sync(two_clients)
     assert [r["id"] for r in replies] == [1, 2, 3, 4]
     assert all(r["ok"] for r in replies)
 
