@@ -16,14 +16,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockd.daemon.backends.etcd.queue import (
-    Claim,
-    blockers,
-    decide,
-    fits,
-    limit_in_force,
-    try_fits,
-)
+from lockd.daemon.backends.etcd.queue import Claim, blockers, decide, fits
 
 # A key's claims share one limit: limit 1 mixes exclusive and shared,
 # limit > 1 is a semaphore (exclusive only).
@@ -109,24 +102,10 @@ def test_the_head_waits_for_the_holds_that_block_it() -> None:
     assert blockers(Claim(b"n", 9, "exclusive", 3), slots[:2]) == frozenset()
 
 
-def test_try_acquire_needs_room_and_an_empty_queue() -> None:
-    reader = Claim(b"r", 1, "shared")
-    assert try_fits("shared", 1, [reader], [])
-    assert not try_fits("shared", 1, [reader], [Claim(b"w", 2, "exclusive")])
-    assert not try_fits("exclusive", 1, [reader], [])
-    assert try_fits("exclusive", 2, [Claim(b"a", 1, "exclusive", 2)], [])
-
-
 def test_waiters_written_in_one_transaction_are_ordered_by_key() -> None:
     a, b = Claim(b"q/0001", 7), Claim(b"q/0002", 7)
     decision = decide([Claim(b"h", 1)], [b, a])
     assert decision.wake_on == {b"q/0001": {b"h"}, b"q/0002": {b"q/0001"}}
-
-
-def test_the_limit_in_force_is_the_oldest_claims() -> None:
-    assert limit_in_force([], []) is None
-    assert limit_in_force([Claim(b"h", 5, limit=3)], [Claim(b"w", 9, limit=3)]) == 3
-    assert limit_in_force([], [Claim(b"w", 9, "shared")]) == 1
 
 
 # --- the wake-up simulation -----------------------------------------------------

@@ -11,8 +11,9 @@ engine is a state machine, the server moves bytes and time.
 A key has any number of holders (SPEC 10): one exclusive holder, several
 shared ones, or up to ``limit`` exclusive holders of a semaphore, each with
 its own lease, handle, fence and slot. Which request fits, who goes first
-and what a re-take is are the rules of :mod:`lockd.daemon.holds`; this
-module keeps the state they are applied to.
+and what a re-take is are the rules of :mod:`lockd.core` (the etcd backend
+applies the same functions); this module keeps the state they are applied
+to, and calls them on every acquire and every departure.
 
 Invariants the methods keep (and ``check_invariants`` asserts in tests):
 
@@ -52,9 +53,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
-from lockd.daemon import holds
+from lockd import core
+from lockd.core import EXCLUSIVE, SHARED, Refused
 from lockd.daemon.cold import ColdLeases
-from lockd.daemon.holds import EXCLUSIVE, SHARED, Refused
 from lockd.daemon.leases import (
     MAX_LISTED_HOLDERS,
     AcquireResult,
@@ -440,39 +441,55 @@ class LockEngine:
 
         ``wait_ms=None`` is a tryAcquire: a key that cannot be taken now
         answers :class:`Busy`. A request that contradicts the key answers
-        :class:`Refused` and changes nothing. The order of the decision is
-        the one :mod:`lockd.daemon.holds` describes.
+        :class:`Refused` and changes nothing. The decision is
+        :func:`lockd.core.admit`'s.
         """
-        if mode not in holds.MODES:
+        if mode not in core.MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self._catch_up(now, key)
         self._begin(key)
         state = self._keys.get(key)
         held = self._owned.get((key, principal, owner)) if owner is not None else None
-        refused = holds.refusal(
-            key,
-            mode,
-            limit,
-            key_limit=state.limit if state is not None else None,
-            own_hold=(held.mode, held.limit) if held is not None else None,
-        )
-        if refused is not None:
-            return refused
+        if state is None:
+            verdict = core.admit(
+                key,
+                mode,
+                limit,
+                held_mode=None,
+                held_count=0,
+                key_limit=None,
+                queued=0,
+                own_hold=None,
+                blocking=wait_ms is not None,
+            )
+        else:
+            verdict = core.admit(
+                key,
+                mode,
+                limit,
+                held_mode=state.mode,
+                held_count=state.count,
+                key_limit=state.limit,
+                queued=state.q_len,
+                own_hold=held,
+                blocking=wait_ms is not None,
+            )
+        if isinstance(verdict, Refused):
+            return verdict
         claim = Waiter(
             0, key, principal, owner, ttl_ms, conn, release_on_close, 0, mode, limit, pid, process
         )
         if state is None:
-            return self._grant_fresh(now, claim)
+            return self._grant_fresh(now, claim)  # GRANT: a free key
         # A request changes only its own key: keep the key's state whole once.
         self._undo.keep(state)
-        if held is not None:
+        if verdict == core.RETAKE:
             self._changes.retakes += 1
-        elif not holds.may_take_now(
-            holds.fits(mode, state.mode, state.count, state.limit), state.q_len
-        ):
-            if wait_ms is None:
-                assert state.first is not None
-                return Busy(state.first)
+        elif verdict == core.BUSY:
+            assert state.first is not None
+            return Busy(state.first)
+        elif verdict == core.PARK:
+            assert wait_ms is not None
             if wait_ms <= 0:
                 return TimedOut()
             claim.id, claim.deadline = next(self._waiter_ids), now + wait_ms
@@ -834,21 +851,42 @@ class LockEngine:
         its key while the timer is behind meets such a waiter here.
         """
         dead_before = now + 1 if at is None else at
-        timed_out: Waiter | None = None
+        timed_out: list[Waiter] = []
+        owned = self._owned
+        key = state.q_first.key if state.q_first is not None else None
+
+        def holds_owned(principal: str, owner: str) -> bool:
+            return (key, principal, owner) in owned
+
+        for waiter in core.woken(
+            state.mode,
+            state.count,
+            state.limit,
+            self._live_heads(state, dead_before, timed_out),
+            holds_owned=holds_owned,
+        ):
+            self._dequeue(state, waiter)
+            self._undo.set_attr(waiter, "lease", self._grant(now, state, waiter))
+            self._changes.resolved.append(waiter)
+        if timed_out and state.count == 0 and state.q_len == 0:
+            self._drop_key(timed_out[0].key, state)  # nobody left to hand the key to
+
+    def _live_heads(
+        self, state: _KeyState, dead_before: int, timed_out: list[Waiter]
+    ) -> Iterator[Waiter]:
+        """The head of the key's queue, read afresh each time (the caller grants it).
+
+        A head whose deadline came before ``dead_before`` has timed out: it
+        leaves the queue (noted in ``timed_out``) and is never offered.
+        """
         while (waiter := state.q_first) is not None:
             if waiter.deadline < dead_before:
                 self._undo.set_attr(waiter, "timed_out", True)
                 self._changes.resolved.append(waiter)
                 self._dequeue(state, waiter)
-                timed_out = waiter
+                timed_out.append(waiter)
                 continue
-            if not holds.fits(waiter.mode, state.mode, state.count, state.limit):
-                break
-            self._dequeue(state, waiter)
-            self._undo.set_attr(waiter, "lease", self._grant(now, state, waiter))
-            self._changes.resolved.append(waiter)
-        if timed_out is not None and state.count == 0 and state.q_len == 0:
-            self._drop_key(timed_out.key, state)  # nobody left to hand the key to
+            yield waiter
 
     def _enqueue(self, state: _KeyState, waiter: Waiter) -> None:
         last = state.q_last
@@ -1075,7 +1113,7 @@ class LockEngine:
             assert len(queued) == state.q_len
             if queued:
                 head = queued[0]
-                assert not holds.fits(head.mode, state.mode, state.count, state.limit), (
+                assert not core.fits(head.mode, state.mode, state.count, state.limit), (
                     f"{key}: the queue head fits but was not granted"
                 )
         assert leases == self._lease_count

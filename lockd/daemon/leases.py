@@ -4,7 +4,7 @@ A :class:`Lease` is one holder's hold on a key, a :class:`Waiter` one
 acquire request; :class:`Changes` is the batch of effects the caller
 commits after each engine call; :class:`KeyStatus`, :class:`ListPage` and
 the acquire answers (:class:`Busy`, :class:`Parked`, :class:`TimedOut`,
-:class:`~lockd.daemon.holds.Refused`) are what status, list and acquire
+:class:`~lockd.core.admission.Refused`) are what status, list and acquire
 return. The rules that move them live in :mod:`lockd.daemon.engine`.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from lockd.daemon.holds import EXCLUSIVE, Refused
+from lockd.core.admission import EXCLUSIVE, Refused
 
 __all__ = [
     "MAX_LISTED_HOLDERS",

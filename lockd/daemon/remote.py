@@ -20,8 +20,8 @@ from typing import Any
 
 import trio
 
+from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
-from lockd.daemon.holds import Refused
 from lockd.daemon.protocol import (
     Acquire,
     Break,

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import trio
 
-from lockd.daemon.holds import Refused
+from lockd.core import Refused
 from lockd.daemon.protocol import Acquire
 from lockd.identity import Caller
 

@@ -26,7 +26,9 @@ from dataclasses import replace
 
 import trio
 
+from lockd import core
 from lockd.config import BackendSettings
+from lockd.core import Refused
 from lockd.daemon.backends import RemoteHold, RemoteStatus
 from lockd.daemon.backends.etcd.gateway import (
     EtcdError,
@@ -51,7 +53,6 @@ from lockd.daemon.backends.etcd.wire import (
 )
 from lockd.daemon.clock import Clock
 from lockd.daemon.engine import new_handle_id
-from lockd.daemon.holds import Refused, is_retake, may_take_now, refusal
 from lockd.daemon.protocol import Acquire
 from lockd.identity import Caller
 from lockd.logfmt import kv
@@ -553,26 +554,34 @@ class EtcdBackend:
                 return granted
             directory = self._directory_of(key, result.responses[0], result.header.revision)
             own = directory.own_hold(hold.principal, hold.owner)
-            refused = refusal(
+            holds = directory.holds
+            verdict = core.admit(
                 key,
                 hold.mode,
                 hold.limit,
+                held_mode=holds[0].mode if holds else None,
+                held_count=len(holds),
                 key_limit=directory.limit_in_force(),
-                own_hold=(own.mode, own.limit) if own is not None else None,
+                queued=len(directory.waiters),
+                own_hold=own,
+                blocking=waiting,
             )
-            if refused is not None:
-                return refused
+            if isinstance(verdict, Refused):
+                return verdict
+            if verdict == core.BUSY:
+                return None
+            if verdict == core.PARK:
+                return directory
             ops = [DeleteOp(dead) for dead in directory.dead]
             retaken = None
-            if own is not None and is_retake(own.principal, own.owner, hold.principal, hold.owner):
+            if verdict == core.RETAKE:
+                assert own is not None
                 hold = replace(hold, retake=True)
                 ops += [
                     DeleteOp(self.layout.hold(key, own.handle)),
                     DeleteOp(self.layout.binding(key, own.handle)),
                 ]
                 retaken = own
-            elif not may_take_now(directory.fits(hold.mode, hold.limit), len(directory.waiters)):
-                return directory if waiting else None
             ops += puts
             compares = [self._guard(key, directory.revision)]
 

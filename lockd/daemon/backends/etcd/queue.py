@@ -1,14 +1,14 @@
-"""The cross-host queue rules of SPEC §10 as pure functions over what etcd holds.
+"""The cross-host queue of one key, decided by the core over what etcd holds.
 
 Every daemon sees the same thing for a key: its current holds and its waiter
 keys, each waiter with the create revision etcd gave it. From that alone,
-without any daemon's memory, these functions say
+without any daemon's memory, ``decide`` says
 
-- which waiters are granted now (``decide(...).granted``): the head of the
-  queue as soon as it fits, then each next head that fits, so consecutive
-  shared waiters go together; the first waiter that does not fit stops the
-  grants, so nobody overtakes it (a shared request behind an exclusive one
-  waits: writers never starve);
+- which waiters are granted now (``decide(...).granted``): whom
+  :func:`lockd.core.woken` lets in -- the head of the queue as soon as it
+  fits, then each next head that fits -- and which hold each grant takes
+  back (``replaces``: a waiter whose principal holds the key with its owner
+  already);
 - what every other waiter waits for (``decide(...).wake_on``): the keys
   whose deletion can let it move. This is etcd's mutex recipe (a waiter
   watches the waiter just before it, not the whole queue, so a release
@@ -16,20 +16,19 @@ without any daemon's memory, these functions say
   head watches the holds that block it, every later waiter its immediate
   predecessor, which wakes it when it is granted or leaves.
 
-Whether a request fits beside the current holds is ``lockd.daemon.holds``'
-rule, shared with the embedded engine: an exclusive request of limit N fits
-while fewer than N holds exist (exclusive is a semaphore of one slot), a
-shared one while no exclusive hold exists.
+Whether a request fits, and who is woken, are the core's rules
+(:mod:`lockd.core`), the ones the embedded engine applies too; only what a
+waiter watches is etcd's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Literal
 
-from lockd.daemon import holds as rules
+from lockd import core
 
 Mode = Literal["exclusive", "shared"]
 
@@ -48,6 +47,8 @@ class Claim:
     create_revision: int
     mode: Mode = "exclusive"
     limit: int = 1
+    principal: str = ""
+    owner: str | None = None
 
     @property
     def order(self) -> tuple[int, bytes]:
@@ -58,16 +59,18 @@ class Claim:
 class QueueDecision:
     granted: list[Claim]  # waiters to grant now, in queue order
     wake_on: dict[bytes, frozenset[bytes]]  # each other waiter -> keys whose deletion moves it
+    #: granted waiter -> the hold its grant takes back (same principal and owner).
+    replaces: dict[bytes, bytes] = field(default_factory=dict)
 
 
 def fits(mode: Mode, limit: int, holds: Iterable[Claim]) -> bool:
     """True when a request of ``mode`` and ``limit`` can be held beside ``holds``.
 
-    The rule is ``holds.fits``, the one the embedded engine applies too; a
-    key's holds all have one mode, so the first one speaks for all.
+    The rule is :func:`lockd.core.fits`, the one the embedded engine applies
+    too; a key's holds all have one mode, so the first one speaks for all.
     """
     held = list(holds)
-    return rules.fits(mode, held[0].mode if held else None, len(held), limit)
+    return core.fits(mode, held[0].mode if held else None, len(held), limit)
 
 
 def blockers(waiter: Claim, holds: Iterable[Claim]) -> frozenset[bytes]:
@@ -82,15 +85,36 @@ def blockers(waiter: Claim, holds: Iterable[Claim]) -> frozenset[bytes]:
 
 
 def decide(holds: Sequence[Claim], waiters: Sequence[Claim]) -> QueueDecision:
-    """Who is granted now and what every waiter left behind waits for (SPEC §10)."""
+    """Who is granted now and what every waiter left behind waits for (SPEC §10).
+
+    One transaction writes a key once, so the grants stop before a waiter
+    whose principal and owner an earlier grant of the same decision has
+    (it would take that new hold back): the next decision, after the
+    commit, grants it, with the same outcome as one pass of the core.
+    """
     queue = sorted(waiters, key=lambda w: w.order)
     held = list(holds)
+    owned = {(h.principal, h.owner): h.etcd_key for h in held if h.owner is not None}
     granted: list[Claim] = []
-    for waiter in queue:
-        if not fits(waiter.mode, waiter.limit, held):
-            break
+    replaces: dict[bytes, bytes] = {}
+    limit = held[0].limit if held else (queue[0].limit if queue else 1)
+    woken = core.woken(
+        held[0].mode if held else None,
+        len(held),
+        limit,
+        queue,
+        holds_owned=lambda principal, owner: (principal, owner) in owned,
+    )
+    for waiter in woken:
+        mine = (waiter.principal, waiter.owner)
+        if waiter.owner is not None:
+            if any((g.principal, g.owner) == mine for g in granted):
+                break  # the next decision grants it (one write per key per transaction)
+            if mine in owned:
+                replaces[waiter.etcd_key] = owned[mine]
         granted.append(waiter)
-        held.append(waiter)
+    left = [h for h in held if h.etcd_key not in replaces.values()]
+    held = [*left, *granted]
     wake_on: dict[bytes, frozenset[bytes]] = {}
     rest = queue[len(granted) :]
     if rest:
@@ -98,21 +122,4 @@ def decide(holds: Sequence[Claim], waiters: Sequence[Claim]) -> QueueDecision:
         wake_on[head.etcd_key] = blockers(head, held)
         for before, waiter in pairwise(rest):
             wake_on[waiter.etcd_key] = frozenset({before.etcd_key})
-    return QueueDecision(granted, wake_on)
-
-
-def try_fits(mode: Mode, limit: int, holds: Sequence[Claim], waiters: Sequence[Claim]) -> bool:
-    """``tryAcquire``: wins only if the request fits and nobody is queued for the key."""
-    return rules.may_take_now(fits(mode, limit, holds), len(waiters))
-
-
-def limit_in_force(holds: Sequence[Claim], waiters: Sequence[Claim]) -> int | None:
-    """The limit every new request for the key must name, or None while it has no claims.
-
-    All claims of a key carry the same limit (requests naming another are
-    refused), so the oldest one speaks for all.
-    """
-    claims = [*holds, *waiters]
-    if not claims:
-        return None
-    return min(claims, key=lambda c: c.order).limit
+    return QueueDecision(granted, wake_on, replaces)

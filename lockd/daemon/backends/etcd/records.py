@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockd.core import EXCLUSIVE, SHARED, is_retake
 from lockd.daemon.backends.etcd import queue
 from lockd.daemon.backends.etcd.wire import KeyValue
-from lockd.daemon.holds import EXCLUSIVE, SHARED
 
 
 class Layout:
@@ -221,7 +221,14 @@ class Waiter:
 
     @property
     def claim(self) -> queue.Claim:
-        return queue.Claim(self.etcd_key, self.create_revision, _mode(self.mode), self.limit)
+        return queue.Claim(
+            self.etcd_key,
+            self.create_revision,
+            _mode(self.mode),
+            self.limit,
+            self.principal,
+            self.owner,
+        )
 
     @property
     def grantable(self) -> bool:
@@ -301,7 +308,14 @@ class Directory:
 
     def hold_claims(self, layout: Layout) -> list[queue.Claim]:
         return [
-            queue.Claim(layout.hold(self.key, h.handle), h.fence, _mode(h.mode), h.limit)
+            queue.Claim(
+                layout.hold(self.key, h.handle),
+                h.fence,
+                _mode(h.mode),
+                h.limit,
+                h.principal,
+                h.owner,
+            )
             for h in self.holds
         ]
 
@@ -313,19 +327,10 @@ class Directory:
 
     def own_hold(self, principal: str, owner: str | None) -> Hold | None:
         """The caller's hold with this owner (a re-take takes it back), oldest first."""
-        if owner is None:
-            return None
         for hold in self.holds:
-            if hold.owner == owner and hold.principal == principal:
+            if is_retake(hold.principal, hold.owner, principal, owner):
                 return hold
         return None
-
-    def fits(self, mode: str, limit: int) -> bool:
-        return queue.fits(_mode(mode), limit, self.hold_claims_light())
-
-    def hold_claims_light(self) -> list[queue.Claim]:
-        """Holds as claims for ``fits`` (keys do not matter there)."""
-        return [queue.Claim(b"", h.fence, _mode(h.mode), h.limit) for h in self.holds]
 
 
 def _mode(mode: str) -> queue.Mode:

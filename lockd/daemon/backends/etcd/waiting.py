@@ -354,14 +354,18 @@ class KeyQueue:
             if not mine:
                 self.wake_keys = self._wake_keys(decision)
                 return
-            result = await self._grant(directory, mine)
+            result = await self._grant(directory, mine, decision.replaces)
             if result is None:
                 return
             self._learn(result)
 
-    async def _grant(self, directory: Directory, mine: list[LocalWaiter]) -> Directory | None:
+    async def _grant(
+        self, directory: Directory, mine: list[LocalWaiter], replaces: dict[bytes, bytes]
+    ) -> Directory | None:
         """One guarded transaction granting ``mine``; None when it committed, else the new read.
 
+        A grant that takes back a hold of its principal and owner
+        (``replaces``) deletes that hold in the same transaction.
         A grant that failed in any way may still have committed: its holds
         are then found by the next read (or the watch) and delivered, or by
         a leaving waiter's :meth:`_withdraw`; nothing is cleaned up here.
@@ -370,6 +374,9 @@ class KeyQueue:
         holds: list[Hold] = []
         refreshes: list[Refresh | None] = []
         ops: list[Op] = [DeleteOp(key) for key in directory.dead]
+        retaken = self._retaken(directory, [w.record.etcd_key for w in mine], replaces)
+        for replaced in retaken:
+            ops += self._deletes_of(replaced)
         try:
             for waiter in mine:
                 hold, refresh = await backend.new_hold(waiter.hold, waiter.ttl_s)
@@ -390,6 +397,8 @@ class KeyQueue:
             for hold, refresh in zip(holds, refreshes, strict=True):
                 backend.recycle(hold, refresh)
             return self._directory_of(result)
+        for replaced in retaken:
+            backend.revoke_later(replaced.lease)
         settled = [
             await backend.settle(replace(hold, fence=result.header.revision), refresh)
             for hold, refresh in zip(holds, refreshes, strict=True)
@@ -399,6 +408,22 @@ class KeyQueue:
             self._granted(waiter, hold)
         self._prepare_leases()
         return None
+
+    def _retaken(
+        self, directory: Directory, granted: list[bytes], replaces: dict[bytes, bytes]
+    ) -> list[Hold]:
+        """The holds that the grants of ``granted`` (waiter keys) take back."""
+        layout = self.backend.layout
+        by_key = {layout.hold(self.key, h.handle): h for h in directory.holds}
+        return [by_key[replaces[w]] for w in granted if w in replaces]
+
+    def _deletes_of(self, hold: Hold) -> list[Op]:
+        """Delete a hold taken back, and its binding (the lease is revoked once committed)."""
+        layout = self.backend.layout
+        return [
+            DeleteOp(layout.hold(self.key, hold.handle)),
+            DeleteOp(layout.binding(self.key, hold.handle)),
+        ]
 
     def _prepare_leases(self) -> None:
         for waiter in self.waiters.values():  # the next hand-off's lease, ahead
@@ -449,7 +474,10 @@ class KeyQueue:
                     heads.append(waiter)
                 if not heads:
                     return None
-                result = await self._hand_off(directory, hold_key, heads)
+                retaken = self._retaken(
+                    directory, [head.etcd_key for head in heads], decision.replaces
+                )
+                result = await self._hand_off(directory, hold_key, heads, retaken)
                 if result is None or result.succeeded:
                     return result
                 self._learn(self._directory_of(result))
@@ -472,9 +500,12 @@ class KeyQueue:
         return False
 
     async def _hand_off(
-        self, directory: Directory, hold_key: bytes, heads: list[Waiter]
+        self, directory: Directory, hold_key: bytes, heads: list[Waiter], retaken: list[Hold]
     ) -> TxnResult | None:
-        """The hand-off's transaction; None when etcd refused it (nothing committed)."""
+        """The hand-off's transaction; None when etcd refused it (nothing committed).
+
+        ``retaken``: holds the grants take back (deleted in the same transaction).
+        """
         backend, layout = self.backend, self.backend.layout
         binding_key = layout.binding(self.key, hold_key[len(layout.holds(self.key)) :].decode())
         # No hold *created* since the view: a rewrite (renew, untie, unbind)
@@ -483,6 +514,8 @@ class KeyQueue:
         compares = [Compare(holds, "create_revision", "<", directory.revision + 1, prefix=True)]
         ops: list[Op] = [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)]
         ops += [DeleteOp(dead) for dead in directory.dead if dead != hold_key]
+        for replaced in retaken:
+            ops += self._deletes_of(replaced)
         granted: list[tuple[LocalWaiter | None, Hold, Refresh | None]] = []
         try:
             for head in heads:
@@ -526,6 +559,8 @@ class KeyQueue:
                 backend.recycle(hold, refresh)
             return result
         self.own_revision = result.header.revision
+        for replaced in retaken:
+            backend.revoke_later(replaced.lease)
         for mine, hold, refresh in granted:
             hold = replace(hold, fence=result.header.revision)
             backend.track(hold)
