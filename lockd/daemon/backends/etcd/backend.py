@@ -535,8 +535,22 @@ class EtcdBackend:
     ) -> Hold | Refused | Directory | None:
         """Take the key now if the rules allow; else busy (None) or the directory to queue on."""
         key, directory_key = hold.key, self.layout.directory(hold.key)
+        # The fast path: what the core answers on a free key, committed only
+        # if the key is free (its directory empty), in one transaction.
+        verdict = core.admit(
+            key,
+            hold.mode,
+            hold.limit,
+            held_mode=None,
+            held_count=0,
+            key_limit=None,
+            queued=0,
+            own_hold=None,
+            blocking=waiting,
+        )
+        if isinstance(verdict, Refused):
+            return verdict
         puts = await self.hold_puts(hold)
-        # The fast path: a free key is taken in one transaction.
         compares = [Compare(directory_key, "create_revision", "==", 0, prefix=True)]
         ops: list[Op] = puts
         retaken: Hold | None = None  # the caller's own hold a re-take replaces
