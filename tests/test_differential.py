@@ -26,13 +26,14 @@ import time
 from dataclasses import dataclass, field
 
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
 from tests.differential import (
     CLIENTS,
     KEYS,
     Acquire,
+    Advance,
     Break,
     Cancel,
     EngineRun,
@@ -309,7 +310,36 @@ async def run_etcd_cluster(ops: list[Op], endpoints: list[str]) -> list[Seen]:
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def semaphore(client: int, owner: str | None = None, wait_s: int | None = 40) -> Acquire:
+    return Acquire(client, "b", "exclusive", 2, owner, 30, wait_s)
+
+
+#: Queued twice with one owner (alice, two connections): the second grant
+#: takes the first back, so the waiter behind it gets the slot left free.
+TAKEN_BACK_FROM_THE_QUEUE: list[Op] = [
+    semaphore(2, wait_s=None),
+    semaphore(3, wait_s=None),
+    semaphore(0, "j1"),
+    semaphore(1, "j1"),
+    semaphore(2),
+    Release(0, live=False),
+    Release(1, live=False),
+    Advance(30),
+]
+#: Readers behind a writer go together when it leaves; the writer behind them waits.
+SHARED_GROUP: list[Op] = [
+    Acquire(0, "a", "exclusive", 1, None, 20, None),
+    *[Acquire(c, "a", "shared", 1, None, 20, 20) for c in (1, 2, 3)],
+    Acquire(0, "a", "exclusive", 1, None, 20, 40),
+    Acquire(2, "a", "shared", 1, None, 20, 40),
+    Release(0, live=False),
+    Advance(20),
+]
+
+
 @FAST
+@example(TAKEN_BACK_FROM_THE_QUEUE)
+@example(SHARED_GROUP)
 @given(operations)
 def test_the_engine_and_the_etcd_backend_decide_as_the_model(ops: list[Op]) -> None:
     _, want = run_model(ops)
