@@ -152,3 +152,18 @@ def test_woken_is_lazy_so_a_caller_may_grant_as_it_goes() -> None:
 
     gen = woken(None, 0, 1, heads(), holds_owned=nobody)  # type: ignore[arg-type]
     assert next(gen).name == "a" and seen == ["a"]
+
+
+def test_the_core_imports_nothing_but_itself() -> None:
+    """Pure: no trio, no SQLite, nothing of the daemon (a backend imports it, not the reverse)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lockd.core\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('trio', 'sqlite3')"
+        " or (m.startswith('lockd.') and not m.startswith('lockd.core'))]\n"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

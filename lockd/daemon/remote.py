@@ -22,6 +22,7 @@ import trio
 
 from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
+from lockd.daemon.leases import Lease
 from lockd.daemon.protocol import (
     Acquire,
     Break,
@@ -60,7 +61,7 @@ class RemoteService:
         self.backend = backend
 
     @staticmethod
-    def decides(request: Request) -> bool:
+    def awaits(request: Request) -> bool:
         """True for the requests the backend must decide (every one but hello, rules, stats)."""
         return not isinstance(request, LOCAL_OPS)
 
@@ -102,7 +103,8 @@ class RemoteService:
                 "the etcd backend did not answer in time; retry later",
             ) from None
 
-    def release_undelivered(self, grant: RemoteHold) -> None:
+    def release_undelivered(self, grant: Lease | RemoteHold) -> None:
+        assert not isinstance(grant, Lease), "a remote backend's grants are its own holds"
         self.service.stats.count("releases")
         log.info(kv(event="released_undelivered", key=grant.key, principal=grant.principal))
         self.backend.release_undelivered(grant)
@@ -110,6 +112,9 @@ class RemoteService:
     def connection_closed(self, conn: int, *, release_bound: bool) -> None:
         if release_bound:
             self.backend.connection_closed(conn)
+
+    def gauges(self) -> dict[str, object]:
+        return self.backend.gauges()
 
     # ------------------------------------------------------------ acquire
 

@@ -29,7 +29,6 @@ from lockd.daemon.listener import (
     bind_socket,
 )
 from lockd.daemon.ratelimit import RateLimiter
-from lockd.daemon.remote import RemoteService
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
@@ -126,10 +125,9 @@ def build(
         RateLimiter(settings.acquire_per_hour),
         clock,
         max_pending_per_connection=settings.max_pending_per_connection,
+        remote=backend,
     )
     service.commit()  # leases that ran out while the daemon was down
-    if backend is not None:
-        service.remote = RemoteService(service, backend)
     identity = IdentityConfig(
         daemon_uid=os.getuid(),
         admin_groups=frozenset(settings.admin_groups),

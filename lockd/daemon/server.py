@@ -701,12 +701,8 @@ class LockServer:
             self._release_undelivered(grant)
 
     def _release_undelivered(self, grant: Lease | RemoteHold) -> None:
-        if not isinstance(grant, Lease):  # a remote backend's grant
-            assert self.service.remote is not None
-            self.service.remote.release_undelivered(grant)
-            return
         try:
-            self.service.release_undelivered(grant)
+            self.service.backend.release_undelivered(grant)
         except Exception:
             # A bug: logged; the rest of a batch's replies must still go out.
             self.service.stats.count("internalErrors")
@@ -836,7 +832,7 @@ class LockServer:
             if isinstance(request, Cancel):
                 result = {"cancelled": self._cancel(conn, request.target)}
                 self._queue(conn, request.id, encode_result(request.id, result))
-            elif self.service.remote is not None and self.service.remote.decides(request):
+            elif service.backend.awaits(request):
                 handed_off = True
                 if isinstance(request, Acquire) and request.timeout_ms is not None:
                     self._answer_remote(conn, nursery, request, started)
@@ -907,10 +903,9 @@ class LockServer:
         the reply's etcd call, measured on B1). A grant whose reply cannot be
         written is released.
         """
-        remote = self.service.remote
-        assert remote is not None
+        backend = self.service.backend
         try:
-            answer = remote.answer(conn.caller, conn.id, request, pending=conn.waiting)
+            answer = backend.answer(conn.caller, conn.id, request, pending=conn.waiting)
             await self._send_remote(conn, request, answer)
         finally:
             self._observe(request.op, started)
@@ -939,8 +934,7 @@ class LockServer:
         cancelled); a grant that is withdrawn or cannot be written is
         released.
         """
-        remote = self.service.remote
-        assert remote is not None
+        backend = self.service.backend
         pending = conn.waiting
         # The connection's next line waits until it is parked (bounded by
         # the pending-acquire limit, it must not hold up later requests
@@ -953,13 +947,13 @@ class LockServer:
         async def answer() -> RemoteReply:
             reply: RemoteReply | None = None
             with wait.scope:
-                reply = await remote.answer(
+                reply = await backend.answer(
                     conn.caller, conn.id, request, pending=pending, parked=done
                 )
                 wait.step = Reply(None)  # answered: a cancel now comes too late
             if reply is None or wait.cancelled:
                 if reply is not None and reply.grant is not None:
-                    remote.release_undelivered(reply.grant)
+                    backend.release_undelivered(reply.grant)
                 if self.shutting_down:
                     raise shutting_down()
                 raise ProtocolError(

@@ -76,7 +76,7 @@ from lockd.logfmt import kv
 from lockd.timefmt import format_epoch_ms
 
 if TYPE_CHECKING:
-    from lockd.daemon.remote import RemoteService
+    from lockd.daemon.backends import LockBackend, RemoteBackend
 
 log = logging.getLogger("lockd.daemon.service")
 
@@ -151,6 +151,17 @@ def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
     )
 
 
+def _backend(service: LockService, remote: RemoteBackend | None) -> LockBackend:
+    """The backend a service is built with (imported here: both import the service)."""
+    if remote is None:
+        from lockd.daemon.backends.embedded import EmbeddedBackend
+
+        return EmbeddedBackend(service)
+    from lockd.daemon.remote import RemoteService
+
+    return RemoteService(service, remote)
+
+
 def timed_out(req: Acquire) -> ProtocolError:
     return ProtocolError(
         "LOCK_TIMEOUT",
@@ -183,6 +194,7 @@ class LockService:
         stats: StatsRecorder | None = None,
         *,
         max_pending_per_connection: int = DEFAULT_MAX_PENDING_PER_CONNECTION,
+        remote: RemoteBackend | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -191,10 +203,11 @@ class LockService:
         self.clock = clock
         self.stats = stats or StatsRecorder()
         self.max_pending_per_connection = max_pending_per_connection
-        #: set when a remote backend (etcd) holds the lock state: the engine
-        #: and store stay empty, and the server awaits ``remote.answer`` for
-        #: every request it decides (``remote.decides``).
-        self.remote: RemoteService | None = None
+        #: the backend behind the service, fixed here (backends/__init__.py):
+        #: the embedded engine and store, or with ``remote`` (etcd) a remote
+        #: backend, which holds the lock state (the engine and store stay
+        #: empty) and whose answers the server awaits (``backend.awaits``).
+        self.backend: LockBackend = _backend(self, remote)
         #: called for each waiter the engine resolved, after the commit.
         self.on_resolved: Callable[[Waiter], None] = lambda waiter: None
         #: the server's own gauges (uptime, connections) for the ``stats`` op.
@@ -363,15 +376,7 @@ class LockService:
             self.commit_fact(what)
 
     def gauges(self) -> dict[str, Any]:
-        if self.remote is not None:
-            return self.remote.backend.gauges()
-        engine = self.engine
-        return {
-            "held": engine.held_count,
-            "waiters": engine.waiter_count,
-            "fence": engine.fence,
-            "node": None,  # one host: the etcd backend names each host's node
-        }
+        return self.backend.gauges()
 
     def authorize(
         self,
@@ -633,9 +638,10 @@ class LockService:
         return {"released": True}
 
     def connection_closed(self, conn: int, *, release_bound: bool = True) -> None:
-        if self.remote is not None:
-            self.remote.connection_closed(conn, release_bound=release_bound)
-            return
+        self.backend.connection_closed(conn, release_bound=release_bound)
+
+    def close_in_engine(self, conn: int, *, release_bound: bool) -> None:
+        """The embedded backend's side of :meth:`connection_closed`."""
         self._end_batch("connection_closed")
         now = self.clock.boot_ms()
         for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):

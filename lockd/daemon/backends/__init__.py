@@ -1,24 +1,39 @@
-"""Where lock decisions are committed when not in the embedded SQLite store.
+"""Where lock decisions are committed: the seam the server and the service call.
 
-The embedded path (``engine.py`` + ``store.py``) decides in memory and is
-synchronous; a *remote* backend decides where other hosts decide too, so
-each of its answers is awaited. :class:`RemoteBackend` is what
-``LockService.answer_remote`` asks of one; ``etcd/`` is the one there is
-(SPEC §11, docs/etcd-design.md). The service keeps everything per host in
-front of it: validation, identity, rules, the rate limit, the reply views.
+:class:`LockBackend` is what they ask of the backend behind them, whichever
+it is (``serve.py`` picks it from the config and hands it to the service
+once, at construction): whether a request's answer must be awaited, that
+answer, and what a closed connection, an undeliverable grant and ``stats``
+need. Two implement it:
+
+- ``embedded.py``: the default. The engine decides in memory (``engine.py``,
+  the rules of ``lockd.core``) and SQLite keeps it (``store.py``); requests
+  are answered at once by ``LockService`` and committed by the server's
+  group commit, so it awaits nothing;
+- ``lockd.daemon.remote.RemoteService`` over a :class:`RemoteBackend` that
+  decides where other hosts decide too, so each answer is awaited;
+  ``etcd/`` is the one there is (SPEC §11, docs/etcd-design.md).
+
+The service keeps everything per host in front of both: validation,
+identity, rules, the rate limit, the reply views. A new remote backend is a
+sub-package implementing :class:`RemoteBackend`, plus its config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from lockd.core import Refused
-from lockd.daemon.protocol import Acquire
+from lockd.daemon.protocol import Acquire, Request
 from lockd.identity import Caller
+
+if TYPE_CHECKING:
+    from lockd.daemon.leases import Lease
+    from lockd.daemon.remote import RemoteReply
 
 
 class BackendUnavailable(Exception):
@@ -112,3 +127,35 @@ class RemoteBackend(Protocol):
         """Release the ``releaseOnClose`` holds granted on connection ``conn``."""
 
     def gauges(self) -> dict[str, object]: ...
+
+
+class LockBackend(Protocol):
+    """What the server and the service call, without asking which backend is behind it."""
+
+    def awaits(self, request: Request) -> bool:
+        """True when ``request`` is answered by awaiting :meth:`answer`.
+
+        False: the service answers it at once (decided in memory and
+        committed by the server's group commit). ``hello``, ``rules`` and
+        ``stats`` are never awaited: they answer while a backend is down.
+        """
+
+    async def answer(
+        self,
+        caller: Caller,
+        conn: int,
+        request: Request,
+        *,
+        pending: int,
+        parked: trio.Event | None = None,
+    ) -> RemoteReply:
+        """The answer to a request :meth:`awaits`; raises ProtocolError."""
+
+    def release_undelivered(self, grant: Lease | RemoteHold) -> None:
+        """A grant whose reply could not be written: release it."""
+
+    def connection_closed(self, conn: int, *, release_bound: bool) -> None:
+        """The connection's waiters leave; with ``release_bound`` its bound holds end."""
+
+    def gauges(self) -> dict[str, object]:
+        """``stats`` gauges: held, waiters, fence, node."""
