@@ -137,15 +137,20 @@ class Seen:
     timed_out: list[int] = field(default_factory=list)
     status: dict[str, tuple[str | None, int | None, list[int], int]] = field(default_factory=dict)
 
-    def comparable(self) -> tuple[Any, ...]:
-        """Everything but the fences' values (runs number them differently): their order stays."""
-        return (
-            self.result,
-            [req for _, req in sorted(self.grants)],
-            sorted(self.expired),
-            sorted(self.timed_out),
-            self.status,
-        )
+    def comparable(self, *, ordered: bool = True) -> tuple[Any, ...]:
+        """Everything but the fences' values (runs number them differently): their order stays.
+
+        ``ordered=False`` compares the grants of the step, and each key's
+        holders, as sets: two hosts grant their own waiters of one hand-out
+        each in a transaction of its own, in either order (their fences say
+        which committed first, not which came first in the queue).
+        """
+        grants = [req for _, req in sorted(self.grants)]
+        status = self.status
+        if not ordered:
+            grants.sort()
+            status = {k: (m, n, sorted(h), w) for k, (m, n, h, w) in status.items()}
+        return (self.result, grants, sorted(self.expired), sorted(self.timed_out), status)
 
 
 def pick(items: list[int], index: int) -> int | None:

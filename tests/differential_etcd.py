@@ -1,9 +1,11 @@
 """The etcd backend's run of the differential test (tests/test_differential.py).
 
 One :class:`~lockd.daemon.backends.etcd.backend.EtcdBackend` (node ``n1``),
-whole: its acquire, queue, hand-off, re-take, renew, release and break paths
-run as in the daemon, against the in-memory etcd (``tests/fake_etcd.py``)
-or a real cluster's gateway. What the test supplies is time:
+or two sharing one etcd as two hosts do (``n1`` serves clients 0 and 2,
+``n2`` clients 1 and 3), whole: its acquire, queue, hand-off, re-take,
+renew, release and break paths run as in the daemon, against the in-memory
+etcd (``tests/fake_etcd.py``) or a real cluster's gateway. What the test
+supplies is time:
 
 - the backend's wall clock is the test's (records' ``expiresAt`` follow it);
 - a hold runs out when the test's time passes its TTL, counted from its
@@ -105,16 +107,26 @@ class Pending:
 class EtcdRun:
     name = "etcd"
 
-    def __init__(self, etcd: Any, prefix: str, nursery: trio.Nursery) -> None:
+    def __init__(self, etcd: Any, prefix: str, nursery: trio.Nursery, nodes: int = 1) -> None:
         self.etcd = etcd
         self.prefix = prefix.encode()
         self.layout = Layout(prefix)
         self.nursery = nursery
         self.clock = TestClock()
-        settings = BackendSettings(
-            kind="etcd", endpoints=("test",), prefix=prefix, node="n1", etcd_timeout=5.0
-        )
-        self.backend = EtcdBackend(etcd, settings, self.clock)  # type: ignore[arg-type]
+        self.backends = [
+            EtcdBackend(
+                etcd,
+                BackendSettings(
+                    kind="etcd", endpoints=("test",), prefix=prefix, node=f"n{n}", etcd_timeout=5.0
+                ),
+                self.clock,
+            )
+            for n in range(1, nodes + 1)
+        ]
+        #: the host that answers break and status (any host would do).
+        self.backend = self.backends[0]
+        #: request -> the client that made it (its host renews and releases it).
+        self.client_of: dict[int, int] = {}
         self.pending: dict[int, Pending] = {}
         self.holds: dict[int, Hold] = {}  # request -> its hold as granted
         #: request -> when its hold runs out (test time; see the docstring).
@@ -129,12 +141,13 @@ class EtcdRun:
 
     @classmethod
     @asynccontextmanager
-    async def started(cls, etcd: Any, prefix: str) -> AsyncIterator[EtcdRun]:
+    async def started(cls, etcd: Any, prefix: str, nodes: int = 1) -> AsyncIterator[EtcdRun]:
         async with trio.open_nursery() as nursery:
-            run = cls(etcd, prefix, nursery)
+            run = cls(etcd, prefix, nursery, nodes)
             start = (await etcd.range(RangeOp(run.prefix, prefix=True))).header.revision + 1
             nursery.start_soon(run._follow, start)
-            await nursery.start(run.backend.run)
+            for backend in run.backends:
+                await nursery.start(backend.run)
             await run.settle()
             yield run
             nursery.cancel_scope.cancel()
@@ -159,9 +172,11 @@ class EtcdRun:
                 self._seen = trio.Event()
 
     def _quiet(self) -> bool:
-        backend = self.backend
         if any(not p.done.is_set() and not p.parked.is_set() for p in self.pending.values()):
             return False
+        return all(self._backend_quiet(backend) for backend in self.backends)
+
+    def _backend_quiet(self, backend: EtcdBackend) -> bool:
         for queue in backend._queues.values():
             if queue.records is None or queue.lock.locked() or queue.changed.is_set():
                 return False
@@ -209,10 +224,14 @@ class EtcdRun:
             if hold is None:
                 seen.result = None
             elif isinstance(op, Release):
-                seen.result = await backend.release(hold.key, hold.handle)
+                assert target is not None
+                holder = self.host_of(self.client_of[target])
+                seen.result = await holder.release(hold.key, hold.handle)
             else:
-                current = await backend.find(hold.key, hold.handle)
-                renewed = await backend.renew(current, op.ttl_s * 1000) if current else None
+                assert target is not None
+                holder = self.host_of(self.client_of[target])
+                current = await holder.find(hold.key, hold.handle)
+                renewed = await holder.renew(current, op.ttl_s * 1000) if current else None
                 seen.result = renewed is not None
                 if renewed is not None:
                     assert target is not None
@@ -260,8 +279,10 @@ class EtcdRun:
             op.limit,
         )
         conn = CLIENTS[op.client][1]
+        self.client_of[req] = op.client
+        host = self.host_of(op.client)
         if wait_ms is None:
-            outcome = await self.backend.acquire(request, caller(op.client), conn, None)
+            outcome = await host.acquire(request, caller(op.client), conn, None)
             return self._answer(req, outcome, seen)
         pending = Pending(op.key, self.clock.now + wait_ms)
         self.pending[req] = pending
@@ -269,7 +290,7 @@ class EtcdRun:
         async def wait() -> None:
             try:
                 with pending.scope:
-                    pending.outcome = await self.backend.acquire(
+                    pending.outcome = await host.acquire(
                         request, caller(op.client), conn, NO_TIMEOUT_S, pending.parked
                     )
             finally:
@@ -281,6 +302,9 @@ class EtcdRun:
             return "parked"
         pending.reported = True
         return self._answer(req, pending.outcome, seen)
+
+    def host_of(self, client: int) -> EtcdBackend:
+        return self.backends[client % len(self.backends)]
 
     def _answer(self, req: int, outcome: object, seen: Seen) -> str:
         if isinstance(outcome, Hold):
