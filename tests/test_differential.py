@@ -1,4 +1,5 @@
-"""One sequence of lock operations, three deciders, the same answers (SPEC §1, §2, §10, §11).
+"""One sequence of lock operations, three deciders, the same answers
+(docs/contract.md §1, §2, §10, §11).
 
 Hypothesis generates sequences of operations (``tests/differential.py``:
 try and blocking acquires, shared holds, semaphores, limits that clash,
@@ -87,7 +88,7 @@ class Model:
     parked: list[int] = field(default_factory=list)  # every request that ever parked
 
     def room_for(self, mode: str, key: str) -> bool:
-        """SPEC §10: exclusive (limit 1) alone, shared beside shared, a semaphore to its limit."""
+        """Exclusive (limit 1) alone, shared beside shared, a semaphore to its limit (§10)."""
         held = self.holders[key]
         if not held:
             return True
@@ -96,7 +97,7 @@ class Model:
         return mode == "shared" or len(held) < held[0].limit
 
     def grant(self, seen: Seen, req: int, key: str, who: Acquire | Wait, principal: str) -> None:
-        # The same principal's hold with the same owner is taken back (SPEC §1).
+        # The same principal's hold with the same owner is taken back (docs/contract.md §1).
         held = self.holders[key]
         if who.owner is not None:
             held[:] = [h for h in held if (h.principal, h.owner) != (principal, who.owner)]

@@ -4,7 +4,7 @@ Every backend asks these functions who may hold a key; none of them keeps a
 copy of the rules (docs/architecture.md, "The decision core"):
 
 - :mod:`lockd.core.admission`: a request against a key's holders and queue
-  -- refused, a re-take, granted now, parked, or busy (SPEC §1, §10);
+  -- refused, a re-take, granted now, parked, or busy (docs/contract.md §1, §10);
 - :mod:`lockd.core.queue`: after holders or waiters leave, which waiters
   the key is handed to, head first, without overtaking.
 

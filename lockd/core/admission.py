@@ -1,4 +1,4 @@
-"""May this request hold the key now? The admission rules of SPEC §1 and §10.
+"""May this request hold the key now? The admission rules of docs/contract.md §1 and §10.
 
 A request (principal P, owner O, mode M, limit L) meets a key that has
 holders (all of one mode and one limit) and a FIFO queue of waiters. The

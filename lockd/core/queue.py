@@ -1,4 +1,4 @@
-"""Who gets the key when holders or waiters leave: the queue rules of SPEC §10.
+"""Who gets the key when holders or waiters leave: the queue rules of docs/contract.md §10.
 
 One FIFO queue per key holds every waiter, whatever its mode. Whenever a
 holder leaves (release, expiry, break, connection close) or a queued waiter
@@ -10,7 +10,7 @@ starve), and nobody overtakes a waiter that does not fit yet.
 
 A waiter granted with the owner of a hold its principal has already (it
 queued before that hold was granted, or twice) takes that hold back, as a
-re-take does (SPEC §1): the key's count of holders stays the same.
+re-take does (docs/contract.md §1): the key's count of holders stays the same.
 """
 
 from __future__ import annotations
