@@ -17,6 +17,7 @@ from lockd.core import (
     SHARED,
     Refused,
     admit,
+    admit_free,
     fits,
     woken,
 )
@@ -167,3 +168,10 @@ def test_the_core_imports_nothing_but_itself() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_admit_free_is_admit_on_a_free_key() -> None:
+    for mode in (EXCLUSIVE, SHARED):
+        for limit in (1, 2):
+            for blocking in (False, True):
+                assert admit_free("k", mode, limit) == decide(mode, limit, blocking=blocking)

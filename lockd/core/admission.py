@@ -113,6 +113,19 @@ def refusal(
     return None
 
 
+def admit_free(key: str, mode: str, limit: int) -> Verdict | Refused:
+    """:func:`admit` on a free key (no holders, no waiters): ``GRANT``, or refused.
+
+    The common case of every backend (the engine's hot path, etcd's
+    one-transaction fast path), so it costs one comparison.
+    """
+    if limit > 1 and mode == SHARED:
+        refused = refusal(key, mode, limit, key_limit=None, own_hold=None)
+        assert refused is not None
+        return refused
+    return GRANT
+
+
 def admit(
     key: str,
     mode: str,
@@ -145,6 +158,6 @@ def admit(
         return refused
     if own_hold is not None:
         return RETAKE
-    if queued == 0 and fits(mode, held_mode, held_count, limit):
+    if queued == 0 and (held_count == 0 or fits(mode, held_mode, held_count, limit)):
         return GRANT
     return PARK if blocking else BUSY

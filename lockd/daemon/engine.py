@@ -451,17 +451,7 @@ class LockEngine:
         state = self._keys.get(key)
         held = self._owned.get((key, principal, owner)) if owner is not None else None
         if state is None:
-            verdict = core.admit(
-                key,
-                mode,
-                limit,
-                held_mode=None,
-                held_count=0,
-                key_limit=None,
-                queued=0,
-                own_hold=None,
-                blocking=wait_ms is not None,
-            )
+            verdict = core.admit_free(key, mode, limit)
         else:
             verdict = core.admit(
                 key,

@@ -537,17 +537,7 @@ class EtcdBackend:
         key, directory_key = hold.key, self.layout.directory(hold.key)
         # The fast path: what the core answers on a free key, committed only
         # if the key is free (its directory empty), in one transaction.
-        verdict = core.admit(
-            key,
-            hold.mode,
-            hold.limit,
-            held_mode=None,
-            held_count=0,
-            key_limit=None,
-            queued=0,
-            own_hold=None,
-            blocking=waiting,
-        )
+        verdict = core.admit_free(key, hold.mode, hold.limit)
         if isinstance(verdict, Refused):
             return verdict
         puts = await self.hold_puts(hold)
