@@ -303,10 +303,10 @@ async def run_etcd(ops: list[Op], etcd: object, prefix: str, nodes: int = 1) -> 
     return steps
 
 
-async def run_etcd_cluster(ops: list[Op], endpoints: list[str]) -> list[Seen]:
+async def run_etcd_cluster(ops: list[Op], endpoints: list[str], nodes: int = 1) -> list[Seen]:
     prefix = f"/test-diff/{time.monotonic_ns()}/"
     async with EtcdGateway(GatewaySettings(endpoints, timeout=5.0)) as gateway:
-        return await run_etcd(ops, gateway, prefix)
+        return await run_etcd(ops, gateway, prefix, nodes)
 
 
 # ------------------------------------------------------------------- tests
@@ -378,3 +378,15 @@ def test_the_etcd_backend_on_a_real_cluster_decides_as_the_model(
     etcd = trio.run(run_etcd_cluster, ops, etcd_cluster.endpoints)
     compare(ops, want, "etcd (real)", etcd)
     check_fences("etcd (real)", etcd, ties_allowed=True)  # ETCD_SAME_FENCE_BUG
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(operations)
+def test_two_etcd_hosts_on_a_real_cluster_decide_as_the_model(
+    etcd_cluster: EtcdCluster, ops: list[Op]
+) -> None:
+    """The slow variant with clients on two hosts sharing the real cluster."""
+    _, want = run_model(ops)
+    etcd = trio.run(run_etcd_cluster, ops, etcd_cluster.endpoints, 2)
+    compare(ops, want, "etcd (real, two hosts)", etcd, ordered=False)
+    check_fences("etcd (real, two hosts)", etcd, ties_allowed=True)  # ETCD_SAME_FENCE_BUG
