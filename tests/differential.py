@@ -1,4 +1,4 @@
-"""Operations, observations and the two in-process runs of the differential test.
+"""Operations, observations and the embedded engine's run of the differential test.
 
 ``tests/test_differential.py`` holds the reference model and the tests; this
 module holds what every run shares: the operations hypothesis generates
