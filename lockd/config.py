@@ -202,6 +202,9 @@ def _check_endpoint(url: str, where: str) -> None:
         raise ConfigError(f"{where}: {url!r} is not an etcd URL (http://HOST:PORT or https://...)")
 
 
+#: the longest ``break_grace``: a hung holder must not keep a broken key for long.
+MAX_BREAK_GRACE = 600.0
+
 #: integer keys for which 0 is a value (it turns the feature off).
 _ZERO_TURNS_OFF = frozenset({"busy_poll_us"})
 
@@ -235,6 +238,9 @@ class Settings:
     #: microseconds a connection's task polls for the next request before it
     #: parks in epoll (adaptive; 0 turns it off). See bench/README.md, "Busy-polling".
     busy_poll_us: int = 200
+    #: seconds a ``break`` waits for a holder listening for events to say it
+    #: stopped (``stopped``) before the key goes to the next holder (SPEC 12).
+    break_grace: float = 5.0
     #: log level: debug, info, warning or error.
     log_level: str = "info"
     #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.
@@ -255,7 +261,11 @@ class Settings:
                 values[key] = BackendSettings.from_mapping(value, source, base)
                 continue
             default = known[key].default
-            if isinstance(default, tuple):
+            if isinstance(default, float):
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigError(f"{source}: {key!r} must be a number of seconds")
+                values[key] = float(value)
+            elif isinstance(default, tuple):
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                     raise ConfigError(f"{source}: {key!r} must be a list of strings")
                 values[key] = tuple(value)
@@ -281,6 +291,10 @@ class Settings:
             raise ConfigError(f"{source}: 'sqlite_synchronous' must be NORMAL or FULL")
         if not 1024 <= self.max_line_bytes <= 16 * 1024 * 1024:
             raise ConfigError(f"{source}: 'max_line_bytes' must be between 1024 and 16777216")
+        if not 0 <= self.break_grace <= MAX_BREAK_GRACE:
+            raise ConfigError(
+                f"{source}: 'break_grace' must be between 0 and {MAX_BREAK_GRACE:g} seconds"
+            )
         if self.busy_poll_us > 1000:
             raise ConfigError(f"{source}: 'busy_poll_us' must be at most 1000")
         if self.max_buffered_bytes < self.max_line_bytes:

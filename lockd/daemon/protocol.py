@@ -74,7 +74,8 @@ class Request:
 
 @dataclass(slots=True)
 class Hello(Request):
-    pass
+    #: the connection asks for lease-loss events (SPEC 12); None: leave it as it is.
+    events: bool | None = None
 
 
 @dataclass(slots=True)
@@ -131,6 +132,13 @@ class Cancel(Request):
 
 
 @dataclass(slots=True)
+class Stopped(Request):
+    """The holder of ``handle``, told its hold was broken, has stopped its work (SPEC 12)."""
+
+    handle: str
+
+
+@dataclass(slots=True)
 class Stats(Request):
     pass
 
@@ -142,7 +150,7 @@ class Rules(Request):
 
 # op -> (required fields, optional fields)
 _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "hello": (frozenset(), frozenset()),
+    "hello": (frozenset(), frozenset({"events"})),
     "acquire": (
         frozenset({"key", "ttlMs", "timeoutMs"}),
         frozenset({"owner", "releaseOnClose", "mode", "limit"}),
@@ -157,6 +165,7 @@ _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "list": (frozenset(), frozenset({"prefix", "limit", "after"})),
     "break": (frozenset({"key", "reason"}), frozenset()),
     "cancel": (frozenset({"target"}), frozenset()),
+    "stopped": (frozenset({"handle"}), frozenset()),
     "stats": (frozenset(), frozenset()),
     "rules": (frozenset(), frozenset()),
 }
@@ -339,7 +348,12 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
     if op == "cancel":
         return Cancel(rid, op, _request_id(f["target"], "target"))
     if op == "hello":
-        return Hello(rid, op)
+        events = f.get("events")
+        if events is not None and not isinstance(events, bool):
+            raise invalid("events", "events must be true or false")
+        return Hello(rid, op, events)
+    if op == "stopped":
+        return Stopped(rid, op, _text(f["handle"], "handle", MAX_HANDLE_CHARS))
     if op == "stats":
         return Stats(rid, op)
     assert op == "rules"
@@ -351,6 +365,11 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
 
 def encode_result(request_id: RequestId, result: Any) -> bytes:
     return _line({"id": request_id, "ok": True, "result": result})
+
+
+def encode_event(event: dict[str, Any]) -> bytes:
+    """An unsolicited line (no ``id``), sent only to a connection that asked for events."""
+    return _line(event)
 
 
 def encode_error(

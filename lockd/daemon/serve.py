@@ -126,6 +126,7 @@ def build(
         clock,
         max_pending_per_connection=settings.max_pending_per_connection,
         remote=backend,
+        break_grace_ms=round(settings.break_grace * 1000),
     )
     service.commit()  # leases that ran out while the daemon was down
     identity = IdentityConfig(

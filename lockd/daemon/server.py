@@ -65,14 +65,18 @@ import trio
 from lockd.daemon import fdlimit, sockio, systemd
 from lockd.daemon.backends import RemoteHold
 from lockd.daemon.engine import Lease, Parked, Waiter
+from lockd.daemon.events import LossEvent, PendingBreak
 from lockd.daemon.protocol import (
     Acquire,
     Cancel,
+    Hello,
     LineSplitter,
     ProtocolError,
     Request,
     RequestId,
+    Stopped,
     encode_error,
+    encode_event,
     encode_protocol_error,
     encode_result,
     parse_request,
@@ -123,6 +127,8 @@ class Connection:
     remote_busy: trio.Event | None = None
     #: polls for the next request a moment before parking (see ``_read_now``).
     busy: sockio.BusyPoll = field(default_factory=lambda: sockio.BusyPoll(0))
+    #: asked for lease-loss events (``hello {"events": true}``, SPEC 12).
+    events: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -224,12 +230,15 @@ class LockServer:
         # the commit of their batch; the service calls _batch_ended after it.
         self.service.group_commit = True
         self.service.on_batch_end = self._batch_ended
+        self.service.on_lost = self._tell_lost
         self._outbox: list[_Outgoing] = []
         #: every connection socket, level-triggered: "is another request
         #: waiting to be read?" in one non-blocking epoll_wait.
         self._readable = select.epoll()
         self._flush_wanted = trio.Event()
         self._shutdown_event = trio.Event()
+        #: breaks waiting for their told holders to stop (woken at shutdown).
+        self._breaks: set[PendingBreak] = set()
         self._warnings = fdlimit.ThrottledWarnings(log)
 
     # ------------------------------------------------------------ lifecycle
@@ -279,6 +288,8 @@ class LockServer:
             log.info(kv(event="stopping", waiters=self.service.gauges()["waiters"]))
             self.shutting_down = True
             self._shutdown_event.set()
+            for pending in list(self._breaks):
+                pending.wake()
 
     async def _drain_waiters(self) -> None:
         """Answer every parked acquire with SHUTTING_DOWN before closing."""
@@ -699,6 +710,8 @@ class LockServer:
         writer = conn.writer
         if (writer is None or not writer.write(data, grant)) and grant is not None:
             self._release_undelivered(grant)
+        elif conn.events and isinstance(grant, Lease):
+            self.service.watch_grant(conn.id, grant)
 
     def _release_undelivered(self, grant: Lease | RemoteHold) -> None:
         try:
@@ -832,6 +845,14 @@ class LockServer:
             if isinstance(request, Cancel):
                 result = {"cancelled": self._cancel(conn, request.target)}
                 self._queue(conn, request.id, encode_result(request.id, result))
+            elif isinstance(request, Stopped):
+                result = service.stopped(conn.id, request)
+                self._queue(conn, request.id, encode_result(request.id, result))
+            elif isinstance(request, Hello):
+                if request.events is not None:
+                    conn.events = request.events and service.events_supported
+                result = {**service.answer(conn.caller, request), "events": conn.events}
+                self._queue(conn, request.id, encode_result(request.id, result))
             elif service.backend.awaits(request):
                 handed_off = True
                 if isinstance(request, Acquire) and request.timeout_ms is not None:
@@ -847,6 +868,10 @@ class LockServer:
                     handed_off = True
             else:
                 result = service.answer(conn.caller, request)
+                if isinstance(result, PendingBreak):
+                    self._finish_break_in_task(conn, nursery, request, started, result)
+                    handed_off = True
+                    return None
                 self._queue(
                     conn,
                     request.id,
@@ -862,6 +887,64 @@ class LockServer:
                 self._observe(request.op, started)
             self._reschedule()
         return None
+
+    def _finish_break_in_task(
+        self,
+        conn: Connection,
+        nursery: trio.Nursery,
+        request: Request,
+        started: float,
+        pending: PendingBreak,
+    ) -> None:
+        """Wait until a break's told holders stopped (or its grace passed), then end it.
+
+        The decisions are the service's (``break_ready``, ``finish_break``);
+        this task only sleeps until the grace deadline or a wake-up (a
+        ``stopped``, a connection closing, a hold ending). A break cut
+        short (the daemon stopping, the requester leaving) still ends the
+        holds: their holders were told they are lost.
+        """
+        service = self.service
+
+        async def run() -> None:
+            finished = False
+            try:
+                while not service.break_ready(pending) and not self.shutting_down:
+                    woken = trio.Event()
+                    pending.wake = woken.set
+                    with trio.move_on_after(service.ms_until(pending.deadline) / 1000):
+                        await woken.wait()
+                finished = True
+                result = service.finish_break(conn.caller, pending)
+                self._queue(conn, request.id, encode_result(request.id, result))
+            except ProtocolError as exc:
+                self._reply_error(conn, request, exc)
+            except Exception:
+                self._reply_internal(conn, request)
+            finally:
+                if not finished:
+                    with contextlib.suppress(Exception):
+                        service.finish_break(conn.caller, pending)
+                self._flush()
+                self._observe(request.op, started)
+                self._reschedule()
+
+        self._breaks.add(pending)
+        nursery.start_soon(self._forget_break_after, pending, run)
+
+    async def _forget_break_after(
+        self, pending: PendingBreak, run: Callable[[], Awaitable[None]]
+    ) -> None:
+        try:
+            await run()
+        finally:
+            self._breaks.discard(pending)
+
+    def _tell_lost(self, event: LossEvent) -> None:
+        """Write a loss event to its connection, ahead of any reply that depends on it."""
+        conn = self.connections.get(event.conn)
+        if conn is not None and conn.writer is not None:
+            conn.writer.write(encode_event(event.wire()))
 
     def _reply(
         self, conn: Connection, request_id: RequestId, reply: Reply, *, needs_commit: bool

@@ -54,6 +54,7 @@ from lockd.daemon.engine import (
     TimedOut,
     Waiter,
 )
+from lockd.daemon.events import EXPIRED, RETAKE, LossEvent, LossWatch, PendingBreak
 from lockd.daemon.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -68,6 +69,7 @@ from lockd.daemon.protocol import (
     Rules,
     Stats,
     Status,
+    Stopped,
 )
 from lockd.daemon.stats import StatsRecorder
 from lockd.daemon.store import StorageUnavailable, Store
@@ -82,6 +84,8 @@ log = logging.getLogger("lockd.daemon.service")
 
 #: blocking acquires one connection may have waiting at once (SPEC leaves it open).
 DEFAULT_MAX_PENDING_PER_CONNECTION = 1024
+#: how long a break waits for a holder listening for events to stop (SPEC 12).
+DEFAULT_BREAK_GRACE_MS = 5000
 
 
 class Decision(Protocol):
@@ -195,6 +199,7 @@ class LockService:
         *,
         max_pending_per_connection: int = DEFAULT_MAX_PENDING_PER_CONNECTION,
         remote: RemoteBackend | None = None,
+        break_grace_ms: int = DEFAULT_BREAK_GRACE_MS,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -222,6 +227,15 @@ class LockService:
         #: its waiters were woken; else the error it was rolled back for):
         #: the server sends or fails the replies of the group commit's batch.
         self.on_batch_end: Callable[[BaseException | None], None] = lambda error: None
+        #: lease-loss events (SPEC 12): the holds granted to connections
+        #: that listen, and the breaks waiting for their holders to stop.
+        self.losses = LossWatch()
+        self.break_grace_ms = break_grace_ms
+        #: writes one loss event to its connection (the server sets it); called
+        #: before any reply that depends on the loss goes out.
+        self.on_lost: Callable[[LossEvent], None] = lambda event: None
+        #: re-takes of watched holds, announced once their commit is done.
+        self._retaken: list[LossEvent] = []
 
     # ----------------------------------------------------------- plumbing
 
@@ -243,9 +257,11 @@ class LockService:
             self.store.apply(changes)
         except BaseException as exc:
             self.engine.rollback()
+            self._rewatch_retaken()
             self.on_batch_end(exc)
             raise
         self.engine.drain()
+        self._announce_losses(changes.expired)
         if changes.grants:
             self.stats.count("grants", changes.grants)
         if changes.retakes:
@@ -263,6 +279,101 @@ class LockService:
                 )
             self.on_resolved(waiter)
         self.on_batch_end(None)
+
+    # ------------------------------------------------------- loss events
+
+    @property
+    def events_supported(self) -> bool:
+        """Loss events are sent by the embedded backend (not yet on etcd)."""
+        from lockd.daemon.backends.embedded import EmbeddedBackend
+
+        return isinstance(self.backend, EmbeddedBackend)
+
+    def _at(self) -> str:
+        return format_epoch_ms(self.clock.wall_ms())
+
+    def _announce_losses(self, expired: list[Lease]) -> None:
+        """After a commit: tell the listening holders of what it ended, then wake breaks.
+
+        Runs before the commit's waiters are woken and its replies go out,
+        so a holder hears of its loss before anyone hears of a grant that
+        depends on it.
+        """
+        losses = self.losses
+        if not (len(losses) or self._retaken or losses.breaks):
+            return
+        at = self._at() if expired else ""
+        for lease in expired:
+            event = losses.lost(lease.handle, EXPIRED, at)
+            if event is not None:
+                self.on_lost(event)
+        retaken, self._retaken = self._retaken, []
+        for event in retaken:
+            self.on_lost(event)
+        if losses.breaks:
+            losses.still_stopping(lambda w: self.engine.find(w.key, w.handle) is not None)
+
+    def _rewatch_retaken(self) -> None:
+        """A failed commit undid its re-takes: the holds they ended are back, watched again."""
+        retaken, self._retaken = self._retaken, []
+        for event in retaken:
+            lease = self.engine.find(event.key, event.handle)
+            if lease is not None:
+                self.losses.watch(event.conn, lease)
+            else:
+                self._retaken.append(event)
+
+    def watch_grant(self, conn: int, lease: Lease) -> None:
+        """The grant of ``lease`` reached connection ``conn``, which listens for events."""
+        if self.engine.find(lease.key, lease.handle) is lease:
+            self.losses.watch(conn, lease)
+            return
+        # Ended in the batch that granted it, before its reply went out (only
+        # a re-take can: nobody else knew its handle yet): say so at once.
+        self.on_lost(
+            LossEvent(
+                conn,
+                lease.key,
+                lease.handle,
+                lease.fence,
+                RETAKE,
+                None,
+                lease.principal,
+                self._at(),
+            )
+        )
+
+    def _note_retake(self, caller: Caller, lease: Lease) -> None:
+        """A grant with an owner may have re-taken watched holds: told after the commit."""
+        assert lease.owner is not None
+        for watched in self.losses.same_owner(lease.key, caller.principal, lease.owner):
+            if (
+                watched.handle != lease.handle
+                and self.engine.find(lease.key, watched.handle) is None
+            ):
+                event = self.losses.lost(watched.handle, RETAKE, self._at(), by=caller.principal)
+                if event is not None:
+                    self._retaken.append(event)
+
+    def stopped(self, conn: int, request: Stopped) -> dict[str, Any]:
+        """``stopped``: the work of a broken hold of this connection has stopped."""
+        return {"stopped": self.losses.stopped(conn, request.handle)}
+
+    def break_ready(self, pending: PendingBreak) -> bool:
+        """May the waiting break end now (every told holder stopped, or the grace is over)?"""
+        return pending.ready(self.clock.boot_ms())
+
+    def finish_break(self, caller: Caller, pending: PendingBreak) -> dict[str, Any]:
+        """End a waiting break: the holds still stopping are released, the queue served."""
+        key = pending.key
+        now = self._now()
+        for watched in pending.stopping:
+            if self.engine.find(key, watched.handle) is not None:
+                self.engine.release(now, key, watched.handle)
+        self.losses.end_break(pending)
+        self.commit_request(now=True)
+        broken = sorted([*pending.ended, *pending.stopping], key=lambda hold: hold.fence)
+        return self.break_result(caller, key, pending.reason, broken)
 
     def _log_expired(self, expired: list[Lease]) -> None:
         """One info line per commit however many leases ran out; each at debug.
@@ -563,6 +674,8 @@ class LockService:
                 "INVALID_REQUEST", result.message, details={"field": result.field, **result.details}
             )
         if isinstance(result, Lease):
+            if req.owner is not None and len(self.losses):
+                self._note_retake(caller, result)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     kv(event="granted", key=req.key, principal=caller.principal, fence=result.fence)
@@ -597,6 +710,7 @@ class LockService:
             return self.list(caller, request.prefix, request.limit, request.after)
         if isinstance(request, Break):
             return self.break_lock(caller, request.key, request.reason)
+        # ``stopped`` concerns the connection: the server asks :meth:`stopped`.
         if isinstance(request, Stats):
             return self.stats_result(caller)
         if isinstance(request, Rules):
@@ -620,6 +734,8 @@ class LockService:
             self.authorize(caller, "renew", key, mode=hold.mode, limit=hold.limit)
         else:
             self.authorize(caller, "renew", key)
+        if self.losses.stopping(handle) is not None:
+            return {"renewed": False, "reason": "lease_lost"}  # broken; its holder was told
         lease = self.engine.renew(self._now(), key, handle, ttl_ms)
         self.commit_request()
         if lease is None:
@@ -628,9 +744,14 @@ class LockService:
         return {"renewed": True, "leaseExpiresAt": self._wall(lease.expires_at)}
 
     def release(self, caller: Caller, key: str, handle: str) -> dict[str, Any]:
+        # A hold told of a break is fenced as far as its holder knows; its
+        # release says it let go, which is what the break waits for.
+        stopping = self.losses.stopping(handle) is not None
         released = self.engine.release(self._now(), key, handle)
         self.commit_request()
-        if not released:
+        if released and len(self.losses):
+            self.losses.forget(handle)
+        if not released or stopping:
             return {"released": False, "reason": "not_holder"}
         self.stats.count("releases")
         if log.isEnabledFor(logging.DEBUG):
@@ -643,6 +764,7 @@ class LockService:
     def close_in_engine(self, conn: int, *, release_bound: bool) -> None:
         """The embedded backend's side of :meth:`connection_closed`."""
         self._end_batch("connection_closed")
+        self.losses.connection_closed(conn)
         now = self.clock.boot_ms()
         for lease in self.engine.connection_closed(now, conn, release_bound=release_bound):
             self.stats.count("releases")
@@ -660,11 +782,53 @@ class LockService:
         self.commit_fact("list")
         return {"locks": [self.status_view(st) for st in page.locks], "next": page.next}
 
-    def break_lock(self, caller: Caller, key: str, reason: str) -> dict[str, Any]:
+    def break_lock(self, caller: Caller, key: str, reason: str) -> dict[str, Any] | PendingBreak:
+        """``break``: the result now, or a :class:`PendingBreak` when a holder listens.
+
+        A holder listening for events is told at once and keeps its hold
+        until it stops (SPEC 12); the server waits (:meth:`break_ready`) and
+        then calls :meth:`finish_break`. Holders that do not listen are
+        released at once.
+        """
         self.authorize(caller, "break", key)
-        broken = self.engine.break_lock(self._now(), key)
-        self.commit_request()
-        return self.break_result(caller, key, reason, broken)
+        now = self._now()
+        losses = self.losses
+        listening = [w for w in losses.of_key(key) if self.engine.find(key, w.handle) is not None]
+        if not listening and not losses.stopping_of_key(key):
+            broken = self.engine.break_lock(now, key)
+            self.commit_request()
+            return self.break_result(caller, key, reason, broken)
+        keep = {w.handle for w in listening} | {w.handle for w in losses.stopping_of_key(key)}
+        ended = self._release_others(now, key, keep)
+        # Before anyone is told: a write that fails leaves the break undone.
+        self.commit_request(now=True)
+        pending, events = losses.begin_break(
+            key, reason, caller.principal, listening, ended, now + self.break_grace_ms, self._at()
+        )
+        log.info(kv(event="break_waits", key=key, by=caller.principal, holders=len(events)))
+        for event in events:
+            self.on_lost(event)
+        return pending
+
+    def _release_others(self, now: int, key: str, keep: set[str]) -> Sequence[Lease]:
+        """Release the holds of ``key`` a break need not wait for (nobody listens for them).
+
+        Only holds granted before the break (fence up to the current one):
+        a waiter these releases let in is a new holder, not broken.
+        """
+        before = self.engine.fence
+        ended: Sequence[Lease] = ()
+        while True:
+            others = [
+                lease
+                for lease in self.engine.status(now, key).holders
+                if lease.handle not in keep and lease.fence <= before
+            ]
+            if not others:
+                return ended
+            for lease in others:
+                self.engine.release(now, key, lease.handle)
+            ended = (*ended, *others)
 
     def break_result(
         self, caller: Caller, key: str, reason: str, broken: Sequence[BrokenHold]
