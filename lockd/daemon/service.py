@@ -666,6 +666,8 @@ class LockService:
             pid=caller.pid,
             process=caller.process,
         )
+        if isinstance(result, Lease) and req.owner is not None and len(self.losses):
+            self._note_retake(caller, result)  # told once the commit below is done
         # A parked acquire waits in a task of its own after this returns:
         # its queue place must be committed now, not with the batch.
         self.commit_request(now=isinstance(result, Parked))
@@ -674,8 +676,6 @@ class LockService:
                 "INVALID_REQUEST", result.message, details={"field": result.field, **result.details}
             )
         if isinstance(result, Lease):
-            if req.owner is not None and len(self.losses):
-                self._note_retake(caller, result)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     kv(event="granted", key=req.key, principal=caller.principal, fence=result.fence)
