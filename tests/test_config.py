@@ -43,6 +43,7 @@ GOOD: dict[str, Any] = {
     "max_buffered_bytes": 1048576,
     "rule_budget_ms": 20,
     "busy_poll_us": 0,
+    "break_grace": 2.5,
     "log_level": "debug",
     "sqlite_synchronous": "FULL",
 }
@@ -185,6 +186,34 @@ def test_bounded_int_keys(tmp_path: Path, key: str, value: int, ok: bool) -> Non
         assert getattr(load_settings(tmp_path), key) == value
     else:
         assert f"{key!r} must be" in refused(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("0", True),
+        ("5", True),
+        ("0.25", True),
+        ("600", True),
+        ("600.5", False),
+        ("-1", False),
+        ('"5s"', False),
+        ("true", False),
+        ("nan", False),
+        ("inf", False),
+    ],
+)
+def test_break_grace_is_bounded_seconds(tmp_path: Path, value: str, ok: bool) -> None:
+    text = f"break_grace = {value}\n"
+    if ok:
+        write(tmp_path, text)
+        assert load_settings(tmp_path).break_grace == float(value)
+    else:
+        assert "'break_grace' must be" in refused(tmp_path, text)
+
+
+def test_break_grace_defaults_to_five_seconds() -> None:
+    assert Settings().break_grace == 5.0
 
 
 def test_bad_toml_and_bad_encoding_name_the_file(tmp_path: Path) -> None:

@@ -77,6 +77,7 @@ def test_every_op_parses_to_its_typed_request() -> None:
         "list": {"prefix": "a:", "limit": 3},
         "break": {"key": "k", "reason": "stuck"},
         "cancel": {"target": 7},
+        "stopped": {"handle": "h" * 22},
         "stats": {},
         "rules": {},
     }
