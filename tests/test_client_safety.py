@@ -54,15 +54,33 @@ def test_lock_raises_lock_lost_when_the_ttl_ran_out_inside(
         assert "not_holder" in str(caught.value) and handle.lost
 
 
+@pytest.mark.sqlite_only("the etcd backend sends no lease-loss events yet")
 def test_lock_raises_lock_lost_after_a_break_and_calls_on_lost_at_once(
     daemon: DaemonProcess,
 ) -> None:
     lost = threading.Event()
+    broken_at: list[float] = []
     with LockClient(daemon.socket) as client, LockClient(daemon.socket) as admin:
-        lock = client.lock("safe:break", ttl=0.6, timeout=1, on_lost=lambda h: lost.set())
-        with pytest.raises(LockLostError, match="lease_lost"), lock:
+
+        def break_it() -> None:
             assert admin.break_lock("safe:break", "test").broken
-            assert lost.wait(5)  # seen by the renewer, inside the block
+            broken_at.append(time.monotonic())
+
+        breaker = threading.Thread(target=break_it)
+        # A TTL of a minute: no renewal comes in the test's time, the daemon tells.
+        lock = client.lock("safe:break", ttl=60, timeout=1, on_lost=lambda h: lost.set())
+        with pytest.raises(LockLostError, match=r"broken by user:.*: test") as caught, lock:
+            breaker.start()
+            assert lost.wait(5)  # pushed by the daemon, inside the block
+            with pytest.raises(LockLostError) as at_next_call:
+                client.status("safe:other")
+            assert at_next_call.value.cause == "break"
+            assert not broken_at  # the key stays ours until the block is over
+            left_block = time.monotonic()
+        breaker.join(10)
+        assert caught.value.cause == "break" and caught.value.reason.endswith(": test")
+        # The break was answered (the key handed on) only after the block let go.
+        assert broken_at and broken_at[0] >= left_block
         assert not client.status("safe:break").held
 
 

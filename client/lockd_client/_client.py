@@ -64,9 +64,11 @@ from ._connection import Connection, ConnectionLost, ReplyTimeout
 from ._errors import (
     DaemonUnavailableError,
     LockdError,
+    LockLostError,
     ShuttingDownError,
     SocketPermissionError,
 )
+from ._events import EVENTS_HELLO
 from ._paths import resolve_socket_path
 from ._requests import (
     Attempts,
@@ -118,6 +120,10 @@ class LockClient:
         self._closed = False
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
+        #: losses of ``lock()`` holds the daemon pushed, raised at the next call.
+        self._unreported: list[LockLostError] = []
+        #: every connection asks for lease-loss events (see ``listen_for_losses``).
+        self._events_wanted = False
 
     def __repr__(self) -> str:
         return f"LockClient(socket_path={self.socket_path!r})"
@@ -152,8 +158,10 @@ class LockClient:
     def hello(self) -> dict[str, Any]:
         """Protocol and server version, and the caller as the daemon sees it.
 
-        Keys: ``protocol``, ``version``, ``principal``, ``role``, ``uid``, ``pid``.
+        Keys: ``protocol``, ``version``, ``principal``, ``role``, ``uid``, ``pid``
+        (and ``events``: whether this connection gets lease-loss events).
         """
+        self._raise_unreported()
         return self._dict_result("hello", {})
 
     def acquire(
@@ -179,6 +187,7 @@ class LockClient:
         ``shared=True`` takes a shared (reader) hold; ``limit=N`` (1-1000)
         makes the key a semaphore of N exclusive slots (SPEC §10).
         """
+        self._raise_unreported()
         base = grant_args(key, ttl, owner, release_on_close, shared, limit)
         timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
@@ -215,6 +224,7 @@ class LockClient:
 
         ``release_on_close``, ``shared`` and ``limit`` as for :meth:`acquire`.
         """
+        self._raise_unreported()
         args = grant_args(key, ttl, owner, release_on_close, shared, limit)
         result = self._call("tryAcquire", args, self.request_timeout, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
@@ -226,6 +236,7 @@ class LockClient:
         longer holds the key. On success a Handle's ``lease_expires_at`` and
         ``ttl_ms`` are updated in place.
         """
+        self._raise_unreported()
         return self._renew(handle, seconds_to_ms(ttl, "ttl", allow_zero=False))
 
     def release(self, handle: HandleRef) -> ReleaseResult:
@@ -235,6 +246,7 @@ class LockClient:
 
     def status(self, key: str) -> LockStatus:
         """Who holds ``key`` right now, without trying to take it."""
+        self._raise_unreported()
         result = self._call("status", {"key": check_key(key)}, self.request_timeout, retry=True)
         return LockStatus.from_result(result)
 
@@ -262,21 +274,29 @@ class LockClient:
 
         The second item is ``None`` when nothing remains.
         """
+        self._raise_unreported()
         args = list_args(prefix, limit, after)
         locks, more = list_result(self._call("list", args, self.request_timeout, retry=True))
         return [LockStatus.from_result(item) for item in locks], more
 
     def break_lock(self, key: str, reason: str) -> BreakResult:
-        """Free ``key`` whoever holds it, fencing the holder (owner, admin). Never retried."""
+        """Free ``key`` whoever holds it, fencing the holder (owner, admin). Never retried.
+
+        When the holder listens for events, the daemon waits for it to stop
+        (at most ``break_grace``, 5 s by default) before it answers.
+        """
+        self._raise_unreported()
         result = self._call("break", break_args(key, reason), self.request_timeout, retry=False)
         return BreakResult.from_result(result)
 
     def stats(self) -> dict[str, Any]:
         """Daemon counters, gauges and per-op latency percentiles (owner, admin, services)."""
+        self._raise_unreported()
         return self._dict_result("stats", {})
 
     def rules(self) -> dict[str, Any]:
         """The loaded lock rule set and the last reload error: ``{"policy", "lastError"}``."""
+        self._raise_unreported()
         return self._dict_result("rules", {})
 
     def lock(
@@ -325,6 +345,60 @@ class LockClient:
         )
 
     # -- internals ------------------------------------------------------------
+
+    def stopped(self, handle: HandleRef) -> bool:
+        """Tell the daemon the work of a broken hold has stopped (SPEC §12).
+
+        A break of a hold whose holder listens for events hands the key on
+        only once the holder says so (or closes, or ``break_grace`` passes).
+        True when a break was waiting for it. Never retried.
+        """
+        args = {"handle": release_args(handle)["handle"]}
+        result = self._call("stopped", args, self.request_timeout, retry=False)
+        return bool(dict_result("stopped", result).get("stopped"))
+
+    def listen_for_losses(self) -> None:
+        """Ask the daemon to push lease-loss events to this client (SPEC §12).
+
+        From now on every connection of this client starts with ``hello
+        {"events": true}`` (sent ahead of the next request, not waited for:
+        a daemon that predates events refuses it and nothing else changes).
+        ``lock()`` calls it itself; an :class:`AutoRenewer` built on this
+        client then hears of a break, a re-take or an expiry at once.
+        """
+        self._events_wanted = True
+        conn = self._conn
+        if conn is not None and not conn.dead:
+            self._ask_events(conn)
+
+    @staticmethod
+    def _ask_events(conn: Connection) -> None:
+        if not conn.events_asked:
+            conn.events_asked = True
+            conn.send_quietly("hello", EVENTS_HELLO)
+
+    def events_connection(self) -> Connection | None:
+        """The connection now open (its pushed losses are read by an AutoRenewer), if any."""
+        conn = self._conn
+        return conn if conn is not None and not conn.dead else None
+
+    def _note_lost(self, error: LockLostError) -> None:
+        """A ``lock()`` hold was lost: the next call of this client raises ``error``."""
+        with self._lock:
+            self._unreported.append(error)
+
+    def _forget_lost(self, key: str, fence: int) -> None:
+        """The ``lock()`` block raised the loss itself: the next call need not."""
+        with self._lock:
+            self._unreported = [e for e in self._unreported if (e.key, e.fence) != (key, fence)]
+
+    def _raise_unreported(self) -> None:
+        if self._unreported:
+            with self._lock:
+                if not self._unreported:
+                    return
+                error = self._unreported.pop(0)
+            raise error
 
     def _renew(
         self, handle: HandleRef, ttl_ms: int, give_up_at: float | None = None
@@ -375,6 +449,8 @@ class LockClient:
             )
             self._conn = conn
             self._connected_once = True
+            if self._events_wanted:
+                self._ask_events(conn)
             return conn
 
     def _forget(self, conn: Connection) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
 import socket
 import struct
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._events import Loss, LossBook, loss_from
 from ._requests import late_grant
 from ._trust import check_folder, check_peer
 from ._wire import BadLine, ReplyLines, encode_request
@@ -95,6 +97,13 @@ class Connection:
         self._fd_closed = False
         #: the message of the last error the daemon sent without a request id.
         self._refusal: str | None = None
+        #: losses the daemon pushed (SPEC 12), by handle (see ``wait_for_loss``).
+        self.losses = LossBook()
+        #: ``hello {"events": true}`` was sent on it.
+        self.events_asked = False
+        #: a pipe that ends a ``wait_for_loss`` blocked in poll() (made on first use).
+        self._wake_fds: tuple[int, int] | None = None
+        self._wakeups = 0
 
     @classmethod
     def open(
@@ -166,6 +175,51 @@ class Connection:
             raise
         return self._wait_reply(rid, op, deadline)
 
+    def send_quietly(self, op: str, args: dict[str, Any]) -> None:
+        """Send a request whose reply nobody waits for (it is dropped when read)."""
+        with self._lock:
+            self._late_sends.append((op, args))
+        self._flush_late_sends()
+
+    def wait_for_loss(self, handle: str, timeout: float, stop: threading.Event) -> Loss | None:
+        """Wait up to ``timeout`` s for the daemon to say ``handle`` is lost.
+
+        Reads the connection meanwhile if no other thread does (a pushed
+        line is read the moment it comes). Returns early, with None, when
+        ``stop`` is set and :meth:`wake` called, or the connection dies.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            wakeups = self._wakeups
+            while True:
+                loss = self.losses.get(handle)
+                if loss is not None or self._dead is not None:
+                    return loss
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or stop.is_set() or self._wakeups != wakeups:
+                    return None
+                if self._reading:
+                    self._parked += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._parked -= 1
+                else:
+                    if self._wake_fds is None:
+                        self._wake_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                        self._poller.register(self._wake_fds[0], _POLLIN)
+                    self._read_once_locked(remaining)
+
+    def wake(self) -> None:
+        """End every :meth:`wait_for_loss` now (its ``stop`` was just set)."""
+        with self._lock:
+            self._wakeups += 1
+            if self._reading and self._wake_fds is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_fds[1], b"x")
+            if self._parked:
+                self._cond.notify_all()
+
     def close(self) -> None:
         """Close the connection; threads waiting on it get ConnectionLost."""
         with self._lock:
@@ -235,7 +289,8 @@ class Connection:
         try:
             try:
                 self._lock.release()  # inside the try: an interrupt comes after it returns
-                if self._poller.poll(wait_ms):
+                ready = self._poller.poll(wait_ms)
+                if ready and (self._wake_fds is None or self._sock_ready(ready)):
                     data = self._sock.recv(_READ_CHUNK)
             finally:
                 self._lock.acquire()
@@ -249,6 +304,19 @@ class Connection:
                 self._cond.notify_all()  # replies filed, or the reader's place is free
             if self._dead is not None:
                 self._close_fd_locked()
+
+    def _sock_ready(self, ready: list[tuple[int, int]]) -> bool:
+        """Is the socket among ``ready`` (the wake pipe may be there too: emptied here)?"""
+        assert self._wake_fds is not None
+        wake_fd = self._wake_fds[0]
+        ours = False
+        for fd, _ in ready:
+            if fd == wake_fd:
+                with contextlib.suppress(OSError):
+                    os.read(wake_fd, 4096)
+            else:
+                ours = True
+        return ours
 
     def _absorb_locked(self, data: bytes) -> None:
         if not data:
@@ -271,6 +339,10 @@ class Connection:
     def _file_locked(self, reply: dict[str, Any]) -> None:
         rid = reply.get("id")
         if not isinstance(rid, int) or isinstance(rid, bool):
+            loss = loss_from(reply) if rid is None else None
+            if loss is not None:  # pushed (SPEC 12): kept for whoever holds the handle
+                self.losses.add(loss)
+                return
             # id null: the daemon could not read one of our requests, or it
             # refuses the connection (too many); keep why for the close.
             error = reply.get("error")
@@ -325,6 +397,10 @@ class Connection:
             self._fd_closed = True
             with self._send_lock:
                 self._sock.close()
+            if self._wake_fds is not None:
+                for fd in self._wake_fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
 
 def _timeval(seconds: float) -> bytes:

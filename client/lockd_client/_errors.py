@@ -152,15 +152,22 @@ class LockLostError(LockdError):
 
     key: str
     fence: int
+    #: why, in words (for a break: who broke it and the admin's reason).
+    reason: str
+    #: what the daemon said ended the hold: "break", "retake", "expired",
+    #: "session"; None when it was seen otherwise (a renew or release).
+    cause: str | None
 
-    def __init__(self, key: str, fence: int, reason: str) -> None:
+    def __init__(self, key: str, fence: int, reason: str, cause: str | None = None) -> None:
         super().__init__(
             f"the lease on {key!r} (fence {fence}) was lost before the block ended: {reason}",
             code="LEASE_LOST",
-            details={"key": key, "fence": fence, "reason": reason},
+            details={"key": key, "fence": fence, "reason": reason, "cause": cause},
         )
         self.key = key
         self.fence = fence
+        self.reason = reason
+        self.cause = cause
 
 
 class DaemonUnavailableError(LockdError):

@@ -11,11 +11,13 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from ._errors import LockdError, LockLostError
+from ._events import Loss
 from ._results import Handle, ReleaseResult
 from ._wire import seconds_to_ms
 
 if TYPE_CHECKING:
     from ._client import LockClient
+    from ._connection import Connection
 
 __all__ = ["AutoRenewer", "call_on_lost", "check_released", "hold", "lease_end"]
 
@@ -40,10 +42,18 @@ class AutoRenewer:
     ``handle.lost`` is set, ``on_lost(handle)`` is called once and the thread
     ends. Nothing is reported after :meth:`stop`.
 
+    Between renewals the thread listens on the connection the hold was
+    granted on (``events_from``, by default ``client``; its connection as
+    it is when the renewer is made) for the daemon's lease-loss event (SPEC
+    §12): a break, a re-take or an expiry is reported the moment it is
+    told, with ``lost_cause`` and ``loss`` set, instead of at the next
+    renewal. Renewal stays the fallback: a daemon that sends no events, or
+    a connection that broke, is noticed as before.
+
     Public (``lockd_client.AutoRenewer``): ``LockClient.lock()`` and ``lockd
     run`` both keep their leases with it. Give it a client of its own when
     the caller's client may be busy (a renewal must not queue behind a
-    blocking acquire).
+    blocking acquire), and the client that took the hold as ``events_from``.
     """
 
     def __init__(
@@ -54,6 +64,7 @@ class AutoRenewer:
         on_lost: Callable[[Handle], object] | None,
         *,
         expires_at: float,
+        events_from: LockClient | None = None,
     ) -> None:
         """``expires_at``: when the lease runs out, on ``time.monotonic()``."""
         self._client = client
@@ -69,6 +80,9 @@ class AutoRenewer:
         self._margin = min(self._lease_ms / 10_000, _MAX_MARGIN)
         self._deadline = expires_at
         self.lost_reason: str | None = None
+        #: the daemon's word on the loss, when it pushed one (SPEC 12).
+        self.loss: Loss | None = None
+        self._events: Connection | None = (events_from or client).events_connection()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"lockd-renew:{handle.key[:64]}", daemon=True
@@ -78,9 +92,16 @@ class AutoRenewer:
         """Start renewing."""
         self._thread.start()
 
+    @property
+    def lost_cause(self) -> str | None:
+        """``break``, ``retake``, ``expired``, ``session`` when the daemon said so."""
+        return self.loss.cause if self.loss is not None else None
+
     def stop(self) -> None:
         """Stop renewing and wait (briefly) for the thread to end."""
         self._stop.set()
+        if self._events is not None:
+            self._events.wake()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(_JOIN_TIMEOUT)
 
@@ -96,7 +117,7 @@ class AutoRenewer:
     def _run(self) -> None:
         # A lease that is already old (a long blocking wait) renews sooner.
         pause = min(self._interval, max(0.0, self.give_up_at() - time.monotonic()) / 2)
-        while not self._stop.wait(pause):
+        while not self._pause(pause):
             sent_at = time.monotonic()
             try:
                 result = self._client._renew(
@@ -124,6 +145,23 @@ class AutoRenewer:
                 return
             self._deadline = sent_at + self._lease_ms / 1000
             pause = self._interval
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` for the next renewal; True to end (stopped, or lost by event)."""
+        conn = self._events
+        if conn is None or conn.dead:
+            return self._stop.wait(seconds)
+        loss = conn.wait_for_loss(self._handle.handle, seconds, self._stop)
+        if self._stop.is_set():
+            return True
+        if loss is not None:
+            self.loss = loss
+            self._lose(loss.describe())
+            return True
+        if conn.dead:  # the rest of the pause without it; renewals tell from here on
+            self._events = None
+            return self._stop.wait(max(0.0, seconds / 2))
+        return False
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason
@@ -154,6 +192,8 @@ def hold(
     if on_lost is not None and not auto_renew:
         # Without a renewer nothing watches the lease, so it would never be called.
         raise ValueError("on_lost needs auto_renew=True")
+    if auto_renew:
+        client.listen_for_losses()  # the hold is granted on a connection that hears its loss
     sent_at = time.monotonic()
     handle = client.acquire(
         key,
@@ -166,11 +206,20 @@ def hold(
     )
     renewer: AutoRenewer | None = None
     if auto_renew:
+
+        def lost(handle: Handle) -> None:
+            assert renewer is not None
+            # The next call of the client raises it, so work in the block
+            # that talks to the daemon stops there (SPEC 12).
+            client._note_lost(_lost_error(handle, renewer))
+            if on_lost is not None:
+                on_lost(handle)
+
         renewer = AutoRenewer(
             client,
             handle,
             ttl_ms,
-            on_lost,
+            lost,
             expires_at=lease_end(handle, sent_at, granted_ttl_ms(handle, ttl_ms)),
         )
         renewer.start()
@@ -179,6 +228,7 @@ def hold(
     except BaseException:
         if renewer is not None:
             renewer.stop()
+            client._forget_lost(handle.key, handle.fence)  # the block ended on its own error
         try:
             client.release(handle)
         except Exception as exc:
@@ -191,9 +241,17 @@ def hold(
             client.release(handle)
         except LockdError as exc:
             log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
-        reason = renewer.lost_reason if renewer is not None else None
-        raise LockLostError(handle.key, handle.fence, reason or "lost")
+        client._forget_lost(handle.key, handle.fence)
+        if renewer is not None:
+            raise _lost_error(handle, renewer)
+        raise LockLostError(handle.key, handle.fence, "lost")
     check_released(client.release(handle), handle, on_lost)
+
+
+def _lost_error(handle: Handle, renewer: AutoRenewer) -> LockLostError:
+    return LockLostError(
+        handle.key, handle.fence, renewer.lost_reason or "lost", cause=renewer.lost_cause
+    )
 
 
 def check_released(
