@@ -51,6 +51,7 @@ from ._errors import (
     ShuttingDownError,
     SocketPermissionError,
 )
+from ._events import EVENTS_HELLO, Loss, LossBook, loss_from
 from ._lock import call_on_lost, check_released, granted_ttl_ms, lease_end
 from ._paths import resolve_socket_path
 from ._requests import (
@@ -70,7 +71,7 @@ from ._requests import (
 from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
 from ._wire import BadLine, ReplyLines, check_key, encode, seconds_to_ms
 
-__all__ = ["AsyncClientBase", "ConnectionLost", "Pipeline", "ReplyTimeout", "Slot"]
+__all__ = ["AsyncClientBase", "BlockGuard", "ConnectionLost", "Pipeline", "ReplyTimeout", "Slot"]
 
 log = logging.getLogger("lockd_client")
 
@@ -96,6 +97,32 @@ class Slot(ABC):
 SlotT = TypeVar("SlotT", bound=Slot)
 
 
+class BlockGuard(ABC):
+    """Cancels the block of an ``async with client.lock(...)`` when its hold is lost.
+
+    Entered around the block (in the block's task); :meth:`cancel` may be
+    called from any task of the loop (the connection's reader). ``fired``
+    says whether it did; :meth:`absorb` takes back the cancellation it
+    caused, so the block ends in ``LockLostError`` instead.
+    """
+
+    fired = False
+
+    @abstractmethod
+    def __enter__(self) -> BlockGuard: ...
+
+    @abstractmethod
+    def __exit__(self, *exc: object) -> bool | None: ...
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Cancel the block now."""
+
+    @abstractmethod
+    async def absorb(self, exc: BaseException | None) -> bool:
+        """After the block: True if ``exc`` (None: it ended normally) is only our cancellation."""
+
+
 class Pipeline(Generic[SlotT]):
     """One pipelined connection's bookkeeping, without I/O.
 
@@ -116,6 +143,11 @@ class Pipeline(Generic[SlotT]):
         self._abandoned: dict[int, str] = {}
         self._lines = ReplyLines()
         self.lost: ConnectionLost | None = None
+        #: losses the daemon pushed (SPEC 12), and who waits for each handle's.
+        self.losses = LossBook()
+        self.loss_listeners: dict[str, Callable[[Loss], None]] = {}
+        #: ``hello {"events": true}`` was sent on it.
+        self.events_asked = False
 
     @property
     def dead(self) -> bool:
@@ -147,6 +179,9 @@ class Pipeline(Generic[SlotT]):
         for reply in replies:
             rid = reply.get("id")
             if not isinstance(rid, int) or isinstance(rid, bool):
+                loss = loss_from(reply) if rid is None else None
+                if loss is not None:  # pushed (SPEC 12)
+                    self._told(loss)
                 continue  # id null: the daemon could not read one of our lines
             op = self._abandoned.pop(rid, None)
             if op is not None:
@@ -155,6 +190,18 @@ class Pipeline(Generic[SlotT]):
             slot = self._waiting.pop(rid, None)
             if slot is not None:
                 slot.deliver(reply)
+
+    def _told(self, loss: Loss) -> None:
+        self.losses.add(loss)
+        listener = self.loss_listeners.pop(loss.handle, None)
+        if listener is not None:
+            listener(loss)
+
+    def ask_events(self) -> None:
+        """Send ``hello {"events": true}`` once, not waited for (an old daemon refuses it)."""
+        if not self.events_asked:
+            self.events_asked = True
+            self._send_quietly({"id": self._next_id(), "op": "hello", **EVENTS_HELLO}, "hello")
 
     def give_up(self, rid: int, op: str, slot: SlotT) -> None:
         """The task waiting for ``rid`` stopped waiting (cancelled, timed out).
@@ -221,6 +268,8 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         self._connected_once = False
         self._closed = False
         self._ids = itertools.count(1)
+        #: connections ask for lease-loss events (``lock()`` turns it on).
+        self._events_wanted = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(socket_path={self.socket_path!r})"
@@ -246,6 +295,10 @@ class AsyncClientBase(ABC, Generic[SlotT]):
     @abstractmethod
     async def _shutdown(self) -> None:
         """Close the connection and stop reading."""
+
+    @abstractmethod
+    def _block_guard(self) -> BlockGuard:
+        """A guard for the block of ``lock()``, made in the block's task."""
 
     def _cleanup_scope(self) -> AbstractContextManager[Any]:
         """Where cleanup runs after the block was cancelled (trio: shielded, bounded)."""
@@ -417,16 +470,44 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         limit: int,
     ) -> AsyncIterator[Handle]:
         ttl_ms = seconds_to_ms(ttl, "ttl", allow_zero=False)
+        if auto_renew:
+            self._events_wanted = True  # every connection from now on asks for events
+            if self._pipe is not None and not self._pipe.dead:
+                self._pipe.ask_events()
         handle = await self.acquire(
             key, ttl, timeout, owner, release_on_close, shared=shared, limit=limit
         )
         lost: list[str] = []
+        told: list[Loss] = []
         stop: Callable[[], Awaitable[None]] | None = None
+        guard = self._block_guard()
+        pipe = self._pipe
         if auto_renew:
             stop = self._background(lambda: self._keep(handle, ttl_ms, on_lost, lost))
+            if pipe is not None and pipe.events_asked:
+
+                def on_loss(loss: Loss) -> None:
+                    # The daemon says the hold is gone: the block is cancelled
+                    # now, and ends in LockLostError with the daemon's reason.
+                    if handle.lost:
+                        return
+                    told.append(loss)
+                    _lose(handle, on_lost, lost, loss.describe())
+                    guard.cancel()
+
+                pipe.loss_listeners[handle.handle] = on_loss
+                early = pipe.losses.get(handle.handle)  # told before the reply was read
+                if early is not None:
+                    on_loss(early)
+        failure: BaseException | None = None
         try:
-            yield handle
-        except BaseException:
+            with guard:
+                yield handle
+        except BaseException as exc:
+            failure = exc
+        if pipe is not None:
+            pipe.loss_listeners.pop(handle.handle, None)
+        if failure is not None and not (guard.fired and await guard.absorb(failure)):
             with self._cleanup_scope():  # also when the block was cancelled
                 if stop is not None:
                     await stop()
@@ -434,7 +515,9 @@ class AsyncClientBase(ABC, Generic[SlotT]):
                     await self.release(handle)
                 except Exception as exc:
                     log.warning("lockd: releasing %r after an error failed: %s", key, exc)
-            raise
+            raise failure
+        if guard.fired and failure is None:
+            await guard.absorb(None)
         if stop is not None:
             await stop()
         if lost:
@@ -442,7 +525,8 @@ class AsyncClientBase(ABC, Generic[SlotT]):
                 await self.release(handle)
             except LockdError as exc:
                 log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
-            raise LockLostError(handle.key, handle.fence, lost[0])
+            cause = told[0].cause if told else None
+            raise LockLostError(handle.key, handle.fence, lost[0], cause=cause) from None
         check_released(await self.release(handle), handle, on_lost)
 
     async def _keep(
@@ -490,6 +574,8 @@ class AsyncClientBase(ABC, Generic[SlotT]):
             self._pipe = None
             self._pipe = await self._open()
             self._connected_once = True
+            if self._events_wanted:
+                self._pipe.ask_events()
         return self._pipe
 
     async def _call(

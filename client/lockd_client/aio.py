@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._async import AsyncClientBase, ConnectionLost, Pipeline, ReplyTimeout, Slot
+from ._async import AsyncClientBase, BlockGuard, ConnectionLost, Pipeline, ReplyTimeout, Slot
 from ._trust import check_folder, check_peer
 
 __all__ = ["AsyncLockClient"]
@@ -46,6 +46,36 @@ class _FutureSlot(Slot):
     def fail(self, lost: ConnectionLost) -> None:
         if not self.future.done():
             self.future.set_exception(lost)
+
+
+class _TaskGuard(BlockGuard):
+    """Cancels the task running a ``lock()`` block (``task.cancel``), and takes it back."""
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+
+    def __enter__(self) -> _TaskGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def cancel(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self._task.cancel("lockd: the lease was lost")
+
+    async def absorb(self, exc: BaseException | None) -> bool:
+        if exc is None:
+            # The block ended (or swallowed the cancellation) before it came:
+            # let it arrive here instead of at the caller's next await.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)
+            self._task.uncancel()
+            return True
+        return isinstance(exc, asyncio.CancelledError) and self._task.uncancel() == 0
 
 
 class AsyncLockClient(AsyncClientBase[_FutureSlot]):
@@ -100,6 +130,9 @@ class AsyncLockClient(AsyncClientBase[_FutureSlot]):
 
     async def _sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    def _block_guard(self) -> BlockGuard:
+        return _TaskGuard()
 
     def _background(self, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
         async def main() -> None:

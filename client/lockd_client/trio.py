@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from ._async import AsyncClientBase, ConnectionLost, Pipeline, ReplyTimeout, Slot
+from ._async import AsyncClientBase, BlockGuard, ConnectionLost, Pipeline, ReplyTimeout, Slot
 from ._errors import LockdError
 from ._trust import check_folder, check_peer
 
@@ -56,6 +56,27 @@ class _EventSlot(Slot):
     def fail(self, lost: ConnectionLost) -> None:
         self.lost = lost
         self.event.set()
+
+
+class _ScopeGuard(BlockGuard):
+    """A cancel scope around a ``lock()`` block: the scope catches its own cancellation."""
+
+    def __init__(self) -> None:
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> _ScopeGuard:
+        self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._scope.__exit__(*exc)
+
+    def cancel(self) -> None:
+        self.fired = True
+        self._scope.cancel()
+
+    async def absorb(self, exc: BaseException | None) -> bool:
+        return exc is None  # the scope caught its Cancelled; anything else is the block's
 
 
 class TrioLockClient(AsyncClientBase[_EventSlot]):
@@ -152,6 +173,9 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
 
     async def _sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
+
+    def _block_guard(self) -> BlockGuard:
+        return _ScopeGuard()
 
     def _background(self, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
         nursery = self._require_nursery()
