@@ -470,10 +470,9 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         limit: int,
     ) -> AsyncIterator[Handle]:
         ttl_ms = seconds_to_ms(ttl, "ttl", allow_zero=False)
-        if auto_renew:
-            self._events_wanted = True  # every connection from now on asks for events
-            if self._pipe is not None and not self._pipe.dead:
-                self._pipe.ask_events()
+        self._events_wanted = True  # every connection from now on asks for events
+        if self._pipe is not None and not self._pipe.dead:
+            self._pipe.ask_events()
         handle = await self.acquire(
             key, ttl, timeout, owner, release_on_close, shared=shared, limit=limit
         )
@@ -484,21 +483,22 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         pipe = self._pipe
         if auto_renew:
             stop = self._background(lambda: self._keep(handle, ttl_ms, on_lost, lost))
-            if pipe is not None and pipe.events_asked:
+        if pipe is not None and pipe.events_asked:
 
-                def on_loss(loss: Loss) -> None:
-                    # The daemon says the hold is gone: the block is cancelled
-                    # now, and ends in LockLostError with the daemon's reason.
-                    if handle.lost:
-                        return
-                    told.append(loss)
+            def on_loss(loss: Loss) -> None:
+                # The daemon says the hold is gone: the block is cancelled
+                # now, and ends in LockLostError with the daemon's reason.
+                if told:
+                    return
+                told.append(loss)
+                if not handle.lost:
                     _lose(handle, on_lost, lost, loss.describe())
-                    guard.cancel()
+                guard.cancel()
 
-                pipe.loss_listeners[handle.handle] = on_loss
-                early = pipe.losses.get(handle.handle)  # told before the reply was read
-                if early is not None:
-                    on_loss(early)
+            pipe.loss_listeners[handle.handle] = on_loss
+            early = pipe.losses.get(handle.handle)  # told before the reply was read
+            if early is not None:
+                on_loss(early)
         failure: BaseException | None = None
         try:
             with guard:
@@ -527,6 +527,11 @@ class AsyncClientBase(ABC, Generic[SlotT]):
                 log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
             cause = told[0].cause if told else None
             raise LockLostError(handle.key, handle.fence, lost[0], cause=cause) from None
+        if told:  # lost without a renewer: the daemon's word
+            await _release_quietly(self, handle)
+            raise LockLostError(
+                handle.key, handle.fence, told[0].describe(), cause=told[0].cause
+            ) from None
         check_released(await self.release(handle), handle, on_lost)
 
     async def _keep(
@@ -654,6 +659,13 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         except BaseException:  # cancelled: withdraw, and give back what crossed
             pipe.give_up(rid, op, slot)
             raise
+
+
+async def _release_quietly(client: AsyncClientBase[Any], handle: Handle) -> None:
+    try:
+        await client.release(handle)
+    except LockdError as exc:
+        log.warning("lockd: releasing %r after losing it failed: %s", handle.key, exc)
 
 
 def _lose(
