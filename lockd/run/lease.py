@@ -1,18 +1,31 @@
-"""The lease side of ``lockd run``: taking the key (SPEC §9).
+"""The lease side of ``lockd run``: taking the key and keeping it (SPEC §9, §12).
 
 The key is taken once (``tryAcquire``) or waited for (``acquire``), always
 with ``releaseOnClose`` so that a ``lockd run`` killed outright frees the key
-at once: the kernel closes its connection and the daemon releases. Keeping
-it is the client's :class:`lockd_client.AutoRenewer` (the one ``lock()``
-uses), driven by :mod:`lockd.run.supervisor`.
+at once: the kernel closes its connection and the daemon releases. The
+connection asks for lease-loss events first, so the daemon tells it the
+moment the hold is broken, re-taken or runs out.
+
+Keeping it is :class:`LeaseKeeper`, driven by :mod:`lockd.run.supervisor`:
+the client's :class:`lockd_client.AutoRenewer` (the one ``lock()`` uses),
+renewing on a connection of its own and listening for the loss on the
+grant's. Its ``on_lost`` is called the moment the loss is known, with the
+daemon's words in ``lost_reason`` (``broken by user:root: disk swap``).
+Once the supervisor has acted on the loss -- COMMAND and everything it
+started are gone -- it calls :meth:`LeaseKeeper.work_stopped`: after a
+break, that tells the daemon (``stopped``) that it may hand the key on now
+instead of after ``break_grace``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lockd_client import (
+    AutoRenewer,
     DaemonUnavailableError,
     Handle,
     InvalidRequestError,
@@ -29,10 +42,14 @@ from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
 from lockd.timefmt import format_duration_ms
 
-__all__ = ["Grant", "take_lease"]
+__all__ = ["Grant", "LeaseKeeper", "take_lease"]
+
+log = logging.getLogger("lockd.run")
 
 #: Time allowed for the "who holds it" lookup after a busy key or a timed-out wait.
 _STATUS_TIMEOUT = 2.0
+#: Time allowed for telling the daemon the work stopped after a break.
+_STOPPED_TIMEOUT = 2.0
 
 
 # -- taking the key -----------------------------------------------------------
@@ -56,6 +73,8 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
     against our wall clock (same host, same clock) and capped at the TTL.
     """
     ttl = opts.ttl_ms / 1000
+    # Before the grant: the hold must be taken on a connection that hears its loss.
+    client.listen_for_losses()
     sent = time.monotonic()
     try:
         if opts.wait_ms is None:
@@ -109,6 +128,62 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
             left = min(ttl, handle.lease_expires_at.timestamp() - time.time())
         expires_at = received + left
     return Grant(handle, expires_at)
+
+
+# -- keeping it ----------------------------------------------------------------
+
+
+class LeaseKeeper(AutoRenewer):
+    """Renews a ``lockd run`` lease and hears its loss the moment the daemon tells.
+
+    ``client`` is the client that took the grant (listening for losses, see
+    :func:`take_lease`); renewals go over a connection of the keeper's own,
+    so a renewal never queues behind anything else. ``on_lost()`` is called
+    once, from the keeper's thread, when the lease is lost: the daemon said
+    so (``loss`` has its cause, ``lost_reason`` its words), a renewal was
+    refused, or renewals kept failing until the lease was about to run out.
+
+    The supervisor's side of the contract:
+
+    * ``start()`` once COMMAND runs; ``stop()`` when it is over (always);
+    * on ``on_lost``: act on the loss (``--on-lost``), reading ``lost_reason``;
+    * ``work_stopped()`` once every process of COMMAND is gone: after a break
+      the daemon then hands the key on at once. Harmless for other causes
+      and when called twice; never raises (the connection closing when
+      ``lockd run`` exits tells the daemon the same, only later).
+    """
+
+    def __init__(
+        self, client: LockClient, grant: Grant, ttl_ms: int, on_lost: Callable[[], object]
+    ) -> None:
+        self._grant_client = client
+        self._renew_client = LockClient(client.socket_path)
+        self._told_stopped = False
+        self._held = grant.handle
+        super().__init__(
+            self._renew_client,
+            grant.handle,
+            ttl_ms,
+            lambda _handle: on_lost(),
+            expires_at=grant.expires_at,
+            events_from=client,
+        )
+
+    def stop(self) -> None:
+        super().stop()
+        self._renew_client.close()
+
+    def work_stopped(self) -> None:
+        """Tell the daemon the broken hold's work has stopped (after a break only)."""
+        if self.lost_cause != "break" or self._told_stopped:
+            return
+        self._told_stopped = True
+        client = self._grant_client
+        client.request_timeout = _STOPPED_TIMEOUT
+        try:
+            client.stopped(self._held)
+        except LockdError as exc:  # the close at exit says it too
+            log.debug("telling the daemon the work stopped failed: %s", exc)
 
 
 def _report_error(report: Reporter, exc: LockdError, key: str) -> int:

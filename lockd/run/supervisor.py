@@ -38,7 +38,7 @@ from lockd.exitcodes import (
     EXIT_LOST,
     EXIT_NOT_FOUND,
 )
-from lockd.run.lease import Grant, take_lease
+from lockd.run.lease import Grant, LeaseKeeper, take_lease
 from lockd.run.options import OnLost, Reporter, RunOptions
 from lockd.run.process import (
     GroupGuard,
@@ -101,11 +101,7 @@ def _run_holding(
 
     wake = threading.Event()
     exited = threading.Event()
-    # A connection of its own: a renewal never queues behind anything else.
-    renew_client = LockClient(client.socket_path)
-    renewer = AutoRenewer(
-        renew_client, handle, opts.ttl_ms, lambda _: wake.set(), expires_at=lease.expires_at
-    )
+    renewer = LeaseKeeper(client, lease, opts.ttl_ms, wake.set)
     renewer.start()
     reaper = threading.Thread(
         target=_reap, args=(proc, exited, wake), name="lockd-run-reaper", daemon=True
@@ -118,9 +114,9 @@ def _run_holding(
     finally:
         guard.close()  # after an error in lockd run itself: the group goes too
         renewer.stop()
-        renew_client.close()
     status = exit_status(proc.returncode)
     if lost is not None:
+        renewer.work_stopped()  # COMMAND is gone: a break may hand the key on now
         # No release: either the daemon fenced the handle already, or it did
         # not answer in time and the lease is about to run out; in both cases
         # our exit closes the connection, which frees a lease still bound to it.
