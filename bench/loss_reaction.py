@@ -1,0 +1,221 @@
+"""How long a holder takes to learn that its lock is gone (SPEC §12, issue 20).
+
+    .venv/bin/python bench/loss_reaction.py            # 30 trials per cell, ~20 s
+    .venv/bin/python bench/loss_reaction.py -n 100     # more trials, steadier p99
+
+Starts its own ``lockd serve`` (embedded SQLite backend, default settings)
+and measures, for the sync, asyncio and trio clients inside ``lock()``, the
+time from the cause of the loss to the moment the holder's code sees it:
+
+* ``break``  -- from just before another client sends ``break`` to
+  ``on_lost`` (sync) or the cancelled block's ``LockLostError`` (async);
+* ``retake`` -- from just before the same principal sends an ``acquire``
+  with the hold's owner, to the same;
+* ``expired`` -- from the lease's end (the acquire's send time plus its TTL:
+  the daemon's deadline is no earlier, so this is an upper bound) to the
+  same. The holder does not renew: the sync client's renewer is told a
+  minute-long lease, the async blocks run without ``auto_renew``.
+
+The holds otherwise last a minute, so no renewal (every 20 s) can be what
+told the holder: every number is the daemon's pushed event. Goal: p99 within
+100 ms. The etcd backend sends no events yet and is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lockd_client import AutoRenewer, LockClient, LockLostError
+from lockd_client.aio import AsyncLockClient
+from lockd_client.trio import TrioLockClient
+
+from bench.common import LockdDaemon, percentile, table
+
+CAUSES = ("break", "retake", "expired")
+CLIENTS = ("sync", "asyncio", "trio")
+LONG_TTL = 60.0
+#: the TTL of the holds that are left to run out.
+SHORT_TTL = 0.1
+OWNER = "bench-owner"
+
+
+class Actor:
+    """Another client of the same user, in a thread: breaks or re-takes on request."""
+
+    def __init__(self, socket: str) -> None:
+        self.client = LockClient(socket)
+
+    def act(self, cause: str, key: str, started: list[float]) -> threading.Thread:
+        def run() -> None:
+            started.append(time.monotonic())
+            if cause == "break":
+                self.client.break_lock(key, "bench")
+            else:
+                handle = self.client.acquire(key, LONG_TTL, 5, owner=OWNER)
+                self.client.release(handle)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+
+def sync_trial(client: LockClient, actor: Actor, cause: str, key: str) -> float:
+    seen: list[float] = []
+    told = threading.Event()
+
+    def on_lost(_handle: object) -> None:
+        seen.append(time.monotonic())
+        told.set()
+
+    if cause == "expired":
+        client.listen_for_losses()
+        sent = time.monotonic()
+        handle = client.acquire(key, SHORT_TTL, 5)
+        # Told a minute-long lease, the renewer does not renew in time: only
+        # the daemon's event can tell it.
+        slow = dataclasses.replace(handle, ttl_ms=int(LONG_TTL * 1000))
+        renewer = AutoRenewer(client, slow, slow.ttl_ms, on_lost, expires_at=sent + LONG_TTL)
+        renewer.start()
+        try:
+            if not told.wait(10):
+                raise RuntimeError("no loss seen")
+        finally:
+            renewer.stop()
+        return seen[0] - (sent + SHORT_TTL)
+    started: list[float] = []
+    thread: threading.Thread | None = None
+    owner = OWNER if cause == "retake" else None
+    try:
+        with client.lock(key, LONG_TTL, 5, owner=owner, on_lost=on_lost):
+            thread = actor.act(cause, key, started)
+            if not told.wait(10):
+                raise RuntimeError("no loss seen")
+    except LockLostError:
+        pass
+    if thread is not None:
+        thread.join(10)
+    return seen[0] - started[0]
+
+
+async def asyncio_trial(client: AsyncLockClient, actor: Actor, cause: str, key: str) -> float:
+    started: list[float] = []
+    thread: threading.Thread | None = None
+    owner = OWNER if cause == "retake" else None
+    expiring = cause == "expired"
+    sent = time.monotonic()
+    try:
+        async with client.lock(
+            key, SHORT_TTL if expiring else LONG_TTL, 5, owner=owner, auto_renew=not expiring
+        ):
+            if not expiring:
+                thread = actor.act(cause, key, started)
+            await asyncio.sleep(10)
+        raise RuntimeError("the block was not cancelled")
+    except LockLostError:
+        seen = time.monotonic()
+    if thread is not None:
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
+    return seen - (sent + SHORT_TTL if expiring else started[0])
+
+
+async def trio_trial(client: TrioLockClient, actor: Actor, cause: str, key: str) -> float:
+    started: list[float] = []
+    thread: threading.Thread | None = None
+    owner = OWNER if cause == "retake" else None
+    expiring = cause == "expired"
+    sent = time.monotonic()
+    try:
+        async with client.lock(
+            key, SHORT_TTL if expiring else LONG_TTL, 5, owner=owner, auto_renew=not expiring
+        ):
+            if not expiring:
+                thread = actor.act(cause, key, started)
+            await trio.sleep(10)
+        raise RuntimeError("the block was not cancelled")
+    except LockLostError:
+        seen = time.monotonic()
+    if thread is not None:
+        await trio.to_thread.run_sync(thread.join, 10)
+    return seen - (sent + SHORT_TTL if expiring else started[0])
+
+
+def measure(socket: str, trials: int, progress: Callable[[str], None]) -> dict[str, list[float]]:
+    """Seconds from cause to the holder seeing it, per ``client/cause`` cell."""
+    actor = Actor(socket)
+    results: dict[str, list[float]] = {}
+    with LockClient(socket) as client:
+        for cause in CAUSES:
+            progress(f"sync {cause}")
+            results[f"sync/{cause}"] = [
+                sync_trial(client, actor, cause, f"bench:sync:{cause}:{i}") for i in range(trials)
+            ]
+
+    async def asyncio_all() -> None:
+        async with AsyncLockClient(socket) as client:
+            for cause in CAUSES:
+                progress(f"asyncio {cause}")
+                cell = results.setdefault(f"asyncio/{cause}", [])
+                for i in range(trials):
+                    cell.append(await asyncio_trial(client, actor, cause, f"bench:aio:{cause}:{i}"))
+
+    async def trio_all() -> None:
+        async with TrioLockClient(socket) as client:
+            for cause in CAUSES:
+                progress(f"trio {cause}")
+                cell = results.setdefault(f"trio/{cause}", [])
+                for i in range(trials):
+                    cell.append(await trio_trial(client, actor, cause, f"bench:trio:{cause}:{i}"))
+
+    asyncio.run(asyncio_all())
+    trio.run(trio_all)
+    actor.client.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", "--trials", type=int, default=30, help="trials per cell")
+    parser.add_argument("--json", type=Path, help="also write the raw seconds here")
+    args = parser.parse_args()
+    # The clients warn of every loss; here losses are the point.
+    logging.getLogger("lockd_client").addHandler(logging.NullHandler())
+    logging.getLogger("lockd_client").propagate = False
+    daemon = LockdDaemon()
+    with daemon.running():
+        results = measure(str(daemon.socket), args.trials, lambda s: print(s, file=sys.stderr))
+    load = os.getloadavg()[0]
+    print(f"loss reaction, {args.trials} trials per cell, load {load:.1f} (ms)")
+    rows = []
+    for cell, values in results.items():
+        client, cause = cell.split("/")
+        ms = [v * 1000 for v in values]
+        rows.append(
+            [
+                client,
+                cause,
+                f"{percentile(ms, 0.50):.1f}",
+                f"{percentile(ms, 0.99):.1f}",
+                f"{max(ms):.1f}",
+            ]
+        )
+    print(table(["client", "cause", "p50", "p99", "max"], rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
