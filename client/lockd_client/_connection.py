@@ -209,6 +209,12 @@ class Connection:
                         self._wake_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
                         self._poller.register(self._wake_fds[0], _POLLIN)
                     self._read_once_locked(remaining)
+                    if self._late_sends:  # as _wait_reply: give them back now
+                        self._lock.release()
+                        try:
+                            self._flush_late_sends()
+                        finally:
+                            self._lock.acquire()
 
     def wake(self) -> None:
         """End every :meth:`wait_for_loss` now (its ``stop`` was just set)."""
