@@ -158,8 +158,7 @@ class LockClient:
     def hello(self) -> dict[str, Any]:
         """Protocol and server version, and the caller as the daemon sees it.
 
-        Keys: ``protocol``, ``version``, ``principal``, ``role``, ``uid``, ``pid``
-        (and ``events``: whether this connection gets lease-loss events).
+        Keys: ``protocol``, ``version``, ``principal``, ``role``, ``uid``, ``pid``.
         """
         self._raise_unreported()
         return self._dict_result("hello", {})

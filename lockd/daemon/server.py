@@ -849,9 +849,10 @@ class LockServer:
                 result = service.stopped(conn.id, request)
                 self._queue(conn, request.id, encode_result(request.id, result))
             elif isinstance(request, Hello):
-                if request.events is not None:
+                result = service.answer(conn.caller, request)
+                if request.events is not None:  # asked: say whether they are on (SPEC 12)
                     conn.events = request.events and service.events_supported
-                result = {**service.answer(conn.caller, request), "events": conn.events}
+                    result = {**result, "events": conn.events}
                 self._queue(conn, request.id, encode_result(request.id, result))
             elif service.backend.awaits(request):
                 handed_off = True
