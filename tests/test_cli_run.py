@@ -272,6 +272,9 @@ class _RaisingClient:
         self.exc = exc
         self.request_timeout: float | None = 30.0
 
+    def listen_for_losses(self) -> None:
+        pass  # take_lease asks for lease-loss events before the grant
+
     def try_acquire(self, *args: object, **kwargs: object) -> Handle | None:
         raise self.exc
 
