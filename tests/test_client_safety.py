@@ -54,7 +54,6 @@ def test_lock_raises_lock_lost_when_the_ttl_ran_out_inside(
         assert "not_holder" in str(caught.value) and handle.lost
 
 
-@pytest.mark.sqlite_only("the etcd backend sends no lease-loss events yet")
 def test_lock_raises_lock_lost_after_a_break_and_calls_on_lost_at_once(
     daemon: DaemonProcess,
 ) -> None:

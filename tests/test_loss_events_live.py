@@ -1,5 +1,8 @@
 """Lease-loss events against a real daemon (SPEC 12), on the wire.
 
+Both backends where the etcd daemon sees the cause itself (a break or a
+re-take sent to it; its session's end: ``test_loss_events_etcd``).
+
 A connection that said ``hello {"events": true}`` is told at once when a
 hold it took ends other than by its own release; a break of such a hold
 hands the key on only once the holder said ``stopped`` (or closed, or the
@@ -40,6 +43,7 @@ def _nothing_within(conn: RawConn, seconds: float) -> None:
     raise AssertionError(f"unexpected line: {data[:300]!r}")
 
 
+@pytest.mark.both_backends
 def test_hello_says_whether_events_are_on_when_asked(daemon: DaemonProcess) -> None:
     conn = RawConn(daemon.socket)
     assert "events" not in conn.call({"id": 1, "op": "hello"})["result"]  # the SPEC 3 fields
@@ -50,6 +54,7 @@ def test_hello_says_whether_events_are_on_when_asked(daemon: DaemonProcess) -> N
     assert bad["error"]["details"]["field"] == "events"
 
 
+@pytest.mark.both_backends
 def test_break_waits_for_stopped_then_hands_over(daemon: DaemonProcess) -> None:
     holder = _events_conn(daemon)
     grant = _take(holder, "k")
@@ -89,6 +94,7 @@ def test_break_waits_for_stopped_then_hands_over(daemon: DaemonProcess) -> None:
     assert again["result"] == {"stopped": False}
 
 
+@pytest.mark.both_backends
 def test_break_ends_when_the_holder_closes(daemon: DaemonProcess) -> None:
     holder = _events_conn(daemon)
     _take(holder, "k")
@@ -116,6 +122,7 @@ def test_break_ends_after_the_grace(daemon_paths: DaemonProcess) -> None:
     assert holder.reply()["reason"] == "hung job"
 
 
+@pytest.mark.both_backends
 def test_break_of_a_free_key_and_of_a_silent_holder_answer_at_once(
     daemon: DaemonProcess,
 ) -> None:
@@ -147,6 +154,7 @@ def test_old_client_sees_no_event_for_retake_or_expiry(daemon: DaemonProcess) ->
     _nothing_within(old, 0.2)
 
 
+@pytest.mark.both_backends
 def test_retake_tells_the_first_holder(daemon: DaemonProcess) -> None:
     first = _events_conn(daemon)
     grant = _take(first, "job", owner="run-7")
@@ -178,6 +186,7 @@ def test_release_is_not_a_loss(daemon: DaemonProcess) -> None:
     _nothing_within(holder, 0.2)
 
 
+@pytest.mark.both_backends
 def test_release_after_a_break_counts_as_stopped(daemon: DaemonProcess) -> None:
     holder = _events_conn(daemon)
     grant = _take(holder, "k")

@@ -10,11 +10,19 @@ answered by ``LockService.answer`` without the backend, so they answer
 while etcd is down; everything else fails with ``BACKEND_UNAVAILABLE``
 after at most ``etcd_timeout`` (a blocking acquire keeps waiting instead,
 within its own ``timeoutMs``).
+
+Lease-loss events (SPEC 12) are told for what this daemon sees: a break
+sent to it of a hold granted on one of its listening connections (which
+waits for that holder to stop, as on the embedded backend), a re-take
+through it, and the end of its etcd session (``cause: "session"``: the
+``releaseOnClose`` holds tied to it are gone). A break or re-take sent to
+another host's daemon, and an expiry, are learnt at ``renew`` as before.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +30,7 @@ import trio
 
 from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
+from lockd.daemon.events import RETAKE, SESSION, Watched
 from lockd.daemon.leases import Lease
 from lockd.daemon.protocol import (
     Acquire,
@@ -88,6 +97,10 @@ class RemoteService:
         try:
             if isinstance(request, Acquire) and request.timeout_ms is not None:
                 return await self._acquire(caller, conn, request, pending, parked)
+            if isinstance(request, Break):
+                # Before the time limit below: a listening holder may take
+                # up to break_grace to stop.
+                await self._wait_for_listeners(caller, request)
             # A bare cancel scope: trio.fail_after wraps one in a generator,
             # which costs as much again on every request.
             with trio.CancelScope(relative_deadline=self.backend.timeout):
@@ -110,11 +123,65 @@ class RemoteService:
         self.backend.release_undelivered(grant)
 
     def connection_closed(self, conn: int, *, release_bound: bool) -> None:
+        self.service.losses.connection_closed(conn)
         if release_bound:
             self.backend.connection_closed(conn)
 
     def gauges(self) -> dict[str, object]:
         return self.backend.gauges()
+
+    # --------------------------------------------------------- loss events
+
+    def session_lost(self, holds: Sequence[RemoteHold]) -> None:
+        """The daemon's etcd session ended: the bound holds granted here went with it."""
+        service = self.service
+        at = service._at()
+        for hold in holds:
+            event = service.losses.lost(hold.handle, SESSION, at)
+            if event is not None:
+                service.on_lost(event)
+
+    async def _wait_for_listeners(self, caller: Caller, request: Break) -> None:
+        """A break of holds granted on this daemon's listening connections: tell, then wait.
+
+        Each holder still in etcd is told at once and keeps its hold until it
+        says ``stopped``, closes, or ``break_grace`` passes; the break itself
+        (one transaction) follows.
+        """
+        service, losses, key = self.service, self.service.losses, request.key
+        watched = losses.of_key(key)
+        if not watched and not losses.stopping_of_key(key):
+            return
+        service.authorize(caller, "break", key)
+        listening: list[Watched] = []
+        with trio.CancelScope(relative_deadline=self.backend.timeout) as scope:
+            for hold in watched:
+                if await self.backend.find(key, hold.handle) is not None:
+                    listening.append(hold)
+                else:
+                    losses.forget(hold.handle)  # gone already (expired): nothing to tell
+        if scope.cancelled_caught:
+            raise BackendUnavailable(f"no answer within {self.backend.timeout:g} s")
+        now = service.clock.boot_ms()
+        pending, events = losses.begin_break(
+            key,
+            request.reason,
+            caller.principal,
+            listening,
+            [],
+            now + service.break_grace_ms,
+            service._at(),
+        )
+        for event in events:
+            service.on_lost(event)
+        try:
+            while not service.break_ready(pending):
+                woken = trio.Event()
+                pending.wake = woken.set
+                with trio.move_on_after(service.ms_until(pending.deadline) / 1000):
+                    await woken.wait()
+        finally:
+            losses.end_break(pending)
 
     # ------------------------------------------------------------ acquire
 
@@ -162,24 +229,49 @@ class RemoteService:
         service.stats.count("grants")  # a re-take is a grant too, as in the engine
         if outcome.retake:
             service.stats.count("retakes")
+            self._tell_retaken(caller, outcome)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 kv(event="granted", key=req.key, principal=caller.principal, fence=outcome.fence)
             )
         return RemoteReply(self.handle_view(outcome), outcome)
 
+    def _tell_retaken(self, caller: Caller, hold: RemoteHold) -> None:
+        """A re-take through this daemon ended the same owner's holds granted here: tell them."""
+        service = self.service
+        if hold.owner is None or not len(service.losses):
+            return
+        for watched in service.losses.same_owner(hold.key, caller.principal, hold.owner):
+            if watched.handle != hold.handle:
+                event = service.losses.lost(
+                    watched.handle, RETAKE, service._at(), by=caller.principal
+                )
+                if event is not None:
+                    service.on_lost(event)
+
     # ------------------------------------------------------ the other ops
 
     async def _answer(self, caller: Caller, request: Request) -> Any:
         service, backend = self.service, self.backend
         if isinstance(request, Release):
-            if not await backend.release(request.key, request.handle):
+            losses = service.losses
+            if losses.stopping(request.handle) is not None:
+                # Told of a break: its release is its stop. The break that
+                # waits for it deletes the hold; the handle is fenced.
+                losses.hold_ended(request.handle)
+                return {"released": False, "reason": "not_holder"}
+            released = await backend.release(request.key, request.handle)
+            losses.forget(request.handle)
+            if not released:
                 return {"released": False, "reason": "not_holder"}
             service.stats.count("releases")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(kv(event="released", key=request.key, principal=caller.principal))
             return {"released": True}
         if isinstance(request, Renew):
+            if service.losses.stopping(request.handle) is not None:
+                service.authorize(caller, "renew", request.key)
+                return {"renewed": False, "reason": "lease_lost"}  # broken; its holder was told
             hold = await backend.find(request.key, request.handle)
             if hold is None:
                 service.authorize(caller, "renew", request.key)
@@ -203,6 +295,9 @@ class RemoteService:
     async def _break(self, caller: Caller, request: Break) -> dict[str, Any]:
         self.service.authorize(caller, "break", request.key)
         broken = await self.backend.break_lock(request.key)
+        losses = self.service.losses
+        for hold in broken:  # told already (see _wait_for_listeners), or not listening
+            losses.forget(hold.handle)
         return self.service.break_result(caller, request.key, request.reason, broken)
 
     # ------------------------------------------------------------ views

@@ -29,6 +29,7 @@ from lockd.daemon.listener import (
     bind_socket,
 )
 from lockd.daemon.ratelimit import RateLimiter
+from lockd.daemon.remote import RemoteService
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
@@ -129,6 +130,10 @@ def build(
         break_grace_ms=round(settings.break_grace * 1000),
     )
     service.commit()  # leases that ran out while the daemon was down
+    if backend is not None:
+        remote = service.backend
+        assert isinstance(remote, RemoteService)
+        backend.on_session_lost = remote.session_lost  # lease-loss events (SPEC 12)
     identity = IdentityConfig(
         daemon_uid=os.getuid(),
         admin_groups=frozenset(settings.admin_groups),

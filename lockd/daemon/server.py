@@ -710,8 +710,11 @@ class LockServer:
         writer = conn.writer
         if (writer is None or not writer.write(data, grant)) and grant is not None:
             self._release_undelivered(grant)
-        elif conn.events and isinstance(grant, Lease):
-            self.service.watch_grant(conn.id, grant)
+        elif conn.events and grant is not None:
+            if isinstance(grant, Lease):
+                self.service.watch_grant(conn.id, grant)
+            else:  # a remote backend's grant: told of what this daemon sees (see remote)
+                self.service.losses.watch(conn.id, grant)
 
     def _release_undelivered(self, grant: Lease | RemoteHold) -> None:
         try:
@@ -851,7 +854,7 @@ class LockServer:
             elif isinstance(request, Hello):
                 result = service.answer(conn.caller, request)
                 if request.events is not None:  # asked: say whether they are on (SPEC 12)
-                    conn.events = request.events and service.events_supported
+                    conn.events = request.events
                     result = {**result, "events": conn.events}
                 self._queue(conn, request.id, encode_result(request.id, result))
             elif service.backend.awaits(request):

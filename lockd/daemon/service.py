@@ -282,13 +282,6 @@ class LockService:
 
     # ------------------------------------------------------- loss events
 
-    @property
-    def events_supported(self) -> bool:
-        """Loss events are sent by the embedded backend (not yet on etcd)."""
-        from lockd.daemon.backends.embedded import EmbeddedBackend
-
-        return isinstance(self.backend, EmbeddedBackend)
-
     def _at(self) -> str:
         return format_epoch_ms(self.clock.wall_ms())
 

@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 
 import trio
@@ -106,6 +107,8 @@ class EtcdBackend:
         self._untie_wanted = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closing = False
+        #: told, once a session is lost, which bound holds of this daemon went with it.
+        self.on_session_lost: Callable[[list[Hold]], None] = lambda holds: None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -228,6 +231,9 @@ class EtcdBackend:
                 continue
             # Lost: waiters and bindings went with it; queues re-queue their waiters.
             self._forget(session)
+            self.on_session_lost(
+                [hold for bound in self._bound.values() for hold in bound.values()]
+            )
             for key_queue in self._queues.values():
                 key_queue.changed.set()
 
