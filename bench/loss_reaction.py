@@ -18,7 +18,7 @@ time from the cause of the loss to the moment the holder's code sees it:
 
 The holds otherwise last a minute, so no renewal (every 20 s) can be what
 told the holder: every number is the daemon's pushed event. Goal: p99 within
-100 ms. The etcd backend sends no events yet and is not measured.
+100 ms. The etcd backend is not measured (not in this round).
 
 ``lockd run`` (``--run N`` trials, default 10; each starts a ``lockd run``):
 ``lockd run --on-lost kill K -- sleep``, then a ``break``: the time until
