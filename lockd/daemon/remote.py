@@ -45,7 +45,7 @@ from lockd.daemon.protocol import (
     Stats,
     Status,
 )
-from lockd.daemon.service import LockService, timed_out
+from lockd.daemon.service import BrokenHold, LockService, timed_out
 from lockd.identity import Caller
 from lockd.logfmt import kv
 from lockd.timefmt import format_epoch_ms
@@ -97,15 +97,18 @@ class RemoteService:
         try:
             if isinstance(request, Acquire) and request.timeout_ms is not None:
                 return await self._acquire(caller, conn, request, pending, parked)
+            told: list[Watched] = []
             if isinstance(request, Break):
                 # Before the time limit below: a listening holder may take
                 # up to break_grace to stop.
-                await self._wait_for_listeners(caller, request)
+                told = await self._wait_for_listeners(caller, request)
             # A bare cancel scope: trio.fail_after wraps one in a generator,
             # which costs as much again on every request.
             with trio.CancelScope(relative_deadline=self.backend.timeout):
                 if isinstance(request, Acquire):
                     return await self._acquire(caller, conn, request, pending)
+                if isinstance(request, Break):
+                    return RemoteReply(await self._break(caller, request, told))
                 return RemoteReply(await self._answer(caller, request))
             raise BackendUnavailable(f"no answer within {self.backend.timeout:g} s")
         except BackendUnavailable as exc:
@@ -141,17 +144,17 @@ class RemoteService:
             if event is not None:
                 service.on_lost(event)
 
-    async def _wait_for_listeners(self, caller: Caller, request: Break) -> None:
+    async def _wait_for_listeners(self, caller: Caller, request: Break) -> list[Watched]:
         """A break of holds granted on this daemon's listening connections: tell, then wait.
 
         Each holder still in etcd is told at once and keeps its hold until it
         says ``stopped``, closes, or ``break_grace`` passes; the break itself
-        (one transaction) follows.
+        (one transaction) follows. Returns the holds told.
         """
         service, losses, key = self.service, self.service.losses, request.key
         watched = losses.of_key(key)
         if not watched and not losses.stopping_of_key(key):
-            return
+            return []
         service.authorize(caller, "break", key)
         listening: list[Watched] = []
         with trio.CancelScope(relative_deadline=self.backend.timeout) as scope:
@@ -182,6 +185,7 @@ class RemoteService:
                     await woken.wait()
         finally:
             losses.end_break(pending)
+        return pending.stopping
 
     # ------------------------------------------------------------ acquire
 
@@ -288,16 +292,22 @@ class RemoteService:
             service.authorize(caller, "list")
             page, after = await backend.list_held(request.prefix, request.limit, request.after)
             return {"locks": [self.status_view(st) for st in page], "next": after}
-        if isinstance(request, Break):
-            return await self._break(caller, request)
         raise AssertionError(f"unhandled op {request.op}")
 
-    async def _break(self, caller: Caller, request: Break) -> dict[str, Any]:
+    async def _break(self, caller: Caller, request: Break, told: list[Watched]) -> dict[str, Any]:
+        """Delete every hold of the key; ``told``: the holders told first (they count as broken).
+
+        A told hold that ended while its holder was stopping (its lease ran
+        out) is gone from etcd, and still reported: as on the embedded backend.
+        """
         self.service.authorize(caller, "break", request.key)
-        broken = await self.backend.break_lock(request.key)
+        deleted = await self.backend.break_lock(request.key)
         losses = self.service.losses
-        for hold in broken:  # told already (see _wait_for_listeners), or not listening
+        for hold in deleted:  # told already (see _wait_for_listeners), or not listening
             losses.forget(hold.handle)
+        handles = {hold.handle for hold in deleted}
+        broken: list[BrokenHold] = [*deleted, *(w for w in told if w.handle not in handles)]
+        broken.sort(key=lambda hold: hold.fence)
         return self.service.break_result(caller, request.key, request.reason, broken)
 
     # ------------------------------------------------------------ views
