@@ -36,7 +36,7 @@ from lockd.cli.common import (
 )
 from lockd.cli.locks import locks
 from lockd.cli.rules import rules
-from lockd.exitcodes import USAGE, error_document
+from lockd.exitcodes import EXIT_USAGE, USAGE, error_document
 from lockd.metrics import COUNTERS, GAUGES
 from lockd.timefmt import format_duration_ms
 
@@ -93,9 +93,10 @@ def serve(
 ) -> None:
     """Run the daemon in the foreground (stops cleanly on SIGTERM).
 
-    It logs key=value lines to stderr; a start-up error (bad lockd.toml or
-    rule set, a live daemon on the socket, a database in use) is one line
-    and exit status 1.
+    It logs key=value lines to stderr. A mistake in lockd.toml (or a file it
+    names) is one line naming the file and the fix, exit status 2; any other
+    start-up error (a bad rule set, a live daemon on the socket, a database
+    in use) is one line and exit status 1.
     """
     # Imported here, not at start-up: every other command (and every <TAB>
     # of shell completion) would pay for trio, SQLite and platformdirs.
@@ -107,15 +108,17 @@ def serve(
         endpoints = tuple(url.strip() for url in etcd.split(",")) if etcd is not None else ()
         code = run(paths, adopt_fence_mark=adopt_fence_mark, etcd=endpoints)
     except (StartupError, ConfigError) as exc:
-        # Exit 1; under --json the code is USAGE: the config, the rule sets or
-        # the paths given do not allow a start (details.reason says so).
+        # A config mistake (lockd.toml, the files it names) exits 2, as a
+        # usage error; anything else that stops a start exits 1. Under --json
+        # the code is USAGE either way (details.reason says which).
+        config = isinstance(exc, ConfigError)
+        message = f"cannot start: {'config: ' if config else ''}{' '.join(str(exc).split())}"
         if json_output:
-            message = f"cannot start: {' '.join(str(exc).split())}"
-            details = {"reason": "startup_failed"}
+            details = {"reason": "bad_config" if config else "startup_failed"}
             click.echo(error_document(USAGE, message, details), err=True)
         else:
-            click.echo(f"lockd: cannot start: {exc}", err=True)
-        sys.exit(1)
+            click.echo(f"lockd: {message}", err=True)
+        sys.exit(EXIT_USAGE if config else 1)
     sys.exit(code)
 
 

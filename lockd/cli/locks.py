@@ -168,17 +168,34 @@ def _pages(
             return
 
 
+#: bytes of ``list --json`` kept in memory before the rest spills to a temporary file.
+JSON_SPOOL_BYTES = 8 << 20
+
+
 def _stream_json(pages: Iterator[Page]) -> None:
-    """One JSON document, written a page at a time (never all locks in memory)."""
-    sep, next_key = "", None
-    click.echo('{"locks":[', nl=False)
-    for locks, after in pages:
-        entries = [json.dumps(lock.raw, **JSON_STYLE) for lock in locks]
-        if entries:
-            click.echo(sep + ",".join(entries), nl=False)
-            sep = ","
-        next_key = after
-    click.echo(f'],"next":{json.dumps(next_key, **JSON_STYLE)}}}')
+    """One JSON document, all or nothing: stdout gets it only once every page came.
+
+    A failure on any page (the daemon going away, access denied) leaves
+    stdout empty, as SPEC §9 promises for ``--json``; the document is built a
+    page at a time in a spooled temporary file (in memory up to
+    :data:`JSON_SPOOL_BYTES`), so a million locks never sit in memory as objects.
+    """
+    import shutil
+    import tempfile
+
+    with tempfile.SpooledTemporaryFile(JSON_SPOOL_BYTES, mode="w+", encoding="utf-8") as spool:
+        sep, next_key = "", None
+        spool.write('{"locks":[')
+        for locks, after in pages:
+            entries = [json.dumps(lock.raw, **JSON_STYLE) for lock in locks]
+            if entries:
+                spool.write(sep + ",".join(entries))
+                sep = ","
+            next_key = after
+        spool.write(f'],"next":{json.dumps(next_key, **JSON_STYLE)}}}\n')
+        spool.seek(0)
+        shutil.copyfileobj(spool, sys.stdout)
+        sys.stdout.flush()
 
 
 def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
@@ -302,7 +319,7 @@ def acquire(
     \b
         H=$(lockd locks acquire backup --ttl 10m) || exit
         ...
-        printf '%s\n' "$H" | lockd locks release backup --handle -
+        printf '%s\\n' "$H" | lockd locks release backup --handle -
 
     --shared takes a shared (reader) hold, --limit N one of N slots of a
     semaphore. The lease outlives this command: release it, or it ends after
@@ -393,7 +410,7 @@ def renew(
     """Extend the lease of handle H on KEY (lease lost: exit 6).
 
     \b
-        printf '%s\n' "$H" | lockd locks renew backup --handle - --ttl 10m
+        printf '%s\\n' "$H" | lockd locks renew backup --handle - --ttl 10m
         LOCKD_HANDLE=$H lockd locks renew backup --ttl 10m
     """
     handle_id = _handle_from(handle_id)
@@ -423,7 +440,7 @@ def release(key: str, handle_id: str | None, socket_path: str | None, as_json: b
     """Free KEY if handle H still holds it (not the holder: exit 6).
 
     \b
-        printf '%s\n' "$H" | lockd locks release backup --handle -
+        printf '%s\\n' "$H" | lockd locks release backup --handle -
         LOCKD_HANDLE=$H lockd locks release backup
     """
     handle_id = _handle_from(handle_id)
