@@ -282,6 +282,8 @@ class Settings:
     #: microseconds a connection's task polls for the next request before it
     #: parks in epoll (adaptive; 0 turns it off). See bench/README.md, "Busy-polling".
     busy_poll_us: int = 200
+    #: latency samples ``stats`` keeps per op (its percentiles describe the last N requests).
+    stats_window: int = 2048
     #: log level: debug, info, warning or error.
     log_level: str = "info"
     #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.
@@ -328,6 +330,8 @@ class Settings:
             raise ConfigError(f"{source}: 'sqlite_synchronous' must be NORMAL or FULL")
         if not 1024 <= self.max_line_bytes <= 16 * 1024 * 1024:
             raise ConfigError(f"{source}: 'max_line_bytes' must be between 1024 and 16777216")
+        if not 16 <= self.stats_window <= 1_000_000:
+            raise ConfigError(f"{source}: 'stats_window' must be between 16 and 1000000")
         if self.busy_poll_us > 1000:
             raise ConfigError(f"{source}: 'busy_poll_us' must be at most 1000")
         if self.max_buffered_bytes < self.max_line_bytes:

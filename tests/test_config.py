@@ -43,6 +43,7 @@ GOOD: dict[str, Any] = {
     "max_buffered_bytes": 1048576,
     "rule_budget_ms": 20,
     "busy_poll_us": 0,
+    "stats_window": 4096,
     "log_level": "debug",
     "sqlite_synchronous": "FULL",
 }

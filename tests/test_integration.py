@@ -727,7 +727,7 @@ out = {}
 with LockClient(sys.argv[1]) as c:
     out["hello"] = c.hello()
     for name, call in [
-        ("list", lambda: c.list()),
+        ("list", lambda: [s.key for s in c.list()]),
         ("stats", lambda: c.stats()),
         ("rules", lambda: c.rules()),
         ("break", lambda: c.break_lock("root-key", "member tries")),
@@ -771,8 +771,9 @@ def test_member_without_passwd_entry(daemon_paths: DaemonProcess) -> None:
         out = json.loads(run.stdout)
         assert out["hello"]["principal"] == f"user:{NOBODY_UID}"
         assert out["hello"]["role"] == "member" and out["hello"]["uid"] == NOBODY_UID
-        for op in ("list", "stats", "rules", "break"):
+        for op in ("stats", "rules", "break"):
             assert out[op] == "LOCK_ACCESS_DENIED", (op, out[op])
+        assert out["list"] == "allowed"  # SPEC §12: a member lists its own holds (none yet)
         assert out["status"]["held"] and out["status"]["heldBy"] == "user:root"
         assert "handle" not in out["status"]
         assert out["retake"] is False, "a member must not re-take another principal's hold"

@@ -64,11 +64,14 @@ from ._connection import Connection, ConnectionLost, ReplyTimeout
 from ._errors import (
     DaemonUnavailableError,
     LockdError,
+    LockTimeoutError,
     ShuttingDownError,
     SocketPermissionError,
 )
 from ._paths import resolve_socket_path
 from ._requests import (
+    DEFAULT_TTL,
+    UNLIMITED_WAIT,
     Attempts,
     HandleRef,
     acquire_timeout_ms,
@@ -159,8 +162,8 @@ class LockClient:
     def acquire(
         self,
         key: str,
-        ttl: float,
-        timeout: float,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
         owner: str | None = None,
         release_on_close: bool = False,
         *,
@@ -178,7 +181,23 @@ class LockClient:
         closing the client (or the process dying) frees the key at once.
         ``shared=True`` takes a shared (reader) hold; ``limit=N`` (1-1000)
         makes the key a semaphore of N exclusive slots (SPEC §10).
+        ``ttl`` defaults to 60 s; without ``timeout`` the wait has no limit.
         """
+        if timeout is None:
+            # The wire needs timeoutMs: wait the longest it takes, again and again.
+            while True:
+                try:
+                    return self.acquire(
+                        key,
+                        ttl,
+                        UNLIMITED_WAIT,
+                        owner,
+                        release_on_close,
+                        shared=shared,
+                        limit=limit,
+                    )
+                except LockTimeoutError:
+                    continue
         base = grant_args(key, ttl, owner, release_on_close, shared, limit)
         timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
@@ -204,7 +223,7 @@ class LockClient:
     def try_acquire(
         self,
         key: str,
-        ttl: float,
+        ttl: float = DEFAULT_TTL,
         owner: str | None = None,
         release_on_close: bool = False,
         *,
@@ -282,8 +301,8 @@ class LockClient:
     def lock(
         self,
         key: str,
-        ttl: float,
-        timeout: float,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
         owner: str | None = None,
         auto_renew: bool = True,
         on_lost: Callable[[Handle], object] | None = None,

@@ -33,6 +33,7 @@ from lockd.cli.common import (
     render_fields,
     render_table,
     socket_option,
+    use_socket,
 )
 from lockd.cli.locks import locks
 from lockd.cli.rules import rules
@@ -49,6 +50,15 @@ __all__ = ["EXIT_CODES_HELP", "main"]
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 @click.version_option(package_name="lockd")
+@click.option(
+    "--socket",
+    type=click.Path(dir_okay=False),
+    metavar="PATH",
+    expose_value=False,
+    callback=use_socket,
+    help="Daemon socket for the command that follows (as $LOCKD_SOCKET; the "
+    "command's own --socket wins).",
+)
 def main() -> None:
     """lockd: leases on named keys for the processes of one host."""
 

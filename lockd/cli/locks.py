@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import click
 from click.core import ParameterSource
@@ -36,7 +37,9 @@ from lockd.cli.common import (
     JSON_STYLE,
     TTL,
     WAIT,
+    WAIT_FOREVER,
     TableWriter,
+    check_key_argument,
     client_command,
     fail,
     format_relative,
@@ -51,6 +54,8 @@ from lockd.cli.common import (
     socket_option,
     warn,
 )
+from lockd.cli.top import top
+from lockd.cli.waitline import WaitLine
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
 from lockd.timefmt import format_duration_ms
@@ -75,12 +80,15 @@ def complete_keys(
     return [CompletionItem(s.key) for s in locks]
 
 
-KEY = click.argument("key", shell_complete=complete_keys)
+KEY = click.argument("key", shell_complete=complete_keys, callback=check_key_argument)
 
 
 @click.group(epilog=EXIT_CODES_HELP)
 def locks() -> None:
     """Take, inspect and free locks."""
+
+
+locks.add_command(top)
 
 
 def _holder_phrase(status: LockStatus) -> str:
@@ -288,17 +296,56 @@ def status(key: str, socket_path: str | None, as_json: bool) -> None:
         rows = [(*holder_cells(h), format_relative(h.expires_in_ms)) for h in st.holders]
         table = render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows)
         click.echo("Holders:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
+    if st.waiter_list:  # SPEC §12: who waits, in queue order
+        queue_rows: list[tuple[object, ...]] = [
+            (
+                w.position,
+                w.principal,
+                w.pid,
+                w.process,
+                _waiter_mode(w.mode, w.limit),
+                format_duration_ms(w.waiting_ms) if w.waiting_ms is not None else None,
+                *([w.node] if st.node else []),
+            )
+            for w in st.waiter_list
+        ]
+        headers = (
+            "POS",
+            "WAITER",
+            "PID",
+            "PROCESS",
+            "MODE",
+            "WAITING",
+            *(["NODE"] if st.node else []),
+        )
+        table = render_table(headers, queue_rows)
+        click.echo("Queue:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
+        if st.waiters > len(st.waiter_list):
+            click.echo(f"  ... {st.waiters - len(st.waiter_list)} more waiting")
+
+
+def _waiter_mode(mode: str | None, limit: int | None) -> str:
+    if limit is not None and limit > 1:
+        return f"1 of {limit} slots"
+    return mode or "exclusive"
 
 
 @locks.command(short_help="Take KEY; print the handle id alone.")
 @KEY
-@click.option("--ttl", type=TTL, required=True, help="Lease time-to-live (60s, 5m, 500ms ...).")
+@click.option(
+    "--ttl",
+    type=TTL,
+    default="60s",
+    show_default=True,
+    help="Lease time-to-live (60s, 5m, 1m30s, 500ms ...).",
+)
 @click.option("--owner", metavar="O", help="Name of the work (a run id); the same owner re-takes.")
 @click.option(
     "--wait",
     type=WAIT,
-    metavar="DURATION",
-    help="Wait up to this long in the daemon's queue (default: one attempt, no wait).",
+    metavar="DURATION|forever",
+    help="Wait up to this long in the daemon's queue ('forever': without limit). "
+    "Default: one attempt, no wait.",
 )
 @shared_options
 @socket_option
@@ -334,14 +381,17 @@ def acquire(
             )
         else:
             try:
-                handle = client.acquire(
-                    key,
-                    ttl=ttl / 1000,
-                    timeout=wait / 1000,
-                    owner=owner,
-                    shared=shared,
-                    limit=limit,
-                )
+                # On a terminal (and not under --json) one live line says who
+                # holds the key and where we are in the queue while we wait.
+                with WaitLine(key, socket_path) if not as_json else nullcontext():
+                    handle = client.acquire(
+                        key,
+                        ttl=ttl / 1000,
+                        timeout=None if wait == WAIT_FOREVER else wait / 1000,
+                        owner=owner,
+                        shared=shared,
+                        limit=limit,
+                    )
             except LockTimeoutError as exc:
                 text, details = _busy(client, key)
                 fail(

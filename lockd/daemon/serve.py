@@ -33,6 +33,7 @@ from lockd.daemon.ratelimit import RateLimiter
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
+from lockd.daemon.stats import StatsRecorder
 from lockd.daemon.store import StorageUnavailable, Store, StoreError, read_boot_id
 from lockd.identity import IdentityConfig
 from lockd.logfmt import kv, setup_logging
@@ -131,6 +132,7 @@ def build(
         policy,
         RateLimiter(settings.acquire_per_hour),
         clock,
+        stats=StatsRecorder(settings.stats_window),
         max_pending_per_connection=settings.max_pending_per_connection,
         remote=backend,
     )

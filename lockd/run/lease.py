@@ -24,6 +24,7 @@ from lockd_client import (
     ShuttingDownError,
 )
 
+from lockd.contract import WAIT_FOREVER
 from lockd.describe import who_holds
 from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
@@ -71,7 +72,7 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
             handle = client.acquire(
                 opts.key,
                 ttl,
-                opts.wait_ms / 1000,
+                None if opts.wait_ms == WAIT_FOREVER else opts.wait_ms / 1000,
                 owner=opts.owner,
                 release_on_close=True,
                 shared=opts.shared,
