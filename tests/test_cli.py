@@ -817,9 +817,11 @@ def test_member_is_denied(daemon_paths: DaemonProcess) -> None:
     hello = json.loads(str(results[0]["stdout"]))
     assert hello["principal"] == f"user:{user.pw_name}" and hello["role"] == "member"
     codes = [r["code"] for r in results[1:]]
-    # list, stats, rules show, break: roles; acquire outside the own prefix: the rule.
-    assert codes == [EXIT_DENIED] * 5 + [0], results
-    for r in results[1:6]:
+    # list: open, the member's own keys only (none yet; SPEC §12); stats, rules
+    # show, break: roles; acquire outside the own prefix: the rule.
+    assert codes == [0] + [EXIT_DENIED] * 4 + [0], results
+    assert str(results[1]["stdout"]).strip() == "no locks held"
+    for r in results[2:6]:
         assert "access denied" in one_line(str(r["stderr"]))
     assert HANDLE_RE.match(str(results[-1]["stdout"]).strip())
 

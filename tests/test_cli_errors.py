@@ -155,7 +155,9 @@ def test_list_json_whole_document(daemon: DaemonProcess) -> None:
 
 def _commands(group: click.Group, path: list[str]) -> Iterator[list[str]]:
     yield path
-    for name, command in sorted(group.commands.items()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):  # lazy subcommands included
+        command = group.get_command(ctx, name)
         if isinstance(command, click.Group):
             yield from _commands(command, [*path, name])
         else:

@@ -35,6 +35,8 @@ whenever it runs out).
 :class:`DaemonUnavailableError` instead (see :mod:`lockd_client._client`).
 """
 
+from typing import TYPE_CHECKING
+
 from ._client import HandleRef, LockClient
 from ._errors import (
     BackendUnavailableError,
@@ -53,7 +55,6 @@ from ._errors import (
     StorageUnavailableError,
     UntrustedDaemonError,
 )
-from ._lock import AutoRenewer
 from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
 from ._requests import DEFAULT_TTL, MAX_LIMIT, UNLIMITED_WAIT
 from ._results import (
@@ -65,6 +66,21 @@ from ._results import (
     RenewResult,
     Waiter,
 )
+
+if TYPE_CHECKING:
+    from ._lock import AutoRenewer
+
+
+def __getattr__(name: str) -> object:
+    # AutoRenewer (threads, logging) is imported when asked for: a program, or
+    # a ``lockd`` command, that never renews in the background does not pay
+    # for it at start-up.
+    if name == "AutoRenewer":
+        from ._lock import AutoRenewer
+
+        return AutoRenewer
+    raise AttributeError(f"module 'lockd_client' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_TTL",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import sys
-from decimal import Decimal
 from typing import Any
 
 import click
@@ -35,8 +34,6 @@ from lockd.cli.common import (
     socket_option,
     use_socket,
 )
-from lockd.cli.locks import locks
-from lockd.cli.rules import rules
 from lockd.exitcodes import EXIT_USAGE, USAGE, error_document
 from lockd.metrics import COUNTERS, GAUGES
 from lockd.timefmt import format_duration_ms
@@ -48,6 +45,12 @@ __all__ = ["EXIT_CODES_HELP", "main"]
     cls=LockdGroup,
     epilog=EXIT_CODES_HELP,
     context_settings={"help_option_names": ["-h", "--help"]},
+    # Imported when used (start-up time: bench/startup.py, tests/test_cli_startup.py).
+    lazy={
+        "locks": "lockd.cli.locks:locks",
+        "rules": "lockd.cli.rules:rules",
+        "run": "lockd.cli.run:run",
+    },
 )
 @click.version_option(package_name="lockd")
 @click.option(
@@ -130,10 +133,6 @@ def serve(
             click.echo(f"lockd: {message}", err=True)
         sys.exit(EXIT_USAGE if config else 1)
     sys.exit(code)
-
-
-main.add_command(locks)
-main.add_command(rules)
 
 
 # --------------------------------------------------------------------------- whoami
@@ -229,6 +228,8 @@ def _number(value: float | int) -> str:
 
 def _seconds(ms: float | int) -> str:
     """Milliseconds as seconds in plain decimal: 5.491 -> ``0.005491`` (no float noise)."""
+    from decimal import Decimal
+
     value = (Decimal(repr(ms)) / 1000).normalize()
     return format(value, "f")
 
@@ -331,9 +332,3 @@ def render_stats_text(snapshot: dict[str, Any]) -> str:
         headers = ("OP", "COUNT", "P50 MS", "P90 MS", "P99 MS", "MAX MS")
         parts.append(render_table(headers, rows))
     return "\n\n".join(parts)
-
-
-# --------------------------------------------------------------------------- run
-from lockd.cli.run import run as _run_command  # noqa: E402  (needs ``main`` defined above)
-
-main.add_command(_run_command)

@@ -26,10 +26,8 @@ command (:mod:`lockd.cli.run`) uses them as well.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
-import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
@@ -274,7 +272,35 @@ def _one_line(exc: click.UsageError) -> click.UsageError:
     return one
 
 
-class LockdGroup(click.Group):
+class LazyGroup(click.Group):
+    """A group whose subcommands live in modules imported only when used.
+
+    ``lazy`` maps a command name to ``"module:attribute"``. ``lockd locks
+    status`` then imports neither ``lockd run``'s machinery nor the rules
+    tooling, and ``lockd run`` not the ``locks`` commands: scripts call lockd
+    in loops, and every module costs start-up time (bench/startup.py).
+    """
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy: dict[str, str] = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in self.lazy:
+            import importlib
+
+            module_name, _, attribute = self.lazy[cmd_name].partition(":")
+            command = getattr(importlib.import_module(module_name), attribute)
+            assert isinstance(command, click.Command)
+            self.add_command(command, cmd_name)
+        return command
+
+
+class LockdGroup(LazyGroup):
     """The root group: click's usage errors, from any subcommand, on one line (exit 2).
 
     Click prints usage, a hint and the error on four lines; SPEC §9 wants one
@@ -502,6 +528,8 @@ JSON_STYLE: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
 
 def print_json(value: Any) -> None:
     """ONE JSON document on one line: stable for scripts (``jq``, ``while read``)."""
+    import json
+
     click.echo(json.dumps(value, **JSON_STYLE))
 
 
@@ -541,6 +569,10 @@ def ms_until(when: datetime | None) -> int | None:
 
 def display_width(text: str) -> int:
     """Terminal columns of ``text`` (East Asian wide characters take two)."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 

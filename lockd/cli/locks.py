@@ -23,7 +23,6 @@ internals). What a script can rely on (SPEC §9):
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -38,6 +37,7 @@ from lockd.cli.common import (
     TTL,
     WAIT,
     WAIT_FOREVER,
+    LazyGroup,
     TableWriter,
     check_key_argument,
     client_command,
@@ -54,8 +54,6 @@ from lockd.cli.common import (
     socket_option,
     warn,
 )
-from lockd.cli.top import top
-from lockd.cli.waitline import WaitLine
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
 from lockd.timefmt import format_duration_ms
@@ -83,12 +81,9 @@ def complete_keys(
 KEY = click.argument("key", shell_complete=complete_keys, callback=check_key_argument)
 
 
-@click.group(epilog=EXIT_CODES_HELP)
+@click.group(epilog=EXIT_CODES_HELP, cls=LazyGroup, lazy={"top": "lockd.cli.top:top"})
 def locks() -> None:
     """Take, inspect and free locks."""
-
-
-locks.add_command(top)
 
 
 def _holder_phrase(status: LockStatus) -> str:
@@ -188,6 +183,7 @@ def _stream_json(pages: Iterator[Page]) -> None:
     page at a time in a spooled temporary file (in memory up to
     :data:`JSON_SPOOL_BYTES`), so a million locks never sit in memory as objects.
     """
+    import json
     import shutil
     import tempfile
 
@@ -380,6 +376,8 @@ def acquire(
                 key, ttl=ttl / 1000, owner=owner, shared=shared, limit=limit
             )
         else:
+            from lockd.cli.waitline import WaitLine
+
             try:
                 # On a terminal (and not under --json) one live line says who
                 # holds the key and where we are in the queue while we wait.
