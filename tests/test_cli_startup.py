@@ -68,7 +68,7 @@ def test_locks_status_loads_neither_run_nor_rules_nor_the_renewer() -> None:
         "lockd.run",
         "lockd.cli.rules",
         "lockd.cli.top",
-        "lockd.cli.waitline",
+        "lockd.waitline",
         "lockd_client._lock",  # threads and logging for background renewals
         "lockd_client.aio",
         "tempfile",

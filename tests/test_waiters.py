@@ -17,8 +17,8 @@ from lockd_client import LockStatus
 
 from lockd.cli import main
 from lockd.cli.top import rates, render_frame
-from lockd.cli.waitline import WaitLine, wait_text
 from lockd.daemon.waiterview import QueuedWaiter, concerns, waiter_list
+from lockd.waitline import WaitLine, wait_text
 
 from .conftest import Backend, DaemonProcess
 from .helpers_users import wait_for

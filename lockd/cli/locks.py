@@ -376,7 +376,7 @@ def acquire(
                 key, ttl=ttl / 1000, owner=owner, shared=shared, limit=limit
             )
         else:
-            from lockd.cli.waitline import WaitLine
+            from lockd.waitline import WaitLine
 
             try:
                 # On a terminal (and not under --json) one live line says who

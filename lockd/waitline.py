@@ -1,7 +1,8 @@
-"""One live line on a terminal while a CLI waits for a key (issue 24).
+"""One live line on a terminal while a command waits for a key (issue 24).
 
-``lockd locks acquire --wait`` parks in the daemon's queue and can sit there
-for minutes; a person at the terminal should see why. While it waits, a
+``lockd locks acquire --wait`` and ``lockd run --wait`` park in the
+daemon's queue and can sit there for minutes; a person at the terminal
+should see why. (No click here: ``lockd run``'s logic uses it too.) While it waits, a
 thread of its own asks ``status`` every :data:`INTERVAL` seconds on a
 connection of its own and rewrites one line on stderr::
 
