@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from .conftest import SESSION_ENV, SESSION_TOKEN
 
@@ -127,3 +130,39 @@ def test_quick_start_verbatim_after_pip_install(tmp_path: Path) -> None:
         for path in sorted(run_dir.rglob("*"), reverse=True):
             path.unlink() if not path.is_dir() else path.rmdir()
         run_dir.rmdir()
+
+
+@pytest.mark.slow  # ~2 min: pipx resolves lockd's dependencies into a venv of its own
+def test_pipx_install_gives_a_working_lockd(tmp_path: Path) -> None:
+    """``pipx install .`` (the README's other first command): lockd with its client.
+
+    pipx is not a test dependency: the test runs where ``pipx`` is on PATH
+    (or ``$PIPX`` names it) and is skipped elsewhere.
+    """
+    pipx = os.environ.get("PIPX") or shutil.which("pipx")
+    if pipx is None:
+        pytest.skip("pipx is not installed (set PIPX=/path/to/pipx to run this)")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("LOCKD_", "VIRTUAL_ENV"))},
+        "PIPX_HOME": str(tmp_path / "pipx"),
+        "PIPX_BIN_DIR": str(tmp_path / "bin"),
+        "PIPX_MAN_DIR": str(tmp_path / "man"),
+    }
+    installed = subprocess.run(
+        [pipx, "install", str(REPO)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    lockd = tmp_path / "bin" / "lockd"
+    version = subprocess.run(
+        [lockd, "--version"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert version.returncode == 0 and "lockd, version" in version.stdout
+    # The client came along, in lockd's own environment.
+    status = subprocess.run(
+        [lockd, "locks", "status", "k", "--socket", str(tmp_path / "none.sock")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 5 and "daemon unavailable" in status.stderr
