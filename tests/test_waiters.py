@@ -219,3 +219,46 @@ def test_top_frame_and_rates() -> None:
     assert "rates: -" in render_frame([], None, now="x")
     text = wait_text(status, 12_000, pid=8)
     assert text.startswith("waiting 12s for 'k': held by user:a") and "1st of 2" in text
+
+
+def test_shared_request_behind_a_queued_writer_says_so(
+    lockd: DaemonProcess, conns: list[RawConn]
+) -> None:
+    reader, writer, watcher, _ = conns
+    key = unique("behind")
+    took = reader.result(
+        {"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60_000, "mode": "shared"}
+    )
+    assert took is not None
+    _park(writer, 2, key)  # an exclusive request queues behind the reader
+    _queued(watcher, key, 1)
+    busy = CliRunner().invoke(
+        main, ["locks", "acquire", key, "--shared", "--socket", str(lockd.socket)]
+    )
+    assert busy.exit_code == 1
+    line = busy.stderr.strip()
+    assert "1 queued ahead (user:root, exclusive)" in line
+    assert "a shared request never overtakes a queued exclusive one" in line
+
+
+@pytest.mark.sqlite_only("no daemon needed")
+def test_member_sees_only_entries_it_holds_or_waits_for() -> None:
+    from lockd.daemon.service import visible_locks
+    from lockd.identity import Caller
+
+    def caller(role: str, name: str) -> Caller:
+        return Caller("user", name, role, 1000, 1000, 1, frozenset())  # type: ignore[arg-type]
+
+    entries = [
+        {"key": "a", "heldBy": "user:alice", "holders": [{"heldBy": "user:alice"}]},
+        {
+            "key": "b",
+            "heldBy": "user:bob",
+            "holders": [],
+            "waiterList": [{"principal": "user:alice"}],
+        },
+        {"key": "c", "heldBy": "user:bob", "holders": [{"heldBy": "user:bob"}], "waiterList": []},
+    ]
+    assert [e["key"] for e in visible_locks(caller("member", "alice"), entries)] == ["a", "b"]
+    assert [e["key"] for e in visible_locks(caller("admin", "carol"), entries)] == ["a", "b", "c"]
+    assert visible_locks(caller("member", "dave"), entries) == []

@@ -92,10 +92,13 @@ def _holder_phrase(status: LockStatus) -> str:
     return f"held by {who_holds(status)}{left}"
 
 
-def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
+def _busy(client: LockClient, key: str, *, shared: bool = False) -> tuple[str, dict[str, object]]:
     """Who holds ``key`` right now, best effort (it may have changed already).
 
-    The text to append to the message, and the error's ``details``.
+    The text to append to the message, and the error's ``details``. A shared
+    request that found only shared holders was turned away by the queue (a
+    writer waits ahead, and shared requests never overtake it: SPEC §10):
+    that is said, since "held by N holders (shared)" alone reads as a bug.
     """
     details: dict[str, object] = {"key": key}
     try:
@@ -109,7 +112,16 @@ def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
         details["holderCount"] = status.holder_count
         details["mode"] = status.mode
         details["limit"] = status.limit
-    return f": {_holder_phrase(status)}", details
+    text = f": {_holder_phrase(status)}"
+    if shared and status.mode == "shared" and status.waiters:
+        ahead = status.waiter_list[0] if status.waiter_list else None
+        who = f" ({ahead.principal}, {ahead.mode})" if ahead is not None else ""
+        text += (
+            f"; {status.waiters} queued ahead{who}: a shared request never overtakes a "
+            "queued exclusive one"
+        )
+        details["waiters"] = status.waiters
+    return text, details
 
 
 #: What the busy error's ``details.holder`` repeats from ``status``.
@@ -391,7 +403,7 @@ def acquire(
                         limit=limit,
                     )
             except LockTimeoutError as exc:
-                text, details = _busy(client, key)
+                text, details = _busy(client, key, shared=shared)
                 fail(
                     f"timed out after {format_duration_ms(wait)} waiting for {key!r}{text}",
                     EXIT_BUSY,
@@ -399,7 +411,7 @@ def acquire(
                     details={**exc.details, **details},
                 )
         if handle is None:
-            text, details = _busy(client, key)
+            text, details = _busy(client, key, shared=shared)
             fail(f"key {key!r} is busy{text}", EXIT_BUSY, details=details)
     if as_json:
         print_json(handle.raw)
