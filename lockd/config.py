@@ -196,6 +196,53 @@ class BackendSettings:
                 f"{source}: 'backend.username' and 'backend.password_file' go together"
             )
 
+    def check_files(self, source: str) -> None:
+        """The etcd TLS and password files can be read and used, or ConfigError.
+
+        Checked at start-up, before anything else opens, so that a wrong path
+        or a bad PEM is one line naming the key, the file and what to do, not
+        a traceback from deep inside the etcd client.
+        """
+        needs = {
+            "ca_file": "the PEM certificate of the CA that signed the etcd servers' certificates",
+            "cert_file": "this host's client certificate (PEM) for etcd",
+            "key_file": "the private key (PEM) of cert_file",
+            "password_file": "a file holding the etcd password of 'username' on its first line",
+        }
+        for key, what in needs.items():
+            path: Path | None = getattr(self, key)
+            if path is None:
+                continue
+            try:
+                with path.open("rb"):
+                    pass
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                raise ConfigError(
+                    f"{source}: 'backend.{key}' {path}: {reason}; "
+                    f"point it at {what}, or remove the key"
+                ) from None
+        if not any(url.startswith("https:") for url in self.endpoints):
+            return
+        import ssl  # only for https endpoints
+
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"{source}: 'backend.ca_file' {self.ca_file}: not a PEM certificate "
+                f"({exc.reason or exc}); point it at {needs['ca_file']}"
+            ) from None
+        if self.cert_file is not None:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file)
+            except ssl.SSLError as exc:
+                raise ConfigError(
+                    f"{source}: 'backend.cert_file' {self.cert_file} with 'backend.key_file' "
+                    f"{self.key_file}: not a PEM certificate and its private key "
+                    f"({exc.reason or exc}); point them at {needs['cert_file']} and its key"
+                ) from None
+
 
 def _check_endpoint(url: str, where: str) -> None:
     if not _ENDPOINT.fullmatch(url):
@@ -241,6 +288,8 @@ class Settings:
     #: seconds a ``break`` waits for a holder listening for events to say it
     #: stopped (``stopped``) before the key goes to the next holder (SPEC 12).
     break_grace: float = 5.0
+    #: latency samples ``stats`` keeps per op (its percentiles describe the last N requests).
+    stats_window: int = 2048
     #: log level: debug, info, warning or error.
     log_level: str = "info"
     #: SQLite ``synchronous`` setting: NORMAL (survives a daemon crash) or FULL.
@@ -295,6 +344,8 @@ class Settings:
             raise ConfigError(
                 f"{source}: 'break_grace' must be between 0 and {MAX_BREAK_GRACE:g} seconds"
             )
+        if not 16 <= self.stats_window <= 1_000_000:
+            raise ConfigError(f"{source}: 'stats_window' must be between 16 and 1000000")
         if self.busy_poll_us > 1000:
             raise ConfigError(f"{source}: 'busy_poll_us' must be at most 1000")
         if self.max_buffered_bytes < self.max_line_bytes:
@@ -313,5 +364,5 @@ def load_settings(config_dir: Path) -> Settings:
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{path}: not valid TOML: {exc}; fix that line") from exc
     return Settings.from_mapping(data, source=str(path), base=config_dir)

@@ -18,6 +18,9 @@ from __future__ import annotations
 #: refused, never cut.
 MAX_TTL_MS = 86_400_000
 MAX_TIMEOUT_MS = 86_400_000
+#: A command's ``--wait forever`` (SPEC §12: a blocking acquire without
+#: limit); never sent: the client sends MAX_TIMEOUT_MS and parks again.
+WAIT_FOREVER = -1
 #: Keys are 1-1024 bytes of UTF-8 without control characters.
 MAX_KEY_BYTES = 1024
 MAX_OWNER_CHARS = 256
@@ -37,4 +40,5 @@ ERROR_STATUS = {
     "SHUTTING_DOWN": 503,
     "STORAGE_UNAVAILABLE": 503,
     "BACKEND_UNAVAILABLE": 503,
+    "DEADLOCK": 409,
 }

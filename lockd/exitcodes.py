@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lockd_client import (
+    DeadlockError,
     InvalidRequestError,
     LockAccessDeniedError,
     LockdError,
@@ -34,6 +35,8 @@ EXIT_RATE_LIMITED = 4
 EXIT_UNAVAILABLE = 5
 #: Lease lost or not the holder (renew/release with a stale handle).
 EXIT_LOST = 6
+#: A blocking acquire refused because it would close a cycle of waits (SPEC §12).
+EXIT_DEADLOCK = 7
 #: A bug in lockd itself (sysexits' EX_SOFTWARE); never expected.
 EXIT_BUG = 70
 #: ``lockd run``: COMMAND found but not executable (as a shell says it).
@@ -53,6 +56,7 @@ EXIT_CODE_MEANINGS: tuple[tuple[int, str], ...] = (
     (EXIT_RATE_LIMITED, "rate limited"),
     (EXIT_UNAVAILABLE, "daemon unreachable, shutting down, or failing (internal error)"),
     (EXIT_LOST, "lease lost, or not the holder"),
+    (EXIT_DEADLOCK, "deadlock: the wait would close a cycle of waits"),
 )
 
 
@@ -86,6 +90,8 @@ def exit_code_for(exc: LockdError) -> int:
         return EXIT_RATE_LIMITED
     if isinstance(exc, LockLostError):
         return EXIT_LOST
+    if isinstance(exc, DeadlockError):
+        return EXIT_DEADLOCK
     return EXIT_UNAVAILABLE
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 COUNTERS: dict[str, str] = {
     "grants": "Leases granted.",
     "retakes": "Holds re-taken by the same principal and owner.",
+    "handoffs": "Grants to a blocking acquire that had waited (a release, expiry or break "
+    "handed the key over).",
     "releases": "Leases released.",
     "renewals": "Leases renewed.",
     "expiries": "Leases that ran out.",

@@ -1,6 +1,6 @@
 # Sourced by scripts/serve and scripts/test: make .venv (once) and install
-# lockd-client (./client) and lockd into it in editable mode, lockd with the
-# extras given in $LOCKD_EXTRAS.
+# lockd into it in editable mode (it ships lockd_client, from ./client, too),
+# with the extras given in $LOCKD_EXTRAS.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo/.venv"
@@ -11,9 +11,12 @@ fi
 stamp="$venv/.lockd-installed${LOCKD_EXTRAS:+-$LOCKD_EXTRAS}"
 if [ ! -f "$stamp" ] || [ "$repo/pyproject.toml" -nt "$stamp" ] \
     || [ "$repo/client/pyproject.toml" -nt "$stamp" ]; then
-    # lockd depends on lockd-client, its own distribution in ./client: both
-    # editable in one resolve, so the dependency is met from the checkout.
+    # lockd ships lockd_client itself; a lockd-client left from an older
+    # setup would own the same package, so it goes first.
+    if "$venv/bin/python" -m pip show --quiet lockd-client >/dev/null 2>&1; then
+        "$venv/bin/python" -m pip uninstall --quiet --yes lockd-client
+    fi
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -e "$repo/client" -e "$repo${LOCKD_EXTRAS:+[$LOCKD_EXTRAS]}"
+        -e "$repo${LOCKD_EXTRAS:+[$LOCKD_EXTRAS]}"
     touch "$stamp"
 fi

@@ -331,15 +331,17 @@ def test_group_rules_see_supplementary_and_peer_groups(
         assert_denied(alice.error("try_acquire", "team:deploy", 5), "tryAcquire")
 
 
-def test_list_stats_rules_are_for_owner_admin_and_services(
+def test_stats_rules_are_for_owner_admin_and_services_list_for_all(
     start: Callable[..., Live], cast: Cast
 ) -> None:
     live = start()
     alice = live.agent(cast.alice)
     held = alice.call("try_acquire", "reports:1", 30, owner="run-7")
     assert held is not None
-    for method, op in (("list", "list"), ("stats", "stats"), ("rules", "rules")):
+    for method, op in (("stats", "stats"), ("rules", "rules")):
         assert_denied(alice.error(method), op)
+    # SPEC §12: list is open to members, for their own holds and waits.
+    assert [lock["key"] for lock in alice.call("list")] == ["reports:1"]
 
     for user in (cast.admin, cast.svc):
         agent = live.agent(user)
@@ -639,3 +641,35 @@ def test_two_rule_sets_at_start_up_refuse_naming_both(daemon_paths: DaemonProces
     assert proc.returncode != 0, proc
     assert str(first) in proc.stderr and str(second) in proc.stderr, proc.stderr
     assert not daemon_paths.socket.exists()
+
+
+def test_a_member_lists_only_the_keys_it_holds_or_waits_for(
+    start: Callable[..., Live], cast: Cast
+) -> None:
+    live = start()
+    alice, alice_waiting, bob = (
+        live.agent(cast.alice),
+        live.agent(cast.alice),
+        live.agent(cast.bob),
+    )
+    assert alice.call("try_acquire", "m:alice-holds", 30) is not None
+    root_hold = live.root.try_acquire("m:root-holds", 30)
+    other = live.root.try_acquire("m:nobody-of-alice", 30)
+    assert root_hold is not None and other is not None
+    alice_waiting.send("acquire", "m:root-holds", 30, 20)  # parks behind root
+    deadline = time.monotonic() + 10
+    while live.root.status("m:root-holds").waiters != 1:
+        assert time.monotonic() < deadline, "alice's acquire never parked"
+        time.sleep(0.02)
+    listed = alice.call("list")
+    assert [lock["key"] for lock in listed] == ["m:alice-holds", "m:root-holds"]
+    waiting = listed[1]["waiterList"]
+    assert [(w["principal"], w["position"]) for w in waiting] == [(f"user:{cast.alice.name}", 1)]
+    assert bob.call("list") == []  # bob holds and waits for nothing
+    assert [lock.key for lock in live.root.list(prefix="m:")] == [
+        "m:alice-holds",
+        "m:nobody-of-alice",
+        "m:root-holds",
+    ]
+    live.root.release(root_hold)
+    assert alice_waiting.receive()["key"] == "m:root-holds"

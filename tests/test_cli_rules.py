@@ -160,9 +160,11 @@ def test_ops_not_named_by_the_rule_set_and_role_gates(tmp_path: Path) -> None:
     renew = invoke(*base, "--op", "renew", "user:alice:x")
     assert renew.exit_code == EXIT_DENIED
     assert "names no 'renew' rule" in renew.stdout
-    listing = invoke(*base, "--op", "list")
+    listing = invoke(*base, "--op", "stats")
     assert listing.exit_code == EXIT_DENIED
-    assert "list is for owners, admins and services" in listing.stdout
+    assert "stats is for owners, admins and services" in listing.stdout
+    own = invoke(*base, "--op", "list")  # SPEC §12: open, a member sees its own
+    assert own.exit_code == 0 and "list is open to every caller" in own.stdout
     release = invoke(*base, "--op", "release", "anything")
     assert release.exit_code == 0 and "release is open" in release.stdout
     as_admin = invoke(*base, "--role", "admin", "--op", "acquire", "user:bob:x")

@@ -44,6 +44,7 @@ GOOD: dict[str, Any] = {
     "rule_budget_ms": 20,
     "busy_poll_us": 0,
     "break_grace": 2.5,
+    "stats_window": 4096,
     "log_level": "debug",
     "sqlite_synchronous": "FULL",
 }

@@ -133,10 +133,10 @@ def test_hello_answers_while_etcd_is_down(daemon_paths: DaemonProcess) -> None:
 def test_a_bad_backend_setting_stops_the_start(daemon_paths: DaemonProcess) -> None:
     daemon_paths.write_config("[backend]\nsession_ttl = 30\n")
     result = daemon_paths.serve_once("--etcd", "http://127.0.0.1:9")
-    assert result.returncode == 1 and "'backend.session_ttl'" in result.stderr
+    assert result.returncode == 2 and "'backend.session_ttl'" in result.stderr
     daemon_paths.write_config("")
     result = daemon_paths.serve_once("--etcd", "127.0.0.1:2379")
-    assert result.returncode == 1 and "--etcd" in result.stderr
+    assert result.returncode == 2 and "--etcd" in result.stderr
 
 
 def test_sigterm_with_parked_waiters_stops_cleanly(

@@ -601,7 +601,7 @@ def test_second_daemon_on_a_live_socket_refuses_and_the_first_serves(
     handle = client.acquire("first", ttl=60, timeout=1)
     second = daemon.serve_once(db=daemon.root / "other.db")
     assert second.returncode != 0
-    assert "already serving" in second.stderr and str(daemon.socket) in second.stderr
+    assert "a daemon is already running on" in second.stderr and str(daemon.socket) in second.stderr
     assert daemon.socket.is_socket()
     with LockClient(str(daemon.socket)) as fresh:
         assert fresh.hello()["protocol"] == 1
@@ -727,7 +727,7 @@ out = {}
 with LockClient(sys.argv[1]) as c:
     out["hello"] = c.hello()
     for name, call in [
-        ("list", lambda: c.list()),
+        ("list", lambda: [s.key for s in c.list()]),
         ("stats", lambda: c.stats()),
         ("rules", lambda: c.rules()),
         ("break", lambda: c.break_lock("root-key", "member tries")),
@@ -771,8 +771,9 @@ def test_member_without_passwd_entry(daemon_paths: DaemonProcess) -> None:
         out = json.loads(run.stdout)
         assert out["hello"]["principal"] == f"user:{NOBODY_UID}"
         assert out["hello"]["role"] == "member" and out["hello"]["uid"] == NOBODY_UID
-        for op in ("list", "stats", "rules", "break"):
+        for op in ("stats", "rules", "break"):
             assert out[op] == "LOCK_ACCESS_DENIED", (op, out[op])
+        assert out["list"] == "allowed"  # SPEC §12: a member lists its own holds (none yet)
         assert out["status"]["held"] and out["status"]["heldBy"] == "user:root"
         assert "handle" not in out["status"]
         assert out["retake"] is False, "a member must not re-take another principal's hold"
@@ -787,8 +788,8 @@ def test_serve_json_reports_a_startup_error_as_one_json_line(
 ) -> None:
     daemon_paths.write_config("acquire_per_hour = 'many'\n")
     proc = daemon_paths.serve_once("--json")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a config mistake is a usage error (issue 24)
     error = json.loads(proc.stderr.strip().splitlines()[-1])["error"]
     assert (error["code"], error["status"]) == ("USAGE", 400)  # SPEC §9's one shape
-    assert error["details"] == {"reason": "startup_failed"}
+    assert error["details"] == {"reason": "bad_config"}
     assert "acquire_per_hour" in error["message"]

@@ -26,15 +26,23 @@ re-sends the requests that are safe to repeat: ``hello``, ``status``, ``list``,
 ``stats``, ``rules``, ``renew``, ``release``, and ``acquire``/``try_acquire``
 when an ``owner`` is given. A blocking ``acquire`` that meets a daemon
 restart while waiting parks again with what is left of its timeout.
+``ttl`` defaults to 60 s everywhere (:data:`DEFAULT_TTL`); a blocking
+``acquire``/``lock`` without ``timeout`` waits without limit (the wire needs
+a ``timeoutMs``: the client sends the largest, 24 h, and parks again
+whenever it runs out).
 ``try_acquire`` without an owner and
 ``break_lock`` are not re-sent once sent; they raise
 :class:`DaemonUnavailableError` instead (see :mod:`lockd_client._client`).
 """
 
+from typing import TYPE_CHECKING
+
 from ._client import HandleRef, LockClient
 from ._errors import (
+    BackendUnavailableError,
     CancelledError,
     DaemonUnavailableError,
+    DeadlockError,
     InternalError,
     InvalidRequestError,
     LockAccessDeniedError,
@@ -47,18 +55,44 @@ from ._errors import (
     StorageUnavailableError,
     UntrustedDaemonError,
 )
-from ._lock import AutoRenewer
 from ._paths import SOCKET_ENV, default_socket_path, resolve_socket_path
-from ._requests import MAX_LIMIT
-from ._results import BreakResult, Handle, Holder, LockStatus, ReleaseResult, RenewResult
+from ._requests import DEFAULT_TTL, MAX_LIMIT, UNLIMITED_WAIT
+from ._results import (
+    BreakResult,
+    Handle,
+    Holder,
+    LockStatus,
+    ReleaseResult,
+    RenewResult,
+    Waiter,
+)
+
+if TYPE_CHECKING:
+    from ._lock import AutoRenewer
+
+
+def __getattr__(name: str) -> object:
+    # AutoRenewer (threads, logging) is imported when asked for: a program, or
+    # a ``lockd`` command, that never renews in the background does not pay
+    # for it at start-up.
+    if name == "AutoRenewer":
+        from ._lock import AutoRenewer
+
+        return AutoRenewer
+    raise AttributeError(f"module 'lockd_client' has no attribute {name!r}")
+
 
 __all__ = [
+    "DEFAULT_TTL",
     "MAX_LIMIT",
     "SOCKET_ENV",
+    "UNLIMITED_WAIT",
     "AutoRenewer",
+    "BackendUnavailableError",
     "BreakResult",
     "CancelledError",
     "DaemonUnavailableError",
+    "DeadlockError",
     "Handle",
     "HandleRef",
     "Holder",
@@ -77,6 +111,7 @@ __all__ = [
     "SocketPermissionError",
     "StorageUnavailableError",
     "UntrustedDaemonError",
+    "Waiter",
     "default_socket_path",
     "resolve_socket_path",
 ]

@@ -48,6 +48,7 @@ from ._errors import (
     DaemonUnavailableError,
     LockdError,
     LockLostError,
+    LockTimeoutError,
     ShuttingDownError,
     SocketPermissionError,
 )
@@ -55,6 +56,8 @@ from ._events import EVENTS_HELLO, Loss, LossBook, loss_from
 from ._lock import call_on_lost, check_released, granted_ttl_ms, lease_end
 from ._paths import resolve_socket_path
 from ._requests import (
+    DEFAULT_TTL,
+    UNLIMITED_WAIT,
     Attempts,
     HandleRef,
     acquire_timeout_ms,
@@ -330,8 +333,8 @@ class AsyncClientBase(ABC, Generic[SlotT]):
     async def acquire(
         self,
         key: str,
-        ttl: float,
-        timeout: float,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
         owner: str | None = None,
         release_on_close: bool = False,
         *,
@@ -343,6 +346,13 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         As :meth:`lockd_client.LockClient.acquire`. Cancelling the waiting
         task withdraws the waiter; a grant that crossed the cancel is released.
         """
+        while timeout is None:  # no limit: the longest wait the wire takes, again and again
+            try:
+                return await self.acquire(
+                    key, ttl, UNLIMITED_WAIT, owner, release_on_close, shared=shared, limit=limit
+                )
+            except LockTimeoutError:
+                continue
         base = grant_args(key, ttl, owner, release_on_close, shared, limit)
         timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
@@ -362,7 +372,7 @@ class AsyncClientBase(ABC, Generic[SlotT]):
     async def try_acquire(
         self,
         key: str,
-        ttl: float,
+        ttl: float = DEFAULT_TTL,
         owner: str | None = None,
         release_on_close: bool = False,
         *,
@@ -430,8 +440,8 @@ class AsyncClientBase(ABC, Generic[SlotT]):
     def lock(
         self,
         key: str,
-        ttl: float,
-        timeout: float,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
         owner: str | None = None,
         auto_renew: bool = True,
         on_lost: Callable[[Handle], object] | None = None,
@@ -461,7 +471,7 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         self,
         key: str,
         ttl: float,
-        timeout: float,
+        timeout: float | None,
         owner: str | None,
         auto_renew: bool,
         on_lost: Callable[[Handle], object] | None,
@@ -676,6 +686,7 @@ def _lose(
 ) -> None:
     lost.append(reason)
     handle.lost = True
-    log.warning("lockd: lease on %r lost: %s", handle.key, reason)
-    if on_lost is not None:
+    if on_lost is None:  # a caller that passed on_lost handles it: no noise
+        log.warning("lockd: lease on %r lost: %s", handle.key, reason)
+    else:
         call_on_lost(on_lost, handle)

@@ -65,12 +65,15 @@ from ._errors import (
     DaemonUnavailableError,
     LockdError,
     LockLostError,
+    LockTimeoutError,
     ShuttingDownError,
     SocketPermissionError,
 )
 from ._events import EVENTS_HELLO
 from ._paths import resolve_socket_path
 from ._requests import (
+    DEFAULT_TTL,
+    UNLIMITED_WAIT,
     Attempts,
     HandleRef,
     acquire_timeout_ms,
@@ -166,8 +169,8 @@ class LockClient:
     def acquire(
         self,
         key: str,
-        ttl: float,
-        timeout: float,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
         owner: str | None = None,
         release_on_close: bool = False,
         *,
@@ -185,8 +188,24 @@ class LockClient:
         closing the client (or the process dying) frees the key at once.
         ``shared=True`` takes a shared (reader) hold; ``limit=N`` (1-1000)
         makes the key a semaphore of N exclusive slots (SPEC §10).
+        ``ttl`` defaults to 60 s; without ``timeout`` the wait has no limit.
         """
         self._raise_unreported()
+        if timeout is None:
+            # The wire needs timeoutMs: wait the longest it takes, again and again.
+            while True:
+                try:
+                    return self.acquire(
+                        key,
+                        ttl,
+                        UNLIMITED_WAIT,
+                        owner,
+                        release_on_close,
+                        shared=shared,
+                        limit=limit,
+                    )
+                except LockTimeoutError:
+                    continue
         base = grant_args(key, ttl, owner, release_on_close, shared, limit)
         timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
@@ -212,7 +231,7 @@ class LockClient:
     def try_acquire(
         self,
         key: str,
-        ttl: float,
+        ttl: float = DEFAULT_TTL,
         owner: str | None = None,
         release_on_close: bool = False,
         *,
@@ -301,8 +320,8 @@ class LockClient:
     def lock(
         self,
         key: str,
-        ttl: float,
-        timeout: float,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
         owner: str | None = None,
         auto_renew: bool = True,
         on_lost: Callable[[Handle], object] | None = None,

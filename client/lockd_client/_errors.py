@@ -136,6 +136,30 @@ class CancelledError(LockdError):
     """
 
 
+class BackendUnavailableError(LockdError):
+    """``BACKEND_UNAVAILABLE`` (503): the daemon cannot reach its etcd cluster in time.
+
+    Nothing was decided; retrying is safe (a blocking ``acquire`` keeps
+    waiting inside the daemon instead).
+    """
+
+
+class DeadlockError(LockdError):
+    """``DEADLOCK`` (409): this blocking acquire would close a cycle of waits.
+
+    ``.cycle`` lists the keys of the cycle in order (``details.cycle``). The
+    other waiters of the cycle keep waiting: release something this program
+    holds, or take its keys in one fixed order.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cycle = self.details.get("cycle")
+        self.cycle: list[str] = (
+            [k for k in cycle if isinstance(k, str)] if isinstance(cycle, list) else []
+        )
+
+
 class InternalError(LockdError):
     """``INTERNAL`` (500): a bug in the daemon; the daemon itself lives on."""
 
@@ -288,6 +312,8 @@ _BY_CODE: dict[str, type[LockdError]] = {
     "CANCELLED": CancelledError,
     "SHUTTING_DOWN": ShuttingDownError,
     "STORAGE_UNAVAILABLE": StorageUnavailableError,
+    "BACKEND_UNAVAILABLE": BackendUnavailableError,
+    "DEADLOCK": DeadlockError,
     "INTERNAL": InternalError,
 }
 

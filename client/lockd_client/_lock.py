@@ -166,8 +166,9 @@ class AutoRenewer:
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason
         self._handle.lost = True
-        log.warning("lockd: lease on %r lost", self._handle.key)
-        if self._on_lost is not None:
+        if self._on_lost is None:  # a caller that passed on_lost handles it: no noise
+            log.warning("lockd: lease on %r lost", self._handle.key)
+        else:
             call_on_lost(self._on_lost, self._handle)
 
 
@@ -176,7 +177,7 @@ def hold(
     client: LockClient,
     key: str,
     ttl: float,
-    timeout: float,
+    timeout: float | None,
     *,
     owner: str | None,
     auto_renew: bool,

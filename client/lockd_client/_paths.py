@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 __all__ = ["SOCKET_ENV", "default_socket_path", "resolve_socket_path"]
 
@@ -29,6 +28,8 @@ def default_socket_path() -> str:
         if os.path.isdir(run_user):
             base = run_user
         else:
+            import tempfile  # rarely needed: its imports (shutil, random) cost start-up
+
             base = os.path.join(tempfile.gettempdir(), f"runtime-{euid}")
     return os.path.join(base, "lockd", "lockd.sock")
 

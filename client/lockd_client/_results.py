@@ -163,6 +163,44 @@ class Holder:
 
 
 @dataclass(frozen=True)
+class Waiter:
+    """One queued request for a key (an entry of ``status().waiter_list``, SPEC §12).
+
+    ``position`` 1 is next; ``since`` is when the request came and
+    ``waiting_ms`` how long it has waited; ``node`` the host it waits on
+    (etcd backend; ``None`` otherwise). Never a handle id.
+    """
+
+    principal: str | None
+    pid: int | None
+    process: str | None
+    mode: str | None
+    limit: int | None
+    since: datetime | None
+    waiting_ms: int | None
+    position: int | None
+    node: str | None = None
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_result(cls, result: object) -> Waiter:
+        """Build a Waiter from one entry of ``waiterList``."""
+        obj = _object(result, "waiter")
+        return cls(
+            principal=_opt(obj, "principal", str),
+            pid=_opt(obj, "pid", int),
+            process=_opt(obj, "process", str),
+            mode=_opt(obj, "mode", str),
+            limit=_opt(obj, "limit", int),
+            since=parse_time(obj.get("since")),
+            waiting_ms=_opt(obj, "waitingMs", int),
+            position=_opt(obj, "position", int),
+            node=_opt(obj, "node", str),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
 class LockStatus:
     """Who holds a key (``status``, and each entry of ``list``); ``None`` fields when free.
 
@@ -190,6 +228,8 @@ class LockStatus:
     limit: int | None = None
     holder_count: int = 0
     holders: tuple[Holder, ...] = ()
+    #: the first waiters in queue order (up to 100; SPEC §12); ``waiters`` counts all.
+    waiter_list: tuple[Waiter, ...] = ()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -223,8 +263,17 @@ class LockStatus:
             limit=_opt(obj, "limit", int) if "limit" in obj else (1 if held else None),
             holder_count=count if count is not None else len(holders),
             holders=holders,
+            waiter_list=_waiters(obj.get("waiterList")),
             raw=obj,
         )
+
+
+def _waiters(value: object) -> tuple[Waiter, ...]:
+    if value is None:  # a daemon before SPEC §12
+        return ()
+    if not isinstance(value, list):
+        raise _bad(f"field 'waiterList' should be a list, got {value!r}")
+    return tuple(Waiter.from_result(w) for w in value)
 
 
 @dataclass(frozen=True)

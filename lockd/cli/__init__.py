@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import sys
-from decimal import Decimal
 from typing import Any
 
 import click
@@ -33,10 +32,9 @@ from lockd.cli.common import (
     render_fields,
     render_table,
     socket_option,
+    use_socket,
 )
-from lockd.cli.locks import locks
-from lockd.cli.rules import rules
-from lockd.exitcodes import USAGE, error_document
+from lockd.exitcodes import EXIT_USAGE, USAGE, error_document
 from lockd.metrics import COUNTERS, GAUGES
 from lockd.timefmt import format_duration_ms
 
@@ -47,8 +45,23 @@ __all__ = ["EXIT_CODES_HELP", "main"]
     cls=LockdGroup,
     epilog=EXIT_CODES_HELP,
     context_settings={"help_option_names": ["-h", "--help"]},
+    # Imported when used (start-up time: bench/startup.py, tests/test_cli_startup.py).
+    lazy={
+        "locks": "lockd.cli.locks:locks",
+        "rules": "lockd.cli.rules:rules",
+        "run": "lockd.cli.run:run",
+    },
 )
 @click.version_option(package_name="lockd")
+@click.option(
+    "--socket",
+    type=click.Path(dir_okay=False),
+    metavar="PATH",
+    expose_value=False,
+    callback=use_socket,
+    help="Daemon socket for the command that follows (as $LOCKD_SOCKET; the "
+    "command's own --socket wins).",
+)
 def main() -> None:
     """lockd: leases on named keys for the processes of one host."""
 
@@ -93,9 +106,10 @@ def serve(
 ) -> None:
     """Run the daemon in the foreground (stops cleanly on SIGTERM).
 
-    It logs key=value lines to stderr; a start-up error (bad lockd.toml or
-    rule set, a live daemon on the socket, a database in use) is one line
-    and exit status 1.
+    It logs key=value lines to stderr. A mistake in lockd.toml (or a file it
+    names) is one line naming the file and the fix, exit status 2; any other
+    start-up error (a bad rule set, a live daemon on the socket, a database
+    in use) is one line and exit status 1.
     """
     # Imported here, not at start-up: every other command (and every <TAB>
     # of shell completion) would pay for trio, SQLite and platformdirs.
@@ -107,20 +121,18 @@ def serve(
         endpoints = tuple(url.strip() for url in etcd.split(",")) if etcd is not None else ()
         code = run(paths, adopt_fence_mark=adopt_fence_mark, etcd=endpoints)
     except (StartupError, ConfigError) as exc:
-        # Exit 1; under --json the code is USAGE: the config, the rule sets or
-        # the paths given do not allow a start (details.reason says so).
+        # A config mistake (lockd.toml, the files it names) exits 2, as a
+        # usage error; anything else that stops a start exits 1. Under --json
+        # the code is USAGE either way (details.reason says which).
+        config = isinstance(exc, ConfigError)
+        message = f"cannot start: {'config: ' if config else ''}{' '.join(str(exc).split())}"
         if json_output:
-            message = f"cannot start: {' '.join(str(exc).split())}"
-            details = {"reason": "startup_failed"}
+            details = {"reason": "bad_config" if config else "startup_failed"}
             click.echo(error_document(USAGE, message, details), err=True)
         else:
-            click.echo(f"lockd: cannot start: {exc}", err=True)
-        sys.exit(1)
+            click.echo(f"lockd: {message}", err=True)
+        sys.exit(EXIT_USAGE if config else 1)
     sys.exit(code)
-
-
-main.add_command(locks)
-main.add_command(rules)
 
 
 # --------------------------------------------------------------------------- whoami
@@ -216,6 +228,8 @@ def _number(value: float | int) -> str:
 
 def _seconds(ms: float | int) -> str:
     """Milliseconds as seconds in plain decimal: 5.491 -> ``0.005491`` (no float noise)."""
+    from decimal import Decimal
+
     value = (Decimal(repr(ms)) / 1000).normalize()
     return format(value, "f")
 
@@ -318,9 +332,3 @@ def render_stats_text(snapshot: dict[str, Any]) -> str:
         headers = ("OP", "COUNT", "P50 MS", "P90 MS", "P99 MS", "MAX MS")
         parts.append(render_table(headers, rows))
     return "\n\n".join(parts)
-
-
-# --------------------------------------------------------------------------- run
-from lockd.cli.run import run as _run_command  # noqa: E402  (needs ``main`` defined above)
-
-main.add_command(_run_command)

@@ -26,10 +26,8 @@ command (:mod:`lockd.cli.run`) uses them as well.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
-import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from decimal import ROUND_CEILING, Decimal
@@ -49,13 +47,15 @@ from lockd_client import (
     ShuttingDownError,
     SocketPermissionError,
 )
+from lockd_client._paths import SOCKET_ENV
 
-from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS
+from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS, WAIT_FOREVER
 from lockd.exitcodes import (
     DAEMON_UNAVAILABLE,
     ERROR_STATUS,
     EXIT_BUG,
     EXIT_BUSY,
+    EXIT_DEADLOCK,
     EXIT_DENIED,
     EXIT_INTERRUPTED,
     EXIT_LOST,
@@ -138,6 +138,7 @@ _CODE_FOR_EXIT = {
     EXIT_RATE_LIMITED: "RATE_LIMITED",
     EXIT_UNAVAILABLE: DAEMON_UNAVAILABLE,
     EXIT_LOST: LEASE_LOST,
+    EXIT_DEADLOCK: "DEADLOCK",
     EXIT_INTERRUPTED: "CANCELLED",
     EXIT_BUG: "INTERNAL",
 }
@@ -271,7 +272,35 @@ def _one_line(exc: click.UsageError) -> click.UsageError:
     return one
 
 
-class LockdGroup(click.Group):
+class LazyGroup(click.Group):
+    """A group whose subcommands live in modules imported only when used.
+
+    ``lazy`` maps a command name to ``"module:attribute"``. ``lockd locks
+    status`` then imports neither ``lockd run``'s machinery nor the rules
+    tooling, and ``lockd run`` not the ``locks`` commands: scripts call lockd
+    in loops, and every module costs start-up time (bench/startup.py).
+    """
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy: dict[str, str] = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in self.lazy:
+            import importlib
+
+            module_name, _, attribute = self.lazy[cmd_name].partition(":")
+            command = getattr(importlib.import_module(module_name), attribute)
+            assert isinstance(command, click.Command)
+            self.add_command(command, cmd_name)
+        return command
+
+
+class LockdGroup(LazyGroup):
     """The root group: click's usage errors, from any subcommand, on one line (exit 2).
 
     Click prints usage, a hint and the error on four lines; SPEC §9 wants one
@@ -305,22 +334,38 @@ class LockdGroup(click.Group):
 
 # --------------------------------------------------------------------------- durations
 
-_DURATION_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?P<unit>ms|s|m|h)?")
-_BARE_NUMBER_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
-_UNIT_MS = {"ms": Decimal(1), "s": Decimal(1000), "m": Decimal(60_000), "h": Decimal(3_600_000)}
-DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1h; a bare number is milliseconds"
+_NUMBER = r"\d+(?:\.\d*)?|\.\d+"
+#: one part of a compound duration; ``ms`` before ``m``.
+_PART_RE = re.compile(rf"(?P<num>{_NUMBER})(?P<unit>ms|h|m|s)")
+_BARE_NUMBER_RE = re.compile(_NUMBER)
+_UNIT_MS = {"h": Decimal(3_600_000), "m": Decimal(60_000), "s": Decimal(1000), "ms": Decimal(1)}
+#: the units from the largest down: a compound duration names them in this order.
+_UNIT_ORDER = tuple(_UNIT_MS)
+DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1m30s, 1h5m; a bare number is milliseconds"
 
 
 def parse_duration_ms(text: str) -> int:
-    """``"1.5s"`` -> 1500. Whole milliseconds, rounded up; ValueError with the reason.
+    """``"1.5s"`` -> 1500, ``"1m30s"`` -> 90000. Whole ms, rounded up; ValueError says why.
 
-    Decimal arithmetic keeps what was written: ``1.1s`` is 1100 ms, not 1101.
+    A compound duration names its units from the largest down, each at most
+    once (``1h5m``, ``1m30s``, ``2s250ms``), as Go's and systemd's do; a bare
+    number is milliseconds (SPEC §9). Decimal arithmetic keeps what was
+    written: ``1.1s`` is 1100 ms, not 1101.
     """
     raw = text.strip()
-    m = _DURATION_RE.fullmatch(raw)
-    if m is None:
-        raise ValueError(f"{text!r} is not a duration (use {DURATION_FORMS})")
-    value = Decimal(m.group("num")) * _UNIT_MS[m.group("unit") or "ms"]
+    bad = ValueError(f"{text!r} is not a duration (use {DURATION_FORMS})")
+    if _BARE_NUMBER_RE.fullmatch(raw):
+        value = Decimal(raw)
+    else:
+        value, pos, last = Decimal(0), 0, -1
+        for m in _PART_RE.finditer(raw):
+            rank = _UNIT_ORDER.index(m.group("unit"))
+            if m.start() != pos or rank <= last:
+                raise bad
+            value += Decimal(m.group("num")) * _UNIT_MS[m.group("unit")]
+            pos, last = m.end(), rank
+        if pos == 0 or pos != len(raw):
+            raise bad
     return int(value.to_integral_value(rounding=ROUND_CEILING))
 
 
@@ -333,9 +378,11 @@ class Duration(click.ParamType):
 
     name = "duration"
 
-    def __init__(self, *, min_ms: int = 0, max_ms: int = MAX_TTL_MS) -> None:
+    def __init__(self, *, min_ms: int = 0, max_ms: int = MAX_TTL_MS, forever: bool = False) -> None:
         self.min_ms = min_ms
         self.max_ms = max_ms
+        #: ``forever`` is accepted and read as :data:`WAIT_FOREVER` (a wait without limit).
+        self.forever = forever
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
         return "DURATION"
@@ -343,6 +390,10 @@ class Duration(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             ms = value
+            if ms == WAIT_FOREVER and self.forever:
+                return ms
+        elif self.forever and str(value).strip().lower() == FOREVER:
+            return WAIT_FOREVER
         else:
             try:
                 ms = parse_duration_ms(str(value))
@@ -371,11 +422,47 @@ def _exact(ms: int) -> str:
 
 #: A lease TTL: 1 ms to 24 h.
 TTL = Duration(min_ms=1, max_ms=MAX_TTL_MS)
-#: A wait: 0 (answer at once) to 24 h.
-WAIT = Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS)
+#: ``--wait forever``: a blocking acquire without limit (SPEC §12). The wire
+#: needs ``timeoutMs``: the client sends the largest and parks again.
+FOREVER = "forever"
+#: A wait: 0 (answer at once) to 24 h, or ``forever``.
+WAIT = Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS, forever=True)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def check_key_argument(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A KEY from the command line must be UTF-8 (SPEC §1): say so, not a codec error.
+
+    Python hands over bytes that are not UTF-8 as lone surrogates
+    (surrogateescape); encoding the request would fail far from the cause.
+    """
+    if value is None:
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise click.BadParameter(
+            f"'{shown}' is not valid UTF-8: a key is 1-1024 bytes of UTF-8 text "
+            "(check the shell's locale, or the file the key came from)"
+        ) from None
+    return value
 
 
 # --------------------------------------------------------------------------- options
+
+
+def use_socket(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """``lockd --socket PATH COMMAND``: the root's ``--socket`` becomes ``$LOCKD_SOCKET``.
+
+    So ``--socket`` works before the subcommand as well as after it (SPEC
+    §12), for every command at once, ``serve`` and ``lockd run``'s COMMAND
+    included; a subcommand's own ``--socket`` still wins.
+    """
+    if value is not None:
+        os.environ[SOCKET_ENV] = value
 
 
 def socket_option(func: Callable[P, R]) -> Callable[P, R]:
@@ -441,6 +528,8 @@ JSON_STYLE: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
 
 def print_json(value: Any) -> None:
     """ONE JSON document on one line: stable for scripts (``jq``, ``while read``)."""
+    import json
+
     click.echo(json.dumps(value, **JSON_STYLE))
 
 
@@ -480,6 +569,10 @@ def ms_until(when: datetime | None) -> int | None:
 
 def display_width(text: str) -> int:
     """Terminal columns of ``text`` (East Asian wide characters take two)."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 

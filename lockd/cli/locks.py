@@ -23,9 +23,9 @@ internals). What a script can rely on (SPEC §9):
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import click
 from click.core import ParameterSource
@@ -36,7 +36,10 @@ from lockd.cli.common import (
     JSON_STYLE,
     TTL,
     WAIT,
+    WAIT_FOREVER,
+    LazyGroup,
     TableWriter,
+    check_key_argument,
     client_command,
     fail,
     format_relative,
@@ -75,10 +78,10 @@ def complete_keys(
     return [CompletionItem(s.key) for s in locks]
 
 
-KEY = click.argument("key", shell_complete=complete_keys)
+KEY = click.argument("key", shell_complete=complete_keys, callback=check_key_argument)
 
 
-@click.group(epilog=EXIT_CODES_HELP)
+@click.group(epilog=EXIT_CODES_HELP, cls=LazyGroup, lazy={"top": "lockd.cli.top:top"})
 def locks() -> None:
     """Take, inspect and free locks."""
 
@@ -89,10 +92,13 @@ def _holder_phrase(status: LockStatus) -> str:
     return f"held by {who_holds(status)}{left}"
 
 
-def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
+def _busy(client: LockClient, key: str, *, shared: bool = False) -> tuple[str, dict[str, object]]:
     """Who holds ``key`` right now, best effort (it may have changed already).
 
-    The text to append to the message, and the error's ``details``.
+    The text to append to the message, and the error's ``details``. A shared
+    request that found only shared holders was turned away by the queue (a
+    writer waits ahead, and shared requests never overtake it: SPEC §10):
+    that is said, since "held by N holders (shared)" alone reads as a bug.
     """
     details: dict[str, object] = {"key": key}
     try:
@@ -106,7 +112,16 @@ def _busy(client: LockClient, key: str) -> tuple[str, dict[str, object]]:
         details["holderCount"] = status.holder_count
         details["mode"] = status.mode
         details["limit"] = status.limit
-    return f": {_holder_phrase(status)}", details
+    text = f": {_holder_phrase(status)}"
+    if shared and status.mode == "shared" and status.waiters:
+        ahead = status.waiter_list[0] if status.waiter_list else None
+        who = f" ({ahead.principal}, {ahead.mode})" if ahead is not None else ""
+        text += (
+            f"; {status.waiters} queued ahead{who}: a shared request never overtakes a "
+            "queued exclusive one"
+        )
+        details["waiters"] = status.waiters
+    return text, details
 
 
 #: What the busy error's ``details.holder`` repeats from ``status``.
@@ -168,17 +183,35 @@ def _pages(
             return
 
 
+#: bytes of ``list --json`` kept in memory before the rest spills to a temporary file.
+JSON_SPOOL_BYTES = 8 << 20
+
+
 def _stream_json(pages: Iterator[Page]) -> None:
-    """One JSON document, written a page at a time (never all locks in memory)."""
-    sep, next_key = "", None
-    click.echo('{"locks":[', nl=False)
-    for locks, after in pages:
-        entries = [json.dumps(lock.raw, **JSON_STYLE) for lock in locks]
-        if entries:
-            click.echo(sep + ",".join(entries), nl=False)
-            sep = ","
-        next_key = after
-    click.echo(f'],"next":{json.dumps(next_key, **JSON_STYLE)}}}')
+    """One JSON document, all or nothing: stdout gets it only once every page came.
+
+    A failure on any page (the daemon going away, access denied) leaves
+    stdout empty, as SPEC §9 promises for ``--json``; the document is built a
+    page at a time in a spooled temporary file (in memory up to
+    :data:`JSON_SPOOL_BYTES`), so a million locks never sit in memory as objects.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    with tempfile.SpooledTemporaryFile(JSON_SPOOL_BYTES, mode="w+", encoding="utf-8") as spool:
+        sep, next_key = "", None
+        spool.write('{"locks":[')
+        for locks, after in pages:
+            entries = [json.dumps(lock.raw, **JSON_STYLE) for lock in locks]
+            if entries:
+                spool.write(sep + ",".join(entries))
+                sep = ","
+            next_key = after
+        spool.write(f'],"next":{json.dumps(next_key, **JSON_STYLE)}}}\n')
+        spool.seek(0)
+        shutil.copyfileobj(spool, sys.stdout)
+        sys.stdout.flush()
 
 
 def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
@@ -271,17 +304,56 @@ def status(key: str, socket_path: str | None, as_json: bool) -> None:
         rows = [(*holder_cells(h), format_relative(h.expires_in_ms)) for h in st.holders]
         table = render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows)
         click.echo("Holders:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
+    if st.waiter_list:  # SPEC §12: who waits, in queue order
+        queue_rows: list[tuple[object, ...]] = [
+            (
+                w.position,
+                w.principal,
+                w.pid,
+                w.process,
+                _waiter_mode(w.mode, w.limit),
+                format_duration_ms(w.waiting_ms) if w.waiting_ms is not None else None,
+                *([w.node] if st.node else []),
+            )
+            for w in st.waiter_list
+        ]
+        headers = (
+            "POS",
+            "WAITER",
+            "PID",
+            "PROCESS",
+            "MODE",
+            "WAITING",
+            *(["NODE"] if st.node else []),
+        )
+        table = render_table(headers, queue_rows)
+        click.echo("Queue:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
+        if st.waiters > len(st.waiter_list):
+            click.echo(f"  ... {st.waiters - len(st.waiter_list)} more waiting")
+
+
+def _waiter_mode(mode: str | None, limit: int | None) -> str:
+    if limit is not None and limit > 1:
+        return f"1 of {limit} slots"
+    return mode or "exclusive"
 
 
 @locks.command(short_help="Take KEY; print the handle id alone.")
 @KEY
-@click.option("--ttl", type=TTL, required=True, help="Lease time-to-live (60s, 5m, 500ms ...).")
+@click.option(
+    "--ttl",
+    type=TTL,
+    default="60s",
+    show_default=True,
+    help="Lease time-to-live (60s, 5m, 1m30s, 500ms ...).",
+)
 @click.option("--owner", metavar="O", help="Name of the work (a run id); the same owner re-takes.")
 @click.option(
     "--wait",
     type=WAIT,
-    metavar="DURATION",
-    help="Wait up to this long in the daemon's queue (default: one attempt, no wait).",
+    metavar="DURATION|forever",
+    help="Wait up to this long in the daemon's queue ('forever': without limit). "
+    "Default: one attempt, no wait.",
 )
 @shared_options
 @socket_option
@@ -302,7 +374,7 @@ def acquire(
     \b
         H=$(lockd locks acquire backup --ttl 10m) || exit
         ...
-        printf '%s\n' "$H" | lockd locks release backup --handle -
+        printf '%s\\n' "$H" | lockd locks release backup --handle -
 
     --shared takes a shared (reader) hold, --limit N one of N slots of a
     semaphore. The lease outlives this command: release it, or it ends after
@@ -316,17 +388,22 @@ def acquire(
                 key, ttl=ttl / 1000, owner=owner, shared=shared, limit=limit
             )
         else:
+            from lockd.waitline import WaitLine
+
             try:
-                handle = client.acquire(
-                    key,
-                    ttl=ttl / 1000,
-                    timeout=wait / 1000,
-                    owner=owner,
-                    shared=shared,
-                    limit=limit,
-                )
+                # On a terminal (and not under --json) one live line says who
+                # holds the key and where we are in the queue while we wait.
+                with WaitLine(key, socket_path) if not as_json else nullcontext():
+                    handle = client.acquire(
+                        key,
+                        ttl=ttl / 1000,
+                        timeout=None if wait == WAIT_FOREVER else wait / 1000,
+                        owner=owner,
+                        shared=shared,
+                        limit=limit,
+                    )
             except LockTimeoutError as exc:
-                text, details = _busy(client, key)
+                text, details = _busy(client, key, shared=shared)
                 fail(
                     f"timed out after {format_duration_ms(wait)} waiting for {key!r}{text}",
                     EXIT_BUSY,
@@ -334,7 +411,7 @@ def acquire(
                     details={**exc.details, **details},
                 )
         if handle is None:
-            text, details = _busy(client, key)
+            text, details = _busy(client, key, shared=shared)
             fail(f"key {key!r} is busy{text}", EXIT_BUSY, details=details)
     if as_json:
         print_json(handle.raw)
@@ -393,7 +470,7 @@ def renew(
     """Extend the lease of handle H on KEY (lease lost: exit 6).
 
     \b
-        printf '%s\n' "$H" | lockd locks renew backup --handle - --ttl 10m
+        printf '%s\\n' "$H" | lockd locks renew backup --handle - --ttl 10m
         LOCKD_HANDLE=$H lockd locks renew backup --ttl 10m
     """
     handle_id = _handle_from(handle_id)
@@ -423,7 +500,7 @@ def release(key: str, handle_id: str | None, socket_path: str | None, as_json: b
     """Free KEY if handle H still holds it (not the holder: exit 6).
 
     \b
-        printf '%s\n' "$H" | lockd locks release backup --handle -
+        printf '%s\\n' "$H" | lockd locks release backup --handle -
         LOCKD_HANDLE=$H lockd locks release backup
     """
     handle_id = _handle_from(handle_id)

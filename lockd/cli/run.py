@@ -13,7 +13,7 @@ import os
 
 import click
 
-from lockd.cli.common import Duration, shared_options
+from lockd.cli.common import Duration, check_key_argument, shared_options
 from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS
 from lockd.exitcodes import (
     EXIT_BUG,
@@ -47,10 +47,44 @@ class _RunCommand(click.Command):
             cut = args.index("--")
             ctx.meta[_COMMAND_META] = tuple(args[cut + 1 :])
             args = args[:cut]
+            key_after = _key_after_dashes(self, args, ctx.meta[_COMMAND_META])
+            if key_after is not None:  # lockd run [OPTIONS] -- -KEY -- COMMAND
+                ctx.meta[_COMMAND_META] = ctx.meta[_COMMAND_META][2:]
+                args = [*args, "--", key_after]
         return super().parse_args(ctx, args)
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
-        return ["[OPTIONS]", "KEY", "-- COMMAND [ARGS]..."]
+        return [
+            "[OPTIONS]",
+            "KEY",
+            "-- COMMAND [ARGS]...  (a KEY starting with '-': -- KEY -- COMMAND)",
+        ]
+
+
+def _key_after_dashes(
+    command: click.Command, before: list[str], after: tuple[str, ...]
+) -> str | None:
+    """KEY of ``lockd run [OPTIONS] -- KEY -- COMMAND``, for a key starting with ``-``.
+
+    Only when no KEY came before the first ``--`` (every word there is an
+    option or an option's value) and a second ``--`` follows the word after
+    it; otherwise everything after the first ``--`` stays COMMAND.
+    """
+    if len(after) < 3 or after[1] != "--":
+        return None
+    takes_value = {
+        opt
+        for p in command.params
+        if isinstance(p, click.Option) and not p.is_flag and not p.count
+        for opt in p.opts
+    }
+    words = iter(before)
+    for word in words:
+        if not word.startswith("-"):
+            return None  # a positional: KEY was given already
+        if word in takes_value:
+            next(words, None)
+    return after[0]
 
 
 _EXIT_CODES: tuple[tuple[int | str, str], ...] = (
@@ -87,7 +121,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
     epilog=_EPILOG,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-@click.argument("key")
+@click.argument("key", callback=check_key_argument)
 @click.argument("stray", nargs=-1)  # words before '--': only there to say '--' is missing
 @click.option(
     "--ttl",
@@ -100,10 +134,11 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--wait",
     "wait_ms",
-    type=Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS),
+    type=Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS, forever=True),
     default=None,
-    help="Wait up to this long for the key (first come, first served). "
-    "Default: one attempt, give up at once if the key is busy.",
+    metavar="DURATION|forever",
+    help="Wait up to this long for the key (first come, first served; 'forever': "
+    "without limit). Default: one attempt, give up at once if the key is busy.",
 )
 @click.option(
     "--owner",

@@ -71,6 +71,7 @@ from lockd.daemon.leases import (
     new_handle_id,
 )
 from lockd.daemon.undo import UndoLog
+from lockd.daemon.waiterview import MAX_LISTED_WAITERS
 
 __all__ = [
     "EXCLUSIVE",
@@ -483,6 +484,7 @@ class LockEngine:
             if wait_ms <= 0:
                 return TimedOut()
             claim.id, claim.deadline = next(self._waiter_ids), now + wait_ms
+            claim.since = now
             self._enqueue(state, claim)
             return Parked(claim)
         return self._grant(now, state, claim)
@@ -657,7 +659,15 @@ class LockEngine:
         if state is None:
             return KeyStatus(key, None, None, 0, [], 0)
         listed = list(itertools.islice(self._holders(state), MAX_LISTED_HOLDERS))
-        return KeyStatus(key, state.mode, state.limit, state.count, listed, state.q_len)
+        queue = list(itertools.islice(self._queued(state), MAX_LISTED_WAITERS))
+        return KeyStatus(key, state.mode, state.limit, state.count, listed, state.q_len, queue)
+
+    @staticmethod
+    def _queued(state: _KeyState) -> Iterator[Waiter]:
+        waiter = state.q_first
+        while waiter is not None:
+            yield waiter
+            waiter = waiter.next
 
     @staticmethod
     def _holders(state: _KeyState) -> Iterator[Lease]:

@@ -126,6 +126,7 @@ class Waiter:
         "principal",
         "process",
         "release_on_close",
+        "since",
         "timed_out",
         "ttl_ms",
     )
@@ -154,6 +155,8 @@ class Waiter:
             pid,
             process,
         )
+        #: when it parked (boot ms; 0 until then): status's ``waiterList.since``.
+        self.since = 0
         self.lease: Lease | None = None
         self.timed_out = False
         self.cancelled = False
@@ -203,6 +206,8 @@ class KeyStatus:
     #: the oldest holders first, at most MAX_LISTED_HOLDERS of them.
     holders: list[Lease]
     waiters: int
+    #: the first waiters in queue order, at most MAX_LISTED_WAITERS (SPEC §12).
+    queue: list[Waiter] = field(default_factory=list)
 
     @property
     def holder(self) -> Lease | None:

@@ -80,6 +80,28 @@ def acquire_path_lock(socket_path: Path, mode: int) -> int:
     return fd
 
 
+def running_daemon(path: Path) -> int | None:
+    """The pid of a live process listening on ``path`` (SO_PEERCRED), else None.
+
+    Checked before the database is opened, so that a second ``lockd serve``
+    on the same paths says "a daemon is already running" instead of reporting
+    the database as in use.
+    """
+    if not path.exists():
+        return None
+    probe = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        creds = probe.getsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_PEERCRED, 12)
+    except OSError:
+        return None  # stale, not a socket, or not ours to reach: bind_socket decides
+    finally:
+        probe.close()
+    pid = int.from_bytes(creds[:4], "little", signed=True)
+    return pid if pid > 0 else None
+
+
 def bind_socket(path: Path, mode: int) -> stdsocket.socket:
     """Bind the Unix socket, replacing a stale one but never a live daemon's."""
     _socket_dir(path, mode)

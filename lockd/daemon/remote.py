@@ -45,7 +45,8 @@ from lockd.daemon.protocol import (
     Stats,
     Status,
 )
-from lockd.daemon.service import BrokenHold, LockService, timed_out
+from lockd.daemon.service import BrokenHold, LockService, timed_out, visible_locks
+from lockd.daemon.waiterview import waiter_list
 from lockd.identity import Caller
 from lockd.logfmt import kv
 from lockd.timefmt import format_epoch_ms
@@ -231,6 +232,8 @@ class RemoteService:
             service.stats.count("timeouts")
             raise timed_out(req)
         service.stats.count("grants")  # a re-take is a grant too, as in the engine
+        if parked is not None and parked.is_set():
+            service.stats.count("handoffs")  # it waited: a release, expiry or break handed it over
         if outcome.retake:
             service.stats.count("retakes")
             self._tell_retaken(caller, outcome)
@@ -291,7 +294,7 @@ class RemoteService:
         if isinstance(request, ListLocks):
             service.authorize(caller, "list")
             page, after = await backend.list_held(request.prefix, request.limit, request.after)
-            return {"locks": [self.status_view(st) for st in page], "next": after}
+            return {"locks": visible_locks(caller, map(self.status_view, page)), "next": after}
         raise AssertionError(f"unhandled op {request.op}")
 
     async def _break(self, caller: Caller, request: Break, told: list[Watched]) -> dict[str, Any]:
@@ -345,6 +348,7 @@ class RemoteService:
             "held": bool(holders),
             **(holders[0] if holders else dict.fromkeys(HOLDER_FIELDS)),
             "waiters": st.waiters,
+            "waiterList": waiter_list(st.queue, now),
             "mode": first.mode if first else None,
             "limit": first.limit if first else None,
             "holderCount": len(st.holds),

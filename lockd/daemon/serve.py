@@ -27,12 +27,14 @@ from lockd.daemon.listener import (
     UnsafeSocketDirError,
     acquire_path_lock,
     bind_socket,
+    running_daemon,
 )
 from lockd.daemon.ratelimit import RateLimiter
 from lockd.daemon.remote import RemoteService
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
+from lockd.daemon.stats import StatsRecorder
 from lockd.daemon.store import StorageUnavailable, Store, StoreError, read_boot_id
 from lockd.identity import IdentityConfig
 from lockd.logfmt import kv, setup_logging
@@ -103,8 +105,14 @@ def build(
         settings = load_settings(paths.config_dir)
         if etcd:
             settings = replace(settings, backend=settings.backend.with_etcd(etcd))
-    except ConfigError as exc:
-        raise StartupError(f"config: {exc}") from None
+        if settings.backend.kind == "etcd":
+            settings.backend.check_files(str(paths.config_file))
+    except ConfigError:
+        raise  # exit 2 in the CLI: one line naming the file and the fix
+    if not systemd.listen_fd_names():  # under socket activation the socket is ours
+        pid = running_daemon(paths.socket)
+        if pid is not None:
+            raise StartupError(f"a daemon is already running on {paths.socket} (pid {pid})")
     setup_logging(settings.log_level)
     policy = PolicyManager(paths.rule_sets_dir, budget=settings.rule_budget_ms / 1000)
     try:
@@ -125,6 +133,7 @@ def build(
         policy,
         RateLimiter(settings.acquire_per_hour),
         clock,
+        stats=StatsRecorder(settings.stats_window),
         max_pending_per_connection=settings.max_pending_per_connection,
         remote=backend,
         break_grace_ms=round(settings.break_grace * 1000),

@@ -36,7 +36,7 @@ engine's gauges (:meth:`gauges`); it never touches the engine or the clock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -73,8 +73,10 @@ from lockd.daemon.protocol import (
 )
 from lockd.daemon.stats import StatsRecorder
 from lockd.daemon.store import StorageUnavailable, Store
+from lockd.daemon.waiterview import QueuedWaiter, concerns, waiter_list
 from lockd.identity import Caller
 from lockd.logfmt import kv
+from lockd.rules.policy import PASS_ROLES
 from lockd.timefmt import format_epoch_ms
 
 if TYPE_CHECKING:
@@ -187,6 +189,15 @@ def shutting_down() -> ProtocolError:
     return ProtocolError("SHUTTING_DOWN", "lockd is stopping")
 
 
+def visible_locks(caller: Caller, entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What ``list`` shows ``caller`` (SPEC §12): everything to owners, admins and
+    services; to a member only the keys it holds or waits for (a page may then
+    hold fewer entries than ``limit``; ``next`` still goes on)."""
+    if caller.role in PASS_ROLES:
+        return list(entries)
+    return [entry for entry in entries if concerns(entry, caller.principal)]
+
+
 class LockService:
     def __init__(
         self,
@@ -272,11 +283,18 @@ class LockService:
         for waiter in changes.resolved:
             if waiter.timed_out:
                 self.stats.count("timeouts")
-            elif waiter.lease is not None and log.isEnabledFor(logging.DEBUG):
-                lease = waiter.lease
-                log.debug(
-                    kv(event="granted", key=lease.key, principal=lease.principal, fence=lease.fence)
-                )
+            elif waiter.lease is not None:
+                self.stats.count("handoffs")
+                if log.isEnabledFor(logging.DEBUG):
+                    lease = waiter.lease
+                    log.debug(
+                        kv(
+                            event="granted",
+                            key=lease.key,
+                            principal=lease.principal,
+                            fence=lease.fence,
+                        )
+                    )
             self.on_resolved(waiter)
         self.on_batch_end(None)
 
@@ -535,11 +553,22 @@ class LockService:
             "held": bool(holders),
             **oldest,
             "waiters": st.waiters,
+            "waiterList": self.waiter_list_view(st),
             "mode": st.mode,
             "limit": st.limit,
             "holderCount": st.holder_count,
             "holders": holders,
         }
+
+    def waiter_list_view(self, st: KeyStatus) -> list[dict[str, Any]]:
+        """SPEC §12 ``waiterList``: the engine's queue on the wall clock."""
+        wall, boot = self.clock.wall_ms(), self.clock.boot_ms()
+        queued = (
+            QueuedWaiter(w.principal, w.pid, w.process, w.mode, w.limit, wall + w.since - boot)
+            for w in st.queue
+            if not w.resolved
+        )
+        return waiter_list(queued, wall)
 
     # ------------------------------------------------------------ acquire
 
@@ -773,7 +802,10 @@ class LockService:
         self.authorize(caller, "list")
         page = self.engine.list_held(self._now(), prefix, limit, after)
         self.commit_fact("list")
-        return {"locks": [self.status_view(st) for st in page.locks], "next": page.next}
+        return {
+            "locks": visible_locks(caller, map(self.status_view, page.locks)),
+            "next": page.next,
+        }
 
     def break_lock(self, caller: Caller, key: str, reason: str) -> dict[str, Any] | PendingBreak:
         """``break``: the result now, or a :class:`PendingBreak` when a holder listens.

@@ -1,8 +1,9 @@
 """Counters, gauges and per-op latency percentiles for the ``stats`` op.
 
-Latencies keep the last :data:`WINDOW` samples per op in a ring: memory is
-fixed, percentiles describe recent behaviour, and recording costs one list
-store on the hot path. A blocking acquire's latency includes its wait.
+Latencies keep the last :data:`WINDOW` samples per op in a ring (the
+config's ``stats_window``): memory is fixed, percentiles describe recent
+behaviour, and recording costs one list store on the hot path. A blocking
+acquire's latency includes its wait.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ WINDOW = 2048
 
 
 class LatencyWindow:
-    __slots__ = ("_next", "_samples", "count")
+    __slots__ = ("_next", "_samples", "count", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = WINDOW) -> None:
         self._samples: list[float] = []
         self._next = 0
         self.count = 0
+        self.size = size
 
     def record(self, ms: float) -> None:
         self.count += 1
-        if len(self._samples) < WINDOW:
+        if len(self._samples) < self.size:
             self._samples.append(ms)
         else:
             self._samples[self._next] = ms
-            self._next = (self._next + 1) % WINDOW
+            self._next = (self._next + 1) % self.size
 
     def summary(self) -> dict[str, float | int]:
         data = sorted(self._samples)
@@ -54,9 +56,11 @@ class StatsRecorder:
     (Named apart from :class:`lockd.daemon.protocol.Stats`, the request.)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = WINDOW) -> None:
         self.counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self.latency: dict[str, LatencyWindow] = {}
+        #: samples kept per op.
+        self.window = window
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -64,7 +68,7 @@ class StatsRecorder:
     def observe(self, op: str, ms: float) -> None:
         window = self.latency.get(op)
         if window is None:
-            window = self.latency[op] = LatencyWindow()
+            window = self.latency[op] = LatencyWindow(self.window)
         window.record(ms)
 
     def snapshot(self, gauges: dict[str, Any]) -> dict[str, Any]:

@@ -83,9 +83,9 @@ RULE_NAMES: tuple[str, ...] = ("acquire", "renew")
 #: Protocol op -> the rule that gates it.
 GATED_OPS: Mapping[str, str] = {"acquire": "acquire", "tryAcquire": "acquire", "renew": "renew"}
 #: Ops every caller may use.
-OPEN_OPS = frozenset({"hello", "status", "release"})
+OPEN_OPS = frozenset({"hello", "status", "release", "list"})
 #: Ops for owners, admins and services.
-PRIVILEGED_OPS = frozenset({"list", "stats", "rules"})
+PRIVILEGED_OPS = frozenset({"stats", "rules"})
 #: Roles that may ``break`` (services may not; see the module docstring).
 BREAK_ROLES = frozenset({"owner", "admin"})
 #: Roles that rules never refuse.
@@ -97,7 +97,7 @@ _OP_HINTS = {
     "release": "release is never rule-gated",
     "status": "status is open to every caller",
     "hello": "hello is open to every caller",
-    "list": "list is for owners, admins and services, not rule-gated",
+    "list": "list is open to every caller (a member sees the keys it holds or waits for)",
     "stats": "stats is for owners, admins and services, not rule-gated",
     "rules": "rules is for owners, admins and services, not rule-gated",
     "break": "break is for owners and admins, not rule-gated",

@@ -19,6 +19,7 @@ instead of after ``break_grace``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -37,10 +38,12 @@ from lockd_client import (
     ShuttingDownError,
 )
 
+from lockd.contract import WAIT_FOREVER
 from lockd.describe import who_holds
 from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
 from lockd.timefmt import format_duration_ms
+from lockd.waitline import WaitLine
 
 __all__ = ["Grant", "LeaseKeeper", "take_lease"]
 
@@ -87,15 +90,18 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
                 limit=opts.limit,
             )
         else:
-            handle = client.acquire(
-                opts.key,
-                ttl,
-                opts.wait_ms / 1000,
-                owner=opts.owner,
-                release_on_close=True,
-                shared=opts.shared,
-                limit=opts.limit,
-            )
+            # On a terminal, one live line while waiting (lockd.waitline).
+            live = not (opts.quiet or report.json_lines)
+            with WaitLine(opts.key, opts.socket_path) if live else contextlib.nullcontext():
+                handle = client.acquire(
+                    opts.key,
+                    ttl,
+                    None if opts.wait_ms == WAIT_FOREVER else opts.wait_ms / 1000,
+                    owner=opts.owner,
+                    release_on_close=True,
+                    shared=opts.shared,
+                    limit=opts.limit,
+                )
     except LockTimeoutError:
         wait = format_duration_ms(opts.wait_ms or 0)
         if not opts.quiet:

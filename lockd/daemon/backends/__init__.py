@@ -29,6 +29,7 @@ import trio
 
 from lockd.core import Refused
 from lockd.daemon.protocol import Acquire, Request
+from lockd.daemon.waiterview import QueuedWaiter
 from lockd.identity import Caller
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class RemoteStatus:
     key: str
     holds: Sequence[RemoteHold]
     waiters: int
+    #: the first waiters in queue order (up to MAX_LISTED_WAITERS), every host's.
+    queue: Sequence[QueuedWaiter] = ()
 
 
 class RemoteBackend(Protocol):

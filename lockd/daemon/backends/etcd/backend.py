@@ -55,6 +55,7 @@ from lockd.daemon.backends.etcd.wire import (
 from lockd.daemon.clock import Clock
 from lockd.daemon.engine import new_handle_id
 from lockd.daemon.protocol import Acquire
+from lockd.daemon.waiterview import MAX_LISTED_WAITERS
 from lockd.identity import Caller
 from lockd.logfmt import kv
 
@@ -627,6 +628,7 @@ class EtcdBackend:
             pid=template.pid,
             process=template.process,
             bound=template.bound,
+            since=self.clock.wall_ms(),
         )
         try:
             with trio.move_on_at(deadline):
@@ -783,7 +785,7 @@ class EtcdBackend:
 
     async def status(self, key: str) -> RemoteStatus:
         directory = await self._read(key)
-        return RemoteStatus(key, directory.holds, len(directory.waiters))
+        return _remote_status(key, directory)
 
     async def list_held(
         self, prefix: str, limit: int, after: str | None
@@ -807,7 +809,7 @@ class EtcdBackend:
             if current is not None:
                 directory = Directory.parse(layout, current, records, revision)
                 if directory.holds:
-                    page.append(RemoteStatus(current, directory.holds, len(directory.waiters)))
+                    page.append(_remote_status(current, directory))
 
         while len(page) <= limit:
             read = RangeOp(start, range_end=high, limit=LIST_CHUNK, revision=revision)
@@ -851,3 +853,9 @@ class EtcdBackend:
         """``stats`` gauges: this daemon's own (counting every host's keys would need a scan)."""
         waiters = sum(len(q.waiters) for q in self._queues.values())
         return {"held": None, "waiters": waiters, "fence": self.last_fence, "node": self.node}
+
+
+def _remote_status(key: str, directory: Directory) -> RemoteStatus:
+    """status/list's view of a key: holders, the waiter count and the first waiters."""
+    queued = [w.queued() for w in directory.waiters[:MAX_LISTED_WAITERS]]
+    return RemoteStatus(key, directory.holds, len(directory.waiters), queued)

@@ -34,6 +34,7 @@ from typing import Any
 from lockd.core import EXCLUSIVE, SHARED, is_retake
 from lockd.daemon.backends.etcd import queue
 from lockd.daemon.backends.etcd.wire import KeyValue
+from lockd.daemon.waiterview import QueuedWaiter
 
 
 class Layout:
@@ -184,6 +185,9 @@ class Waiter:
     pid: int | None = None
     process: str | None = None
     bound: bool = False
+    #: when the request came (epoch ms, the granting daemon's wall clock):
+    #: status's ``waiterList.since``; None in records of older daemons.
+    since: int | None = None
 
     def value(self) -> bytes:
         doc = {
@@ -197,6 +201,7 @@ class Waiter:
             "pid": self.pid,
             "process": self.process,
             "bound": self.bound,
+            "since": self.since,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -217,6 +222,13 @@ class Waiter:
             pid=doc.get("pid"),
             process=doc.get("process"),
             bound=doc.get("bound", False),
+            since=doc.get("since"),
+        )
+
+    def queued(self) -> QueuedWaiter:
+        """As status's ``waiterList`` shows it."""
+        return QueuedWaiter(
+            self.principal, self.pid, self.process, self.mode, self.limit, self.since, self.node
         )
 
     @property

@@ -22,6 +22,7 @@ import logging
 import trio
 
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, LeaseNotFound
+from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.etcd")
 
@@ -63,7 +64,7 @@ class Session:
         grant = await self._gateway.lease_grant(self.requested_ttl)
         self.lease_id, self.ttl = grant.id, grant.ttl
         self.expires_at = sent + grant.ttl
-        log.info("etcd session lease %x granted, ttl %d s", self.lease_id, self.ttl)
+        log.info(kv(event="etcd_session_granted", lease=f"{self.lease_id:x}", ttl_s=self.ttl))
         task_status.started(self)
         try:
             await self._keep_alive()
@@ -74,7 +75,11 @@ class Session:
         """etcd said the lease is gone (to the keeper, or to a request that used it)."""
         if not self.lost.is_set():
             log.warning(
-                "etcd session lease %x is gone; its waiters and holds with it", self.lease_id
+                kv(
+                    event="etcd_session_lost",
+                    lease=f"{self.lease_id:x}",
+                    hint="its waiters and releaseOnClose holds are gone with it",
+                )
             )
             self.lost.set()
 
@@ -93,10 +98,12 @@ class Session:
                     overdue = trio.current_time() - self.expires_at
                     if overdue > 0:
                         log.warning(
-                            "etcd session lease %x not refreshed for %.1f s past its TTL: %s",
-                            self.lease_id,
-                            overdue,
-                            failure,
+                            kv(
+                                event="etcd_session_overdue",
+                                lease=f"{self.lease_id:x}",
+                                overdue_s=f"{overdue:.1f}",
+                                error=failure,
+                            )
                         )
                     await trio.sleep(RETRY_INTERVAL)
                     continue

@@ -1,0 +1,82 @@
+"""The CLI starts light (issue 24): no heavy module at start-up.
+
+Scripts call ``lockd`` in loops, so a command imports only what it uses
+(``bench/startup.py`` measures the cost against ``python -c pass``). Each
+case runs a command in a fresh interpreter (against a socket that does not
+exist: the imports up to the request are what counts) and lists the modules
+it imported.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+LIST_MODULES = """
+import json, sys
+from lockd.cli import main
+try:
+    main(sys.argv[1:], prog_name="lockd", standalone_mode=False)
+except BaseException:
+    pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+#: never at CLI start: the daemon's machinery and its dependencies.
+HEAVY = ("trio", "sqlite3", "celpy", "lark", "platformdirs", "lockd.daemon", "lockd.rules")
+
+
+def imported(*args: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", LIST_MODULES, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    modules: list[str] = json.loads(out.stdout.splitlines()[-1])
+    return set(modules)
+
+
+def heavy_in(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["locks", "status", "k", "--socket", "/nonexistent/lockd.sock"],
+        ["locks", "list", "--socket", "/nonexistent/lockd.sock"],
+        ["locks", "acquire", "k", "--wait", "1s", "--socket", "/nonexistent/lockd.sock"],
+        ["run", "k", "--socket", "/nonexistent/lockd.sock", "--", "true"],
+        ["whoami", "--socket", "/nonexistent/lockd.sock"],
+    ],
+    ids=lambda args: " ".join(a for a in args if not a.startswith("/")),
+)
+def test_no_heavy_module_at_cli_start(args: list[str]) -> None:
+    assert heavy_in(imported(*args)) == []
+
+
+def test_locks_status_loads_neither_run_nor_rules_nor_the_renewer() -> None:
+    modules = imported("locks", "status", "k", "--socket", "/nonexistent/lockd.sock")
+    for module in (
+        "lockd.cli.run",
+        "lockd.run",
+        "lockd.cli.rules",
+        "lockd.cli.top",
+        "lockd.waitline",
+        "lockd_client._lock",  # threads and logging for background renewals
+        "lockd_client.aio",
+        "tempfile",
+        "logging",
+    ):
+        assert module not in modules, module
+
+
+def test_run_does_not_load_the_locks_commands() -> None:
+    modules = imported("run", "k", "--socket", "/nonexistent/lockd.sock", "--", "true")
+    assert "lockd.cli.locks" not in modules and "lockd.cli.rules" not in modules
