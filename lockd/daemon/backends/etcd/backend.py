@@ -24,6 +24,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import trio
 
@@ -38,9 +39,10 @@ from lockd.daemon.backends.etcd.gateway import (
     LeaseNotFound,
 )
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease, LeasePool, Refresh
-from lockd.daemon.backends.etcd.nodeclaim import claim_node
+from lockd.daemon.backends.etcd.nodeclaim import NodeTaken, claim_node
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
+from lockd.daemon.backends.etcd.tasks import keep_running, logged
 from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
 from lockd.daemon.backends.etcd.wire import (
     Compare,
@@ -120,8 +122,8 @@ class EtcdBackend:
         """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._clean_up)
-            nursery.start_soon(self._untie_delivered)
+            nursery.start_soon(keep_running, "clean_up", self._clean_up)
+            nursery.start_soon(keep_running, "untie", self._untie_delivered)
             await nursery.start(self._keep_session)
             task_status.started()
 
@@ -173,7 +175,7 @@ class EtcdBackend:
                 try:
                     await self._untie(hold)
                 except (EtcdUnavailable, EtcdError) as exc:
-                    log.debug(kv(event="untie_retry", key=hold.key, error=exc))
+                    log.info(kv(event="untie_retry", key=hold.key, error=exc))
                     self._untie_wanted.set()
                     await trio.sleep(RETRY_INTERVAL)
                     break
@@ -202,28 +204,40 @@ class EtcdBackend:
         started = False
         while True:
             session = Session(self.etcd, self.settings.session_ttl)
-            async with trio.open_nursery() as nursery:
-                try:
-                    await nursery.start(session.run)
-                    # Before anything goes on the lease: one daemon per node name
-                    # (NodeTaken ends the daemon: it must not serve).
-                    await claim_node(
-                        self.etcd, self.layout.node(self.node), self.node, session.lease_id
-                    )
-                except (EtcdUnavailable, EtcdError) as exc:
-                    log.warning(kv(event="etcd_unavailable", during="session", error=exc))
-                else:
-                    self._session = session
-                    self._session_ready.set()
-                    log.info(
-                        kv(event="etcd_session", node=self.node, lease=f"{session.lease_id:x}")
-                    )
-                if not started:
-                    started = True
-                    task_status.started()
-                if self._session is session:
-                    await session.lost.wait()
-                nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    try:
+                        await nursery.start(session.run)
+                        # Before anything goes on the lease: one daemon per node name
+                        # (NodeTaken ends the daemon: it must not serve).
+                        await claim_node(
+                            self.etcd, self.layout.node(self.node), self.node, session.lease_id
+                        )
+                    except NodeTaken:
+                        raise
+                    except Exception as exc:  # EtcdUnavailable, or anything else: try again
+                        log.warning(kv(event="etcd_unavailable", during="session", error=exc))
+                    else:
+                        self._session = session
+                        self._session_ready.set()
+                        log.info(
+                            kv(event="etcd_session", node=self.node, lease=f"{session.lease_id:x}")
+                        )
+                    if not started:
+                        started = True
+                        task_status.started()
+                    if self._session is session:
+                        await session.lost.wait()
+                    nursery.cancel_scope.cancel()
+            except Exception as exc:
+                # The keeper failed (not by etcd's "lease not found"): a bug.
+                # The daemon lives on with a new session; this one is let go.
+                if isinstance(exc, NodeTaken) or (
+                    isinstance(exc, BaseExceptionGroup) and exc.subgroup(NodeTaken) is not None
+                ):
+                    raise
+                log.error(kv(event="task_failed", task="session", error=exc), exc_info=True)
+                session.mark_lost()
             if self._closing:
                 return  # ended by close(): no new session for a daemon that stops
             if not session.lost.is_set():  # never granted, or its node name not claimed
@@ -292,7 +306,7 @@ class EtcdBackend:
             else:
                 refresh = Refresh(kept)
                 assert self._nursery is not None
-                self._nursery.start_soon(self._refresh, refresh)
+                self._nursery.start_soon(logged, "lease_refresh", partial(self._refresh, refresh))
             # Its true end, for when the hold gives it back.
             self.leases.note(kept.id, kept.alive_until)
             hold = replace(
@@ -325,7 +339,7 @@ class EtcdBackend:
             ttl = await self.etcd.lease_keepalive(refresh.lease.id)
             refresh.lease.alive_until = sent + ttl * 1000
             self.leases.note(refresh.lease.id, refresh.lease.alive_until)
-        except (EtcdUnavailable, LeaseNotFound):
+        except (EtcdUnavailable, EtcdError):
             pass  # the grant's put fails on a lost lease; else the old bound stands
         finally:
             refresh.done.set()
@@ -353,7 +367,7 @@ class EtcdBackend:
             return
         self._granting.add(ttl_s)
         assert self._nursery is not None
-        self._nursery.start_soon(self._grant_ahead, ttl_s)
+        self._nursery.start_soon(logged, "lease_ahead", partial(self._grant_ahead, ttl_s))
 
     async def _grant_ahead(self, ttl_s: int) -> None:
         try:
@@ -694,7 +708,7 @@ class EtcdBackend:
                 del self._queues[key_queue.key]
 
         try:
-            await key_queue.run(retire)
+            await keep_running("queue", partial(key_queue.run, retire))
         finally:
             retire()
 

@@ -34,6 +34,7 @@ Why this shape:
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import ssl
@@ -74,9 +75,15 @@ from lockd.daemon.backends.etcd.wire import (
 )
 
 # gRPC status codes etcd answers with (the gateway puts them in "code").
+GRPC_CANCELLED = 1
+GRPC_UNKNOWN = 2
+GRPC_INVALID_ARGUMENT = 3
 GRPC_DEADLINE_EXCEEDED = 4
 GRPC_NOT_FOUND = 5
 GRPC_RESOURCE_EXHAUSTED = 8
+GRPC_ABORTED = 10
+GRPC_UNIMPLEMENTED = 12
+GRPC_INTERNAL = 13
 GRPC_UNAVAILABLE = 14
 GRPC_UNAUTHENTICATED = 16
 
@@ -86,8 +93,56 @@ NOT_PROPOSED = (
     "etcdserver: no leader",
     "etcdserver: too many requests",
     "etcdserver: not capable",
+    "etcdserver: unhealthy cluster",
 )
 INVALID_TOKEN = "etcdserver: invalid auth token"
+
+# gRPC codes with which a member says it could not finish the request, not
+# that it refuses it: it may have been proposed (and committed) all the same.
+# Code 1 "grpc: the client connection is closing" is what etcd's gateway
+# answers while its member shuts down gracefully (SIGTERM); 14 covers
+# "request timed out", "leader changed", "server stopped".
+INTERRUPTED = frozenset(
+    {
+        GRPC_CANCELLED,
+        GRPC_UNKNOWN,
+        GRPC_DEADLINE_EXCEEDED,
+        GRPC_ABORTED,
+        GRPC_INTERNAL,
+        GRPC_UNAVAILABLE,
+    }
+)
+# gRPC codes that mean the request itself was malformed: a bug of ours.
+MALFORMED = frozenset({GRPC_INVALID_ARGUMENT, GRPC_UNIMPLEMENTED})
+
+
+class Failure(enum.Enum):
+    """What an etcd error reply means for the request that got it (``classify``)."""
+
+    #: never proposed to raft: send it again, here later or elsewhere now.
+    NOT_PROPOSED = "not proposed"
+    #: the member gave up on it: it may have been applied (a read may go again).
+    OUTCOME_UNKNOWN = "outcome unknown"
+    #: etcd's answer stands (a lease gone, no rights, no space): not applied.
+    REFUSED = "refused"
+    #: the request was malformed: a bug in this client.
+    BUG = "bug"
+
+
+def classify(code: int, message: str, http_status: int) -> Failure:
+    """The one place that says what an etcd error reply means (docs/etcd-design.md §8).
+
+    ``code`` is the gRPC code the gateway reports (0 when the reply had
+    none), ``http_status`` the HTTP status it came with.
+    """
+    if message in NOT_PROPOSED or message == INVALID_TOKEN:
+        return Failure.NOT_PROPOSED
+    if code in INTERRUPTED or (code == 0 and http_status >= 500):
+        return Failure.OUTCOME_UNKNOWN
+    if code in MALFORMED:
+        return Failure.BUG
+    return Failure.REFUSED
+
 
 REQUIRE_LEADER = ("Grpc-Metadata-hasleader", "true")
 
@@ -112,7 +167,8 @@ class EtcdUnavailable(BackendUnavailable):
 
 
 class EtcdError(Exception):
-    """etcd answered and refused the request (a bug, bad credentials, a missing lease)."""
+    """etcd answered and refused the request. As such (not a subclass): the request was
+    malformed, a bug of ours (``Failure.BUG``); the daemon answers it INTERNAL."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"etcd error {code}: {message}")
@@ -120,7 +176,12 @@ class EtcdError(Exception):
         self.message = message
 
 
-class LeaseNotFound(EtcdError):
+class EtcdRefused(EtcdError, BackendUnavailable):
+    """etcd refused a well-formed request (``Failure.REFUSED``): no rights, no space, a
+    compacted revision, failed login. Not applied; clients get BACKEND_UNAVAILABLE."""
+
+
+class LeaseNotFound(EtcdRefused):
     """The lease does not exist (it expired or was revoked)."""
 
 
@@ -400,16 +461,9 @@ class EtcdGateway:
                 self._member_ids[endpoint] = int(header["member_id"])
             return doc
         code, message = _error_of(doc, reply)
-        if message == INVALID_TOKEN and self.settings.username is not None:
+        if message == INVALID_TOKEN:
             self._token = None  # expired (simple tokens live 5 min idle): log in again
-            raise NotSent(message)
-        if message in NOT_PROPOSED:
-            raise NotSent(message)
-        if code in (GRPC_UNAVAILABLE, GRPC_DEADLINE_EXCEEDED) or reply.status >= 500:
-            raise MaybeSent(message)
-        if code == GRPC_NOT_FOUND and "lease not found" in message:
-            raise LeaseNotFound(code, message)
-        raise EtcdError(code, message)
+        raise _failure(code, message, reply.status)
 
     async def _auth_headers(self, endpoint: str) -> tuple[tuple[str, str], ...]:
         if self.settings.username is None:
@@ -430,9 +484,10 @@ class EtcdGateway:
                 doc = _json(reply.body)
                 if reply.status != 200:
                     code, message = _error_of(doc, reply)
-                    if code == GRPC_UNAVAILABLE or message in NOT_PROPOSED:
+                    refused = _failure(code, message, reply.status)
+                    if isinstance(refused, HttpFailure):  # logging in again does no harm
                         raise NotSent(message)
-                    raise EtcdError(code, f"login as {self.settings.username!r}: {message}")
+                    raise type(refused)(code, f"login as {self.settings.username!r}: {message}")
                 self._token = str(doc["token"])
             return (REQUIRE_LEADER, ("Authorization", self._token))
 
@@ -471,10 +526,11 @@ class Watch:
             if not line.strip():
                 continue
             doc = json.loads(line)
-            if "error" in doc:  # the member lost its leader (or refuses): resume elsewhere
+            if "error" in doc:  # the member lost its leader (or stops): resume elsewhere
                 code, message = _error_of(doc, None)
-                if not _transient(code, message):
-                    raise EtcdError(code, message)
+                failure = _failure(code, message, 0)
+                if not isinstance(failure, HttpFailure):
+                    raise failure
                 await self._resume_elsewhere()
                 continue
             response = WatchResponse.parse(doc.get("result", {}))
@@ -538,9 +594,10 @@ class Watch:
         code, message = _error_of(_json(error), Response(response.status, response.reason, error))
         if message == INVALID_TOKEN:
             gateway._token = None
-        if _transient(code, message):
+        failure = _failure(code, message, response.status)
+        if isinstance(failure, HttpFailure):  # a watch changes nothing: start it elsewhere
             raise NotSent(message)
-        raise EtcdError(code, message)
+        raise failure
 
     async def _drop(self) -> None:
         response, self._response = self._response, None
@@ -596,6 +653,15 @@ def _error_of(doc: Mapping[str, Any], reply: Response | None) -> tuple[int, str]
     return int(doc.get("code", 0)), str(message)
 
 
-def _transient(code: int, message: str) -> bool:
-    """An error another member (or this one, a moment later) may not give."""
-    return code == GRPC_UNAVAILABLE or message in (*NOT_PROPOSED, INVALID_TOKEN)
+def _failure(code: int, message: str, http_status: int) -> HttpFailure | EtcdError:
+    """The exception for an error reply, as ``classify`` reads it."""
+    kind = classify(code, message, http_status)
+    if kind is Failure.NOT_PROPOSED:
+        return NotSent(message)
+    if kind is Failure.OUTCOME_UNKNOWN:
+        return MaybeSent(message)
+    if kind is Failure.BUG:
+        return EtcdError(code, message)
+    if code == GRPC_NOT_FOUND and "lease not found" in message:
+        return LeaseNotFound(code, message)
+    return EtcdRefused(code, message)

@@ -47,6 +47,7 @@ from lockd.daemon.backends.etcd import queue
 from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
 from lockd.daemon.backends.etcd.leases import Refresh
 from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
+from lockd.daemon.backends.etcd.tasks import keep_running
 from lockd.daemon.backends.etcd.wire import (
     Compare,
     DeleteOp,
@@ -205,8 +206,11 @@ class KeyQueue:
         waiter arriving after that starts a new queue instead of joining
         one whose task is ending.
         """
+        if self.decisions:  # started again after a failure: what it knew may be stale
+            self.records = None
+            self.changed.set()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch)
+            nursery.start_soon(keep_running, "watch", self._watch)
             while True:
                 if not self.waiters and not self.holding:
                     retire()
@@ -220,7 +224,7 @@ class KeyQueue:
                 except (EtcdUnavailable, EtcdError) as exc:
                     # EtcdError: a kept lease that ended under the grant, or
                     # a refusal; deciding again from a new read is safe.
-                    log.debug(kv(event="queue_retry", key=self.key, error=exc))
+                    log.info(kv(event="queue_retry", key=self.key, error=exc))
                     self.records = None
                     self.changed.set()
                     await trio.sleep(RETRY_INTERVAL)
@@ -268,9 +272,9 @@ class KeyQueue:
 
     async def _watch(self) -> None:
         """Follow the directory from the first read on; a deletion may let a waiter go."""
-        start = self._watch_from
         request = WatchRequest(self.directory_key, prefix=True)
         while True:
+            start = self._watch_from
             try:
                 async with self.backend.etcd.watch(replace(request, start_revision=start)) as w:
                     try:
@@ -279,12 +283,16 @@ class KeyQueue:
                             if any(self._wakes(e) for e in response.events):
                                 self.changed.set()
                     finally:
-                        start = w.next_revision or start
+                        # Kept on the queue: a watch started again (here, or
+                        # after a failure) goes on from there, missing nothing.
+                        self._watch_from = w.next_revision or start
             except WatchCompacted as exc:
-                start = exc.compact_revision
+                self._watch_from = exc.compact_revision
                 self.records = None  # what was compacted away is read instead
                 self.changed.set()
-            except EtcdUnavailable:
+            except (EtcdUnavailable, EtcdError) as exc:
+                # EtcdError: refused (rights, say) or a bug: try again later.
+                log.info(kv(event="watch_retry", key=self.key, error=exc))
                 await trio.sleep(RETRY_INTERVAL)
 
     def _wakes(self, event: Event) -> bool:

@@ -1,0 +1,170 @@
+"""The etcd backend through faults injected under its gateway (tests/etcd_faults.py).
+
+Every call goes to a real cluster, but the transport can answer like a
+member that shuts down gracefully (gRPC code 1, "the client connection is
+closing"), and hide that a write was applied. These pin issue 23's findings:
+no background task ends the daemon, an unknown outcome is
+BACKEND_UNAVAILABLE, and nothing the daemon wrote is forgotten.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import trio
+
+from lockd.config import BackendSettings
+from lockd.daemon.backends import BackendUnavailable
+from lockd.daemon.backends.etcd.backend import EtcdBackend
+from lockd.daemon.backends.etcd.gateway import (
+    EtcdError,
+    EtcdGateway,
+    EtcdRefused,
+    Failure,
+    GatewaySettings,
+    LeaseNotFound,
+    classify,
+)
+from lockd.daemon.backends.etcd.records import Hold
+from lockd.daemon.clock import SystemClock
+from tests.etcd_cluster import EtcdCluster
+from tests.etcd_faults import FaultyPool, inject
+from tests.test_etcd_backend import ALICE, BOB, acquired, records, request, until
+
+Start = Callable[..., Awaitable[tuple[EtcdBackend, FaultyPool]]]
+
+
+@pytest.fixture
+async def start(etcd_cluster: EtcdCluster) -> AsyncIterator[Start]:
+    """``await start(node)``: a running backend whose transport can inject faults."""
+    prefix = f"/test-faults/{time.monotonic_ns()}/"
+    async with trio.open_nursery() as nursery:
+
+        async def begin(node: str, session_ttl: int = 5) -> tuple[EtcdBackend, FaultyPool]:
+            settings = BackendSettings(
+                kind="etcd",
+                endpoints=tuple(etcd_cluster.endpoints),
+                prefix=prefix,
+                node=node,
+                etcd_timeout=5.0,
+                session_ttl=session_ttl,
+            )
+            gateway = EtcdGateway(GatewaySettings(settings.endpoints, timeout=5.0))
+            pool = inject(gateway)
+            backend = EtcdBackend(gateway, settings, SystemClock())
+            await nursery.start(backend.run)
+            return backend, pool
+
+        yield begin
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "status", "kind"),
+    [
+        (1, "grpc: the client connection is closing", 408, Failure.OUTCOME_UNKNOWN),
+        (14, "etcdserver: request timed out", 503, Failure.OUTCOME_UNKNOWN),
+        (14, "etcdserver: leader changed", 503, Failure.OUTCOME_UNKNOWN),
+        (4, "context deadline exceeded", 504, Failure.OUTCOME_UNKNOWN),
+        (0, "", 502, Failure.OUTCOME_UNKNOWN),
+        (14, "etcdserver: no leader", 503, Failure.NOT_PROPOSED),
+        (8, "etcdserver: too many requests", 429, Failure.NOT_PROPOSED),
+        (3, "etcdserver: invalid auth token", 400, Failure.NOT_PROPOSED),
+        (5, "etcdserver: requested lease not found", 404, Failure.REFUSED),
+        (7, "etcdserver: permission denied", 403, Failure.REFUSED),
+        (8, "etcdserver: mvcc: database space exceeded", 429, Failure.REFUSED),
+        (3, "etcdserver: duplicate key given in txn request", 400, Failure.BUG),
+        (12, "unknown method", 501, Failure.BUG),
+    ],
+)
+def test_every_etcd_error_is_classified_in_one_place(
+    code: int, message: str, status: int, kind: Failure
+) -> None:
+    assert classify(code, message, status) is kind
+
+
+def test_refusals_are_backend_unavailable_and_only_bugs_are_not() -> None:
+    assert issubclass(EtcdRefused, BackendUnavailable) and issubclass(LeaseNotFound, EtcdRefused)
+    assert not issubclass(EtcdError, BackendUnavailable)
+
+
+async def test_code_1_at_every_background_call_site_and_the_daemon_lives(start: Start) -> None:
+    """The faults that crashed a daemon in 3 of 10 rolling etcd restarts (issue 23)."""
+    a, faults = await start("a")
+    b, _ = await start("b")
+    held = await acquired(b, request("k", ttl_ms=30_000), BOB)
+    waiting: list[object] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait_for_k() -> None:
+            waiting.append(await a.acquire(request("k", timeout_ms=30_000), ALICE, 1, 30.0))
+
+        nursery.start_soon(wait_for_k)
+        await until(lambda: bool(a._queues.get("k") and a._queues["k"].waiters))
+        doomed = await acquired(a, request("c", ttl_ms=30_000))
+        session = a._session
+        assert session is not None
+        keepalives = session.keepalives
+
+        # Phase 1: every call fails, for longer than a keepalive interval.
+        faults.fail()
+        a.release_undelivered(doomed)  # the clean-up list meets the fault
+        with pytest.raises(BackendUnavailable):  # a write whose outcome is unknown
+            await a.acquire(request("x"), ALICE, 2, None)
+        assert await b.release("k", held.handle)  # the queue's watch is interrupted
+        await trio.sleep(2.5)
+        faults.fail(False)
+        for path in ("/v3/lease/keepalive", "/v3/watch", "/v3/kv/txn"):
+            assert faults.hits[path] > 0, (path, faults.hits)
+
+        # Every task lived through it: the waiter is granted from the watch,
+        # the clean-up deleted the undelivered hold, the session is kept.
+        with trio.fail_after(10):
+            while not waiting:
+                await trio.sleep(0.01)
+        granted = waiting[0]
+        assert isinstance(granted, Hold)
+        await until(lambda: not a._doomed_keys)
+        assert (await a.status("c")).holds == []
+        await until(lambda: session.keepalives > keepalives, timeout=5)
+        assert a._session is session and not session.lost.is_set()
+    assert await a.release("k", granted.handle)
+
+
+async def test_code_1_under_the_untie_of_a_delivered_hold(start: Start) -> None:
+    """A tied hold (granted by another daemon's hand-off) is untied once etcd serves again."""
+    a, faults = await start("a")
+    b, _ = await start("b")
+    first = await acquired(b, request("t"), BOB, conn=1)
+    results: list[object] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait(backend: EtcdBackend, conn: int) -> None:
+            results.append(await backend.acquire(request("t", timeout_ms=30_000), ALICE, conn, 30))
+
+        nursery.start_soon(wait, b, 2)  # b gets a queue (and so a view) of "t"
+        await until(lambda: len(b._queues.get("t").waiters if "t" in b._queues else ()) == 1)  # type: ignore[union-attr]
+        nursery.start_soon(wait, a, 3)
+        await until(lambda: bool(a._queues.get("t") and a._queues["t"].waiters))
+        assert await b.release("t", first.handle)  # hand-off to b's own waiter
+        await until(lambda: len(results) == 1)
+        second = results[0]
+        assert isinstance(second, Hold)
+        # From here a's transactions fail (its watch and reads do not): the
+        # grant reaches it by the watch, its untie meets the fault.
+        faults.only = lambda target, body: target == "/v3/kv/txn"
+        faults.fail()
+        assert await b.release("t", second.handle)  # hand-off to a's waiter: tied
+        await until(lambda: len(results) == 2)
+        third = results[1]
+        assert isinstance(third, Hold) and third.tied
+        binding = a.layout.binding("t", third.handle)
+        await trio.sleep(1.0)
+        assert faults.hits["/v3/kv/txn"] > 0
+        assert binding in await records(a, "t")  # not untied yet
+        faults.fail(False)
+        await until(lambda: not a._tied)
+        assert binding not in await records(a, "t")
+        assert await a.release("t", third.handle)
