@@ -6,7 +6,7 @@ every request through to etcd. While ``failing`` is on it answers each request
 (and each new watch) the way etcd's gateway answers while its member shuts
 down gracefully: HTTP 408, gRPC code 1, "grpc: the client connection is
 closing"; running watches get the same error as a streamed line. Writes may
-be passed through to etcd first (``apply_writes``), so the error hides a
+be passed through to etcd first (``apply``), so the error hides a
 committed write: an outcome the client cannot know. ``hits`` counts the
 injected failures per path, so a test can show which call sites met one.
 """
@@ -27,15 +27,15 @@ ERROR_BODY = json.dumps({"error": CLOSING, "code": 1, "message": CLOSING}).encod
 ERROR_LINE = json.dumps(
     {"error": {"grpc_code": 1, "http_code": 408, "message": CLOSING, "http_status": "Timeout"}}
 ).encode()
-READS = ("/v3/kv/range", "/v3/lease/timetolive", "/v3/maintenance/status")
 
 
 class FaultyPool(Pool):
     def __init__(self) -> None:
         super().__init__()
         self.failing = False
-        #: write requests are sent to etcd before the error comes back.
-        self.apply_writes = False
+        #: requests for which this is true are sent to etcd before the error
+        #: comes back (a write applied, its outcome hidden).
+        self.apply: Callable[[str, bytes], bool] = lambda target, body: False
         #: only requests for which this is true fail (default: all).
         self.only: Callable[[str, bytes], bool] = lambda target, body: True
         self.hits: Counter[str] = Counter()
@@ -60,7 +60,7 @@ class FaultyPool(Pool):
     ) -> Response:
         if self.failing and self.only(target, body):
             self.hits[target] += 1
-            if self.apply_writes and target not in READS:
+            if self.apply(target, body):
                 await super().request(url, target, body, headers, connect_timeout=connect_timeout)
             await trio.lowlevel.checkpoint()
             return Response(408, "Request Timeout", ERROR_BODY)

@@ -27,6 +27,7 @@ from lockd.daemon.backends.etcd.gateway import (
     LeaseNotFound,
     classify,
 )
+from lockd.daemon.backends.etcd.reconcile import Reconciler
 from lockd.daemon.backends.etcd.records import Hold
 from lockd.daemon.clock import SystemClock
 from tests.etcd_cluster import EtcdCluster
@@ -168,3 +169,79 @@ async def test_code_1_under_the_untie_of_a_delivered_hold(start: Start) -> None:
         await until(lambda: not a._tied)
         assert binding not in await records(a, "t")
         assert await a.release("t", third.handle)
+
+
+def _enqueue_then_cleanups(target: str, body: bytes, state: dict[str, int]) -> bool:
+    """Fail the first enqueue (a txn without compares that puts) and every delete-only txn."""
+    if target != "/v3/kv/txn":
+        return False
+    if body.startswith(b'{"compare":[],') and b"request_put" in body:
+        state["enqueues"] += 1
+        return state["enqueues"] == 1
+    return b"request_put" not in body and b"request_delete_range" in body
+
+
+async def test_a_ghost_waiter_does_not_block_a_free_key(start: Start) -> None:
+    """Issue 23's ghost: an enqueue whose outcome is unknown, a clean-up that fails."""
+    a, faults = await start("a")
+    b, _ = await start("b")
+    c, _ = await start("c")
+    held = await acquired(c, request("g"), BOB)  # c has no queue: its release is plain
+    state = {"enqueues": 0}
+    faults.only = lambda target, body: _enqueue_then_cleanups(target, body, state)
+    # The enqueue commits, its reply says code 1; a's clean-up does not commit.
+    faults.apply = lambda target, body: b"request_put" in body
+    faults.fail()
+    results: list[tuple[str, object, float]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait(name: str, backend: EtcdBackend, caller: object) -> None:
+            outcome = await backend.acquire(request("g", timeout_ms=30_000), caller, 9, 30)  # type: ignore[arg-type]
+            results.append((name, outcome, trio.current_time()))
+
+        nursery.start_soon(wait, "a", a, ALICE)
+        await until(lambda: bool(a._queues.get("g") and a._queues["g"].waiters))
+        waiters = [key for key in await records(a, "g") if a.layout.is_waiter(key)]
+        assert len(waiters) == 2 and state["enqueues"] == 2  # the ghost, then the real one
+        ghost = waiters[0]
+        assert ghost not in a._queues["g"].waiters and ghost in a.doomed_keys
+        nursery.start_soon(wait, "b", b, BOB)
+        await until(lambda: bool(b._queues.get("g") and b._queues["g"].waiters))
+        await trio.sleep(0.5)
+        assert faults.hits["/v3/kv/txn"] >= 2  # the enqueue and a's clean-up failed
+        assert ghost in await records(a, "g")
+        released = trio.current_time()
+        assert await c.release("g", held.handle)
+        await until(lambda: len(results) >= 1, timeout=10)
+        name, outcome, at = results[0]
+        # The next waiter (a's real one) has the key within one election
+        # timeout (1 s) of the release, plus the box's scheduling slack.
+        assert name == "a" and isinstance(outcome, Hold)
+        assert at - released < 2.5, at - released
+        assert ghost not in await records(a, "g")
+        assert b._queues["g"].removed + a._queues["g"].removed == 1  # b, since a's deletes fail
+        faults.fail(False)
+        await until(lambda: not a.doomed_keys)
+        assert await a.release("g", outcome.handle)
+        await until(lambda: len(results) == 2)
+        assert isinstance(results[1][1], Hold)
+        assert await b.release("g", results[1][1].handle)  # type: ignore[union-attr]
+
+
+async def test_an_orphan_on_the_session_is_found_and_deleted(start: Start) -> None:
+    """A waiter key on our session that no queue knows (a late commit) is deleted."""
+    a, _ = await start("a")
+    lease = a.session_lease
+    assert lease is not None
+    orphan = a.layout.waiter("o", lease, 999_999)
+    binding = a.layout.binding("o", "nobody-knows-me")
+    for key in (orphan, binding):
+        await a.etcd.put(key, b"{}", lease=lease)
+    reconciler = Reconciler(a)
+    assert await reconciler.look() == []  # once unknown is not enough: it may be in flight
+    await trio.sleep(a.timeout)
+    assert sorted(await reconciler.look()) == sorted([orphan, binding])
+    await until(lambda: not a.doomed_keys)
+    assert await records(a, "o") == []
+    node = await a.etcd.get(a.layout.node("a"))
+    assert node.kvs  # the node claim is known: never an orphan

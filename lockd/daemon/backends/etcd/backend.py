@@ -31,7 +31,7 @@ import trio
 from lockd import core
 from lockd.config import BackendSettings
 from lockd.core import Refused
-from lockd.daemon.backends import RemoteHold, RemoteStatus
+from lockd.daemon.backends import BackendUnavailable, RemoteHold, RemoteStatus
 from lockd.daemon.backends.etcd.gateway import (
     EtcdError,
     EtcdGateway,
@@ -40,6 +40,7 @@ from lockd.daemon.backends.etcd.gateway import (
 )
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease, LeasePool, Refresh
 from lockd.daemon.backends.etcd.nodeclaim import NodeTaken, claim_node
+from lockd.daemon.backends.etcd.reconcile import Reconciler
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
 from lockd.daemon.backends.etcd.tasks import keep_running, logged
@@ -68,11 +69,19 @@ MIN_LEASE_TTL = 2
 CLEANUP_BATCH = 64
 #: records read per range while paging ``list``.
 LIST_CHUNK = 512
+#: the longest pause between clean-up attempts while etcd does not take them.
+CLEANUP_BACKOFF_CAP = 5.0
 
 
 def lease_seconds(ttl_ms: int) -> int:
     """``ttlMs`` rounded up to whole seconds, at least etcd's minimum lease."""
     return max(MIN_LEASE_TTL, math.ceil(ttl_ms / 1000))
+
+
+def binding_of(hold_key: bytes) -> bytes:
+    """The binding key of the hold at ``hold_key`` (``.../h/<handle>`` -> ``.../b/<handle>``)."""
+    cut = hold_key.rindex(b"/h/")
+    return hold_key[:cut] + b"/b/" + hold_key[cut + 3 :]
 
 
 def kept_lease(hold: Hold) -> KeptLease:
@@ -102,6 +111,10 @@ class EtcdBackend:
         self._doomed_keys: set[bytes] = set()
         self._doomed_leases: set[int] = set()
         self._cleanup_wanted = trio.Event()
+        #: session leases of ours that etcd ended (their keys are gone with them).
+        self._ended_sessions: set[int] = set()
+        #: set when a new session is in force: the reconciler looks at once.
+        self.reconcile_wanted = trio.Event()
         #: releaseOnClose holds granted on each connection: conn -> hold keys.
         self._bound: dict[int, dict[bytes, Hold]] = defaultdict(dict)
         #: tied holds this daemon delivered (another daemon granted them), to untie.
@@ -124,6 +137,7 @@ class EtcdBackend:
             self._nursery = nursery
             nursery.start_soon(keep_running, "clean_up", self._clean_up)
             nursery.start_soon(keep_running, "untie", self._untie_delivered)
+            nursery.start_soon(keep_running, "reconcile", Reconciler(self).run)
             await nursery.start(self._keep_session)
             task_status.started()
 
@@ -220,6 +234,7 @@ class EtcdBackend:
                     else:
                         self._session = session
                         self._session_ready.set()
+                        self.reconcile_wanted.set()
                         log.info(
                             kv(event="etcd_session", node=self.node, lease=f"{session.lease_id:x}")
                         )
@@ -252,6 +267,9 @@ class EtcdBackend:
                 key_queue.changed.set()
 
     def _forget(self, session: Session) -> None:
+        if session.lease_id:
+            self._ended_sessions.add(session.lease_id)
+            self._cleanup_wanted.set()  # its waiter keys need no deleting any more
         if self._session is session:
             self._session, self._session_ready = None, trio.Event()
 
@@ -412,6 +430,11 @@ class EtcdBackend:
         if hold.bound and conn is not None:
             self._bound[conn][self.layout.hold(hold.key, hold.handle)] = hold
 
+    @property
+    def doomed_keys(self) -> frozenset[bytes]:
+        """Keys on the clean-up list."""
+        return frozenset(self._doomed_keys)
+
     def delete_later(self, etcd_key: bytes) -> None:
         self._doomed_keys.add(etcd_key)
         self._cleanup_wanted.set()
@@ -430,11 +453,23 @@ class EtcdBackend:
         return (not self.layout.is_waiter(etcd_key), etcd_key)
 
     async def _clean_up(self) -> None:
-        """Delete doomed keys and revoke doomed leases, retrying until etcd answers."""
+        """Delete doomed keys and revoke doomed leases, retrying until etcd takes them.
+
+        Whatever the error (etcd unreachable, an unknown outcome, a refusal),
+        the list stays as it is and is tried again after a back-off: a
+        waiter key dropped here would stay at the head of its queue with
+        nobody to serve it (issue 23's ghost waiter). A waiter key leaves
+        the list unanswered only once its session is over (etcd deleted it
+        with the lease); every other key is deleted, or was never written.
+        """
+        backoff = RETRY_INTERVAL
         while True:
             await self._cleanup_wanted.wait()
             self._cleanup_wanted = trio.Event()
             try:
+                self._doomed_keys.difference_update(
+                    [key for key in self._doomed_keys if self._on_ended_session(key)]
+                )
                 while self._doomed_keys:
                     # Waiter keys first: once a waiter key is gone no grant of
                     # it can commit, so the hold a grant may have written is
@@ -447,13 +482,47 @@ class EtcdBackend:
                     with contextlib.suppress(LeaseNotFound):
                         await self.etcd.lease_revoke(lease)
                     self._doomed_leases.discard(lease)
-            except EtcdUnavailable:
+                backoff = RETRY_INTERVAL
+            except (BackendUnavailable, EtcdError) as exc:
+                log.warning(
+                    kv(
+                        event="etcd_cleanup_retry",
+                        keys=len(self._doomed_keys),
+                        leases=len(self._doomed_leases),
+                        error=exc,
+                    )
+                )
                 self._cleanup_wanted.set()
-                await trio.sleep(RETRY_INTERVAL)
-            except EtcdError as exc:  # refused (a bug, or lost rights): say so, drop the batch
-                log.error(kv(event="etcd_cleanup_failed", error=exc))
-                self._doomed_keys.clear()
-                self._doomed_leases.clear()
+                await trio.sleep(backoff)
+                backoff = min(2 * backoff, CLEANUP_BACKOFF_CAP)
+
+    def _on_ended_session(self, etcd_key: bytes) -> bool:
+        """True for a waiter key on a session lease of ours that is over (etcd deleted it)."""
+        if not self.layout.is_waiter(etcd_key):
+            return False
+        try:
+            lease = int(etcd_key.rsplit(b"/", 2)[1], 16)
+        except ValueError:
+            return False
+        return lease in self._ended_sessions
+
+    def known_session_keys(self) -> set[bytes]:
+        """Every key this daemon means to keep on its session lease (``reconcile.py``).
+
+        Its node claim, the waiter keys of its queues and the bindings of the
+        holds it knows: bound holds of its connections, tied holds to untie,
+        holds granted to its waiters (delivered or not yet).
+        """
+        known = {self.layout.node(self.node)}
+        holds: set[bytes] = set(self._tied)
+        for bound in self._bound.values():
+            holds.update(bound)
+        for key_queue in self._queues.values():
+            known.update(key_queue.waiters)
+            holds.update(key_queue.expected)
+            holds.update(key_queue.holding)
+        known.update(binding_of(hold_key) for hold_key in holds)
+        return known
 
     async def _read(self, key: str) -> Directory:
         result = await self.etcd.range(RangeOp(self.layout.directory(key), prefix=True))

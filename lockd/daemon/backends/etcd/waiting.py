@@ -37,6 +37,7 @@ watch shows without reading first.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -83,6 +84,13 @@ class LocalWaiter:
     done: trio.Event = field(default_factory=trio.Event)
 
 
+#: seconds a waiter of another daemon (or an orphan of ours) may stay granted-
+#: able at the head of the queue, ungranted, before this daemon removes it:
+#: etcd's default election timeout, the time the issue allows a free key to
+#: stay blocked. A daemon that serves its waiter grants it within
+#: milliseconds of the watch event (hand-off p99 ~0.2 s under load).
+UNSERVED_AFTER = 1.0
+
 #: a hand-off's transaction tried again at most this often when its guard
 #: fails (each failure brings the directory as it is); then a plain release.
 HAND_OFF_TRIES = 4
@@ -117,6 +125,11 @@ class KeyQueue:
         self.wake_keys: frozenset[bytes] | None = None
         #: decisions made (how often a deletion woke it: tests, debugging).
         self.decisions = 0
+        #: waiters the rules grant now but that are not ours: etcd key ->
+        #: (create revision, when first seen so, trio clock). See _sweep.
+        self.unserved: dict[bytes, tuple[int, float]] = {}
+        #: unserved waiters removed (tests, debugging).
+        self.removed = 0
 
     def join(self, waiter: LocalWaiter, directory: Directory) -> None:
         """Take a waiter whose key is written; ``directory`` was read after it was."""
@@ -177,10 +190,19 @@ class KeyQueue:
             backend.delete_later(hold_key)
             backend.delete_later(backend.layout.binding(self.key, waiter.hold.handle))
 
-    def _granted(self, waiter: LocalWaiter, hold: Hold) -> None:
-        """``waiter`` has its hold (granted by us or by another daemon): wake its acquire."""
+    def _granted(self, waiter: LocalWaiter, hold: Hold, *, seen: bool = False) -> None:
+        """``waiter`` has its hold (granted by us or by another daemon): wake its acquire.
+
+        ``seen``: the grant was seen in the view (a watch event, a read), not
+        made by our own transaction. If the waiter's key is still in the view
+        then, the grant went to an older key of the same waiter (an enqueue
+        whose outcome was unknown, then written again: both name one hold),
+        and this one must go too, or it stays in the queue unserved.
+        """
         if waiter.granted is not None:
             return
+        if seen and self.records is not None and waiter.record.etcd_key in self.records:
+            self.backend.delete_later(waiter.record.etcd_key)
         waiter.granted = hold
         self.waiters.pop(waiter.record.etcd_key, None)
         hold_key = self._hold_key(waiter)
@@ -194,7 +216,7 @@ class KeyQueue:
         for hold_key, waiter in list(self.expected.items()):
             record = self.records.get(hold_key)
             if record is not None and record.create_revision > waiter.record.create_revision > 0:
-                self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, record))
+                self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, record), seen=True)
         self.holding.intersection_update(self.records)
 
     # ------------------------------------------------------------ the task
@@ -215,7 +237,8 @@ class KeyQueue:
                 if not self.waiters and not self.holding:
                     retire()
                     break
-                await self.changed.wait()
+                with trio.move_on_at(self._sweep_at()):
+                    await self.changed.wait()
                 self.changed = trio.Event()
                 self.decisions += 1
                 try:
@@ -260,7 +283,8 @@ class KeyQueue:
                 self.records[event.kv.key] = event.kv
                 waiter = self.expected.get(event.kv.key)
                 if waiter is not None:  # a grant to one of ours, maybe by another daemon
-                    self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, event.kv))
+                    hold = Hold.parse(self.key, waiter.hold.handle, event.kv)
+                    self._granted(waiter, hold, seen=True)
         if events:
             self.revision = max(self.revision, events[-1].kv.mod_revision)
             self._advanced.set()
@@ -322,11 +346,15 @@ class KeyQueue:
         A bound hold dies with its binding, so the binding's deletion can
         make room as much as the hold's; a waiter key of ours that vanishes
         means the session was lost (``_decide`` writes it again).
+
+        What the waiters *ahead* of ours wait for counts too: when the head
+        can go and its daemon does not serve it (an orphan), this daemon
+        must see it to remove it (``_sweep``), or the queue stalls.
         """
         layout, keys = self.backend.layout, set(self.waiters)
         holds = layout.directory(self.key) + b"h/"
-        for waiter_key in self.waiters:
-            for blocker in decision.wake_on.get(waiter_key, ()):
+        for blockers in decision.wake_on.values():
+            for blocker in blockers:
                 keys.add(blocker)
                 if blocker.startswith(holds):
                     keys.add(layout.binding(self.key, blocker[len(holds) :].decode()))
@@ -361,11 +389,52 @@ class KeyQueue:
             ]
             if not mine:
                 self.wake_keys = self._wake_keys(decision)
+                await self._sweep(decision)
                 return
             result = await self._grant(directory, mine, decision.replaces)
             if result is None:
                 return
             self._learn(result)
+
+    def _sweep_at(self) -> float:
+        """When the oldest unserved waiter's time is up (trio clock; inf: none)."""
+        if not self.unserved:
+            return math.inf
+        return min(since for _, since in self.unserved.values()) + UNSERVED_AFTER
+
+    async def _sweep(self, decision: queue.QueueDecision) -> None:
+        """Remove waiters at the head that the rules grant now and nobody serves.
+
+        The daemon that owns a waiter grants it within milliseconds of
+        seeing it fit. One still ungranted :data:`UNSERVED_AFTER` after this
+        daemon first saw it fit is an orphan (its daemon does not know it: an
+        enqueue whose outcome was unknown, issue 23's ghost), or its daemon
+        is cut off or stopped. Either way it blocks every waiter behind it,
+        so any daemon with a waiter behind it deletes it, guarded by its
+        create revision (a grant that came first deleted it already). Safe
+        whatever the case: a waiter whose key vanishes is written again at
+        the tail by its own daemon, if that daemon still serves it; a
+        stopped daemon's waiter would have gone with its session anyway.
+        """
+        now = trio.current_time()
+        others = {c.etcd_key: c.create_revision for c in decision.granted}
+        self.unserved = {
+            key: (revision, self.unserved.get(key, (revision, now))[1])
+            for key, revision in others.items()
+        }
+        due = [
+            (key, revision)
+            for key, (revision, since) in self.unserved.items()
+            if now - since >= UNSERVED_AFTER
+        ]
+        for key, revision in due:
+            result = await self.backend.etcd.txn(
+                [Compare(key, "create_revision", "==", revision)], [DeleteOp(key)]
+            )
+            del self.unserved[key]
+            if result.succeeded:
+                self.removed += 1
+                log.warning(kv(event="unserved_waiter_removed", key=self.key, waiter=key.decode()))
 
     async def _grant(
         self, directory: Directory, mine: list[LocalWaiter], replaces: dict[bytes, bytes]
