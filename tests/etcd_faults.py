@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -39,6 +39,8 @@ class FaultyPool(Pool):
         #: only requests for which this is true fail (default: all).
         self.only: Callable[[str, bytes], bool] = lambda target, body: True
         self.hits: Counter[str] = Counter()
+        #: awaited before each request goes on (a test holds one back with it).
+        self.gate: Callable[[str, bytes], Awaitable[None]] | None = None
         self._flipped = trio.Event()
 
     def fail(self, on: bool = True) -> None:
@@ -58,6 +60,8 @@ class FaultyPool(Pool):
         connect_timeout: float,
         read_timeout: float | None = None,
     ) -> Response:
+        if self.gate is not None:
+            await self.gate(target, body)
         if self.failing and self.only(target, body):
             self.hits[target] += 1
             if self.apply(target, body):

@@ -245,3 +245,121 @@ async def test_an_orphan_on_the_session_is_found_and_deleted(start: Start) -> No
     assert await records(a, "o") == []
     node = await a.etcd.get(a.layout.node("a"))
     assert node.kvs  # the node claim is known: never an orphan
+
+
+async def test_a_cancelled_waiter_answers_once_the_grant_it_discards_is_gone(
+    start: Start,
+) -> None:
+    """A grant that crossed the cancel (its daemon had not seen it yet) is deleted first."""
+    a, faults = await start("a")
+    b, _ = await start("b")
+    first = await acquired(b, request("cx"), BOB, conn=1)
+    results: list[object] = []
+    after_cancel: list[list[bytes]] = []
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def wait(backend: EtcdBackend, conn: int, cancel: trio.CancelScope | None) -> None:
+            if cancel is None:
+                cancel = trio.CancelScope()
+            with cancel:
+                results.append(
+                    await backend.acquire(request("cx", timeout_ms=30_000), ALICE, conn, 30)
+                )
+            if cancel.cancelled_caught:  # what the key holds the moment CANCELLED goes out
+                after_cancel.append(await records(backend, "cx"))
+
+        nursery.start_soon(wait, b, 2, None)  # b gets a view of "cx": it hands off
+        await until(lambda: bool(b._queues.get("cx") and b._queues["cx"].waiters))
+        nursery.start_soon(wait, a, 3, scope)
+        await until(lambda: bool(a._queues.get("cx") and a._queues["cx"].waiters))
+        assert await b.release("cx", first.handle)  # to b's own waiter
+        await until(lambda: len(results) == 1)
+        second = results[0]
+        assert isinstance(second, Hold)
+        # a's watch goes blind, so a does not know of the grant b makes next.
+        faults.only = lambda target, body: target == "/v3/watch"
+        faults.fail()
+        assert await b.release("cx", second.handle)  # hands off to a's waiter
+        granted = [k for k in await records(b, "cx") if b"/h/" in k]
+        assert len(granted) == 1 and len(results) == 1
+        scope.cancel()  # the cancel crosses the grant
+        await until(lambda: bool(after_cancel))
+        # Answered: the hold it discarded is gone already, not later.
+        assert not any(b"/h/" in k for k in after_cancel[0]), after_cancel
+        assert len(results) == 1
+        faults.fail(False)
+
+
+async def test_shared_waiters_granted_together_each_draw_a_fence(start: Start) -> None:
+    a, _ = await start("a")
+    writer = await acquired(a, request("sf"), BOB)
+    results: list[object] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait() -> None:
+            outcome = await a.acquire(request("sf", timeout_ms=30_000, mode="shared"), ALICE, 1, 30)
+            results.append(outcome)
+
+        def queued(count: int) -> Callable[[], bool]:
+            return lambda: "sf" in a._queues and len(a._queues["sf"].waiters) == count
+
+        for count in range(1, 4):
+            nursery.start_soon(wait)
+            await until(queued(count))
+        assert await a.release("sf", writer.handle)
+        await until(lambda: len(results) == 3)
+    fences = [r.fence for r in results if isinstance(r, Hold)]
+    assert len(set(fences)) == 3 and writer.fence < min(fences)
+    for r in results:
+        assert isinstance(r, Hold) and await a.release("sf", r.handle)
+
+
+async def test_a_grant_to_the_older_key_of_a_waiter_written_again_is_delivered(
+    start: Start,
+) -> None:
+    """The 30 s stall after leader changes: an enqueue's outcome unknown, the waiter
+    written again, and another daemon's hand-off granting the older key before the
+    newer one was written. The grant is the waiter's (its handle): delivered at once."""
+    a, faults = await start("a")
+    b, _ = await start("b")
+    first = await acquired(b, request("gs"), BOB, conn=1)
+    results: list[tuple[str, object]] = []
+    state = {"enqueues": 0}
+    faults.only = lambda target, body: _enqueue_then_cleanups(target, body, state)
+    faults.apply = lambda target, body: b"request_put" in body
+    faults.fail()
+    second_enqueue = trio.Event()
+
+    async def hold_back(target: str, body: bytes) -> None:
+        if body.startswith(b'{"compare":[],') and b"request_put" in body and state["enqueues"]:
+            await second_enqueue.wait()
+
+    faults.gate = hold_back
+    async with trio.open_nursery() as nursery:
+
+        async def wait(name: str, backend: EtcdBackend, conn: int) -> None:
+            outcome = await backend.acquire(request("gs", timeout_ms=30_000), ALICE, conn, 30)
+            results.append((name, outcome))
+
+        nursery.start_soon(wait, "b", b, 2)  # b's view of "gs": it hands off
+        await until(lambda: bool(b._queues.get("gs") and b._queues["gs"].waiters))
+        nursery.start_soon(wait, "a", a, 3)
+        await until(lambda: state["enqueues"] == 1)  # the older key is in etcd, a was told code 1
+        await until(lambda: sum(a.layout.is_waiter(k) for k in b._queues["gs"].records or ()) == 2)
+        assert await b.release("gs", first.handle)  # to b's own waiter
+        await until(lambda: len(results) == 1)
+        mine = results[0][1]
+        assert isinstance(mine, Hold)
+        assert await b.release("gs", mine.handle)  # to a's older key: tied to a's session
+        await until(lambda: any(b"/h/" in k for k in b._queues["gs"].records or ()))
+        granted = trio.current_time()
+        second_enqueue.set()  # now a writes its waiter again, behind that hold
+        await until(lambda: len(results) == 2, timeout=10)
+        name, outcome = results[1]
+        assert name == "a" and isinstance(outcome, Hold)
+        assert trio.current_time() - granted < 2.0
+        faults.fail(False)
+        await until(lambda: not a.doomed_keys)
+        assert [k for k in await records(a, "gs") if a.layout.is_waiter(k)] == []
+        assert await a.release("gs", outcome.handle)

@@ -443,6 +443,25 @@ class EtcdBackend:
         self._doomed_leases.add(lease)
         self._cleanup_wanted.set()
 
+    async def discard(self, hold: Hold) -> None:
+        """Delete a grant nobody will get, before the caller answers (``cancel``: CANCELLED
+        comes once the key is free of it). Shielded and bounded by the etcd timeout; the
+        clean-up list takes it when etcd does not answer in time."""
+        hold_key, binding_key = (
+            self.layout.hold(hold.key, hold.handle),
+            self.layout.binding(hold.key, hold.handle),
+        )
+        self._tied.pop(hold_key, None)
+        with trio.CancelScope(shield=True), trio.move_on_after(self.timeout):
+            try:
+                await self.etcd.txn([], [DeleteOp(hold_key), DeleteOp(binding_key)])
+            except (BackendUnavailable, EtcdError) as exc:
+                log.info(kv(event="discard_later", key=hold.key, error=exc))
+            else:
+                self.keep_lease(kept_lease(hold))
+                return
+        self.release_undelivered(hold)
+
     def release_undelivered(self, hold: RemoteHold) -> None:
         assert isinstance(hold, Hold)
         self.delete_later(self.layout.hold(hold.key, hold.handle))
@@ -729,7 +748,7 @@ class EtcdBackend:
             if waiter is not None and key_queue is not None:
                 crossed = await key_queue.leave(waiter)
                 if crossed is not None:
-                    self.release_undelivered(crossed)
+                    await self.discard(crossed)
             raise
         if granted is not None:
             self.track(granted, conn)

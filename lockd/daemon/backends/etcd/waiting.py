@@ -211,11 +211,18 @@ class KeyQueue:
         waiter.done.set()
 
     def _deliver_read(self) -> None:
-        """Grants to our waiters that a read shows (a watch event shows them one by one)."""
+        """Grants to our waiters that a read shows (a watch event shows them one by one).
+
+        Whatever its revision: a handle is never reused, so a hold under the
+        one a waiter named is its grant, also when it was granted under an
+        older key of the waiter (an enqueue whose outcome was unknown, then
+        written again) before the newer key was written. Skipping those left
+        the hold tied to this daemon's session, undelivered, blocking the key.
+        """
         assert self.records is not None
         for hold_key, waiter in list(self.expected.items()):
             record = self.records.get(hold_key)
-            if record is not None and record.create_revision > waiter.record.create_revision > 0:
+            if record is not None:
                 self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, record), seen=True)
         self.holding.intersection_update(self.records)
 
@@ -387,11 +394,14 @@ class KeyQueue:
             mine = [
                 self.waiters[c.etcd_key] for c in decision.granted if c.etcd_key in self.waiters
             ]
+            await self._sweep(decision)
             if not mine:
                 self.wake_keys = self._wake_keys(decision)
-                await self._sweep(decision)
                 return
-            result = await self._grant(directory, mine, decision.replaces)
+            # One grant per transaction: every grant draws a fence of its own
+            # (its revision, SPEC §10), shared waiters granted together
+            # included. The next one is decided once the watch shows this one.
+            result = await self._grant(directory, mine[:1], decision.replaces)
             if result is None:
                 return
             self._learn(result)
@@ -417,7 +427,11 @@ class KeyQueue:
         stopped daemon's waiter would have gone with its session anyway.
         """
         now = trio.current_time()
-        others = {c.etcd_key: c.create_revision for c in decision.granted}
+        others = {
+            c.etcd_key: c.create_revision
+            for c in decision.granted
+            if c.etcd_key not in self.waiters
+        }
         self.unserved = {
             key: (revision, self.unserved.get(key, (revision, now))[1])
             for key, revision in others.items()
@@ -544,7 +558,11 @@ class KeyQueue:
                 decision = queue.decide(holds, [w.claim for w in directory.waiters])
                 by_key = {w.etcd_key: w for w in directory.waiters}
                 heads: list[Waiter] = []
-                for claim in decision.granted:
+                # The head alone: every grant draws a fence of its own (its
+                # revision, SPEC §10), so the waiters granted beside it
+                # (shared heads, free slots) are granted by their own daemons,
+                # which the release wakes, each in a transaction of its own.
+                for claim in decision.granted[:1]:
                     waiter = by_key[claim.etcd_key]
                     if not waiter.grantable or self._granted_in(waiter, hold_key):
                         break  # an older daemon's record; or granted already (a stale view)
