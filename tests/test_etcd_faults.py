@@ -35,6 +35,16 @@ from tests.etcd_faults import FaultyPool, inject
 from tests.test_etcd_backend import ALICE, BOB, acquired, records, request, until
 
 Start = Callable[..., Awaitable[tuple[EtcdBackend, FaultyPool]]]
+_scopes: dict[int, trio.CancelScope] = {}
+
+
+async def kill(backend: EtcdBackend, survivor: EtcdBackend) -> None:
+    """``backend``'s daemon dies: its tasks stop, and its session ends as etcd would end it
+    a TTL later (revoked now by ``survivor``: no test sleeps for a lease to run out)."""
+    lease = backend.session_lease
+    _scopes[id(backend)].cancel()
+    assert lease is not None
+    await survivor.etcd.lease_revoke(lease)
 
 
 @pytest.fixture
@@ -55,7 +65,13 @@ async def start(etcd_cluster: EtcdCluster) -> AsyncIterator[Start]:
             gateway = EtcdGateway(GatewaySettings(settings.endpoints, timeout=5.0))
             pool = inject(gateway)
             backend = EtcdBackend(gateway, settings, SystemClock())
-            await nursery.start(backend.run)
+            scope = _scopes[id(backend)] = trio.CancelScope()
+
+            async def run(*, task_status: trio.TaskStatus[None]) -> None:
+                with scope:
+                    await backend.run(task_status=task_status)
+
+            await nursery.start(run)
             return backend, pool
 
         yield begin
@@ -134,8 +150,9 @@ async def test_code_1_at_every_background_call_site_and_the_daemon_lives(start: 
     assert await a.release("k", granted.handle)
 
 
-async def test_code_1_under_the_untie_of_a_delivered_hold(start: Start) -> None:
-    """A tied hold (granted by another daemon's hand-off) is untied once etcd serves again."""
+async def test_a_tied_grant_is_answered_once_untied_and_code_1_delays_it(start: Start) -> None:
+    """A hold another daemon granted (tied to a's session) is answered only once untied:
+    while a's transactions meet code 1 the acquire waits, then answers untied."""
     a, faults = await start("a")
     b, _ = await start("b")
     first = await acquired(b, request("t"), BOB, conn=1)
@@ -146,7 +163,7 @@ async def test_code_1_under_the_untie_of_a_delivered_hold(start: Start) -> None:
             results.append(await backend.acquire(request("t", timeout_ms=30_000), ALICE, conn, 30))
 
         nursery.start_soon(wait, b, 2)  # b gets a queue (and so a view) of "t"
-        await until(lambda: len(b._queues.get("t").waiters if "t" in b._queues else ()) == 1)  # type: ignore[union-attr]
+        await until(lambda: bool(b._queues.get("t") and b._queues["t"].waiters))
         nursery.start_soon(wait, a, 3)
         await until(lambda: bool(a._queues.get("t") and a._queues["t"].waiters))
         assert await b.release("t", first.handle)  # hand-off to b's own waiter
@@ -158,15 +175,17 @@ async def test_code_1_under_the_untie_of_a_delivered_hold(start: Start) -> None:
         faults.only = lambda target, body: target == "/v3/kv/txn"
         faults.fail()
         assert await b.release("t", second.handle)  # hand-off to a's waiter: tied
-        await until(lambda: len(results) == 2)
-        third = results[1]
-        assert isinstance(third, Hold) and third.tied
-        binding = a.layout.binding("t", third.handle)
+        [tied] = [h for h in (await b.status("t")).holds]
+        assert isinstance(tied, Hold) and tied.tied
+        binding = a.layout.binding("t", tied.handle)
         await trio.sleep(1.0)
         assert faults.hits["/v3/kv/txn"] > 0
-        assert binding in await records(a, "t")  # not untied yet
+        assert len(results) == 1  # not answered while still tied
+        assert binding in await records(a, "t")
         faults.fail(False)
-        await until(lambda: not a._tied)
+        await until(lambda: len(results) == 2)
+        third = results[1]
+        assert isinstance(third, Hold) and not third.tied and third.handle == tied.handle
         assert binding not in await records(a, "t")
         assert await a.release("t", third.handle)
 
@@ -363,3 +382,97 @@ async def test_a_grant_to_the_older_key_of_a_waiter_written_again_is_delivered(
         await until(lambda: not a.doomed_keys)
         assert [k for k in await records(a, "gs") if a.layout.is_waiter(k)] == []
         assert await a.release("gs", outcome.handle)
+
+
+def _untie_of(body: bytes) -> bool:
+    """The untie's transaction: guarded by the hold's mod revision and its binding's version."""
+    return b'"target":"MOD"' in body and b'"target":"VERSION"' in body
+
+
+async def test_a_daemon_killed_between_grant_and_untie_never_answered_the_grant(
+    start: Start,
+) -> None:
+    """Killed with the untie under way: the grant was never acknowledged, so it may end
+    with the session (it does), and the key moves on."""
+    a, faults = await start("a", session_ttl=2)
+    b, _ = await start("b")
+    c, _ = await start("c")
+    first = await acquired(b, request("kt"), BOB, conn=1)
+    results: list[object] = []
+    untie_sent = trio.Event()
+    never = trio.Event()
+
+    dead = False
+
+    async def pause_untie(target: str, body: bytes) -> None:
+        if dead or (target == "/v3/kv/txn" and _untie_of(body)):
+            untie_sent.set()
+            await never.wait()  # the daemon dies here: nothing of it reaches etcd again
+
+    faults.gate = pause_untie
+    a_waits = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+
+        async def wait(backend: EtcdBackend, conn: int) -> None:
+            with a_waits if backend is a else trio.CancelScope():
+                outcome = await backend.acquire(request("kt", timeout_ms=30_000), ALICE, conn, 30)
+                results.append(outcome)
+
+        nursery.start_soon(wait, b, 2)
+        await until(lambda: bool(b._queues.get("kt") and b._queues["kt"].waiters))
+        nursery.start_soon(wait, a, 3)
+        await until(lambda: bool(a._queues.get("kt") and a._queues["kt"].waiters))
+        nursery.start_soon(wait, c, 4)
+        await until(lambda: bool(c._queues.get("kt") and c._queues["kt"].waiters))
+        assert await b.release("kt", first.handle)
+        await until(lambda: len(results) == 1)
+        second = results[0]
+        assert isinstance(second, Hold)
+        assert await b.release("kt", second.handle)  # to a's waiter, tied to a's session
+        with trio.fail_after(10):
+            await untie_sent.wait()
+        dead = True
+        a_waits.cancel()
+        await kill(a, b)
+        # c's waiter gets the key: a's grant, never answered, ended with a's session.
+        await until(lambda: len(results) == 2, timeout=10)
+        third = results[1]
+        assert isinstance(third, Hold) and third.node == "c"
+        assert await c.release("kt", third.handle)
+
+
+async def test_a_hold_answered_outlives_its_daemon_killed_right_after(start: Start) -> None:
+    """Acknowledged, then the daemon dies before anything else: the hold lasts its TTL."""
+    a, _ = await start("a", session_ttl=2)
+    b, _ = await start("b")
+    first = await acquired(b, request("ka"), BOB, conn=1)
+    results: list[object] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait(backend: EtcdBackend, conn: int) -> None:
+            outcome = await backend.acquire(
+                request("ka", timeout_ms=30_000, ttl_ms=30_000), ALICE, conn, 30
+            )
+            results.append(outcome)
+            if backend is a:
+                await kill(a, b)  # the moment after the reply went out
+
+        nursery.start_soon(wait, b, 2)
+        await until(lambda: bool(b._queues.get("ka") and b._queues["ka"].waiters))
+        nursery.start_soon(wait, a, 3)
+        await until(lambda: bool(a._queues.get("ka") and a._queues["ka"].waiters))
+        assert await b.release("ka", first.handle)
+        await until(lambda: len(results) == 1)
+        second = results[0]
+        assert isinstance(second, Hold)
+        assert await b.release("ka", second.handle)  # hand-off to a's waiter (tied)
+        await until(lambda: len(results) == 2)
+    held = results[1]
+    assert isinstance(held, Hold) and held.node == "a" and not held.tied
+    # a is dead and its session gone; the hold stands on its own lease.
+    [live] = (await b.status("ka")).holds
+    assert live.handle == held.handle and not live.needs_binding
+    lease = await b.etcd.lease_time_to_live(held.lease)
+    assert lease.ttl >= 25
+    assert await b.acquire(request("ka"), BOB, 9, None) is None  # busy: held
+    assert await b.release("ka", held.handle)

@@ -117,9 +117,6 @@ class EtcdBackend:
         self.reconcile_wanted = trio.Event()
         #: releaseOnClose holds granted on each connection: conn -> hold keys.
         self._bound: dict[int, dict[bytes, Hold]] = defaultdict(dict)
-        #: tied holds this daemon delivered (another daemon granted them), to untie.
-        self._tied: dict[bytes, Hold] = {}
-        self._untie_wanted = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closing = False
         #: told, once a session is lost, which bound holds of this daemon went with it.
@@ -136,7 +133,6 @@ class EtcdBackend:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(keep_running, "clean_up", self._clean_up)
-            nursery.start_soon(keep_running, "untie", self._untie_delivered)
             nursery.start_soon(keep_running, "reconcile", Reconciler(self).run)
             await nursery.start(self._keep_session)
             task_status.started()
@@ -151,8 +147,6 @@ class EtcdBackend:
         """
         self._closing = True
         with trio.move_on_after(self.settings.etcd_timeout):
-            for hold in list(self._tied.values()):  # delivered: they outlive the session
-                await self._untie(hold)
             for bound in self._bound.values():
                 for hold in bound.values():
                     await self._unbind(hold)
@@ -174,45 +168,50 @@ class EtcdBackend:
             ],
         )
 
-    async def _untie_delivered(self) -> None:
-        """Untie the TTL holds other daemons granted to our waiters, once delivered.
+    async def _untie_txn(self, hold: Hold) -> bool:
+        """Rewrite a tied hold untied, if it is unchanged and still live (its binding there).
 
-        Their holders have them now: from here on they must outlive this
-        daemon's session, like any TTL hold. One guarded write per hold,
-        after the reply went out (its hand-off stays one write); a hold
-        released or renewed first needs none (both untie it).
+        The binding must exist: once it is gone (the session ended) the hold
+        is dead, and other daemons' decisions delete it; untying it then
+        would bring back a hold they may be granting over.
         """
-        while True:
-            await self._untie_wanted.wait()
-            self._untie_wanted = trio.Event()
-            for hold in list(self._tied.values()):
-                try:
-                    await self._untie(hold)
-                except (EtcdUnavailable, EtcdError) as exc:
-                    log.info(kv(event="untie_retry", key=hold.key, error=exc))
-                    self._untie_wanted.set()
-                    await trio.sleep(RETRY_INTERVAL)
-                    break
-
-    async def _untie(self, hold: Hold) -> None:
-        """Rewrite a tied hold untied (same lease, same fence), unless it changed since."""
         hold_key = self.layout.hold(hold.key, hold.handle)
-        if self._tied.get(hold_key) is not hold:
-            return  # released or renewed meanwhile: nothing to untie
-        await self.etcd.txn(
-            [Compare(hold_key, "mod_revision", "==", hold.mod_revision)],
+        binding_key = self.layout.binding(hold.key, hold.handle)
+        result = await self.etcd.txn(
+            [
+                Compare(hold_key, "mod_revision", "==", hold.mod_revision),
+                Compare(binding_key, "version", ">", 0),
+            ],
             [
                 PutOp(hold_key, replace(hold, tied=False).value(), lease=hold.lease),
-                DeleteOp(self.layout.binding(hold.key, hold.handle)),
+                DeleteOp(binding_key),
             ],
         )
-        if self._tied.get(hold_key) is hold:
-            del self._tied[hold_key]
+        return result.succeeded
 
-    def untie_later(self, hold: Hold) -> None:
-        """A tied hold was delivered to its holder: untie it in the background."""
-        self._tied[self.layout.hold(hold.key, hold.handle)] = hold
-        self._untie_wanted.set()
+    async def _confirm(self, hold: Hold, deadline: float) -> Hold | None:
+        """Untie a tied hold before its grant is answered (SPEC: an acknowledged hold lasts
+        its TTL whichever daemon dies when).
+
+        Until then it ends with this daemon's session, like any grant that was
+        never delivered. Retried while etcd does not answer, up to the
+        acquire's ``deadline``; None when that passed first (the caller then
+        discards the grant and times out). ``EtcdUnavailable`` when the hold
+        was dead already (this daemon's session ended under it).
+        """
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    if await self._untie_txn(hold):
+                        return replace(hold, tied=False)
+                except (EtcdUnavailable, EtcdError) as exc:
+                    log.info(kv(event="untie_retry", key=hold.key, error=exc))
+                    await trio.sleep(RETRY_INTERVAL)
+                    continue
+                raise EtcdUnavailable(
+                    f"the grant of {hold.key!r} ended with this daemon's etcd session"
+                )
+        return None
 
     async def _keep_session(self, *, task_status: trio.TaskStatus[None]) -> None:
         started = False
@@ -451,7 +450,6 @@ class EtcdBackend:
             self.layout.hold(hold.key, hold.handle),
             self.layout.binding(hold.key, hold.handle),
         )
-        self._tied.pop(hold_key, None)
         with trio.CancelScope(shield=True), trio.move_on_after(self.timeout):
             try:
                 await self.etcd.txn([], [DeleteOp(hold_key), DeleteOp(binding_key)])
@@ -529,11 +527,11 @@ class EtcdBackend:
         """Every key this daemon means to keep on its session lease (``reconcile.py``).
 
         Its node claim, the waiter keys of its queues and the bindings of the
-        holds it knows: bound holds of its connections, tied holds to untie,
+        holds it knows: bound holds of its connections,
         holds granted to its waiters (delivered or not yet).
         """
         known = {self.layout.node(self.node)}
-        holds: set[bytes] = set(self._tied)
+        holds: set[bytes] = set()
         for bound in self._bound.values():
             holds.update(bound)
         for key_queue in self._queues.values():
@@ -750,10 +748,18 @@ class EtcdBackend:
                 if crossed is not None:
                     await self.discard(crossed)
             raise
+        if granted is not None and granted.tied:
+            try:
+                confirmed = await self._confirm(granted, max(deadline, trio.current_time() + 1))
+            except BaseException:
+                await self.discard(granted)
+                raise
+            if confirmed is None:
+                await self.discard(granted)
+                return None
+            granted = confirmed
         if granted is not None:
             self.track(granted, conn)
-            if granted.tied:
-                self.untie_later(granted)
         return granted
 
     async def _enqueue(
@@ -848,7 +854,6 @@ class EtcdBackend:
         ops: list[Op] = [PutOp(hold_key, renewed.value(), lease=renewed.lease)]
         if hold.tied:
             ops.append(DeleteOp(self.layout.binding(hold.key, hold.handle)))
-            self._tied.pop(hold_key, None)
         result = await self.etcd.txn(
             [Compare(hold_key, "mod_revision", "==", hold.mod_revision)], ops
         )
@@ -865,7 +870,6 @@ class EtcdBackend:
         release is a plain deletion and each waiter's daemon grants it.
         """
         hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
-        self._tied.pop(hold_key, None)
         key_queue = self._queues.get(key)
         result = await key_queue.hand_off(hold_key) if key_queue is not None else None
         if result is None:
