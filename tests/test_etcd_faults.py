@@ -476,3 +476,44 @@ async def test_a_hold_answered_outlives_its_daemon_killed_right_after(start: Sta
     assert lease.ttl >= 25
     assert await b.acquire(request("ka"), BOB, 9, None) is None  # busy: held
     assert await b.release("ka", held.handle)
+
+
+async def test_an_untie_that_committed_behind_an_unknown_outcome_is_the_grant(
+    start: Start,
+) -> None:
+    """The untie's first attempt commits but answers code 1: its retry finds the hold
+    untied (same fence) and answers the grant, not BACKEND_UNAVAILABLE."""
+    a, faults = await start("a")
+    b, _ = await start("b")
+    first = await acquired(b, request("uu"), BOB, conn=1)
+    results: list[object] = []
+    state = {"unties": 0}
+
+    def first_untie(target: str, body: bytes) -> bool:
+        if target == "/v3/kv/txn" and _untie_of(body):
+            state["unties"] += 1
+            return state["unties"] == 1
+        return False
+
+    faults.only = first_untie
+    faults.apply = lambda target, body: True
+    faults.fail()
+    async with trio.open_nursery() as nursery:
+
+        async def wait(backend: EtcdBackend, conn: int) -> None:
+            results.append(await backend.acquire(request("uu", timeout_ms=30_000), ALICE, conn, 30))
+
+        nursery.start_soon(wait, b, 2)
+        await until(lambda: bool(b._queues.get("uu") and b._queues["uu"].waiters))
+        nursery.start_soon(wait, a, 3)
+        await until(lambda: bool(a._queues.get("uu") and a._queues["uu"].waiters))
+        assert await b.release("uu", first.handle)
+        await until(lambda: len(results) == 1)
+        second = results[0]
+        assert isinstance(second, Hold)
+        assert await b.release("uu", second.handle)  # to a's waiter, tied
+        await until(lambda: len(results) == 2)
+    third = results[1]
+    assert state["unties"] == 2 and isinstance(third, Hold) and not third.tied
+    assert a.layout.binding("uu", third.handle) not in await records(a, "uu")
+    assert await a.release("uu", third.handle)

@@ -70,7 +70,7 @@ CLEANUP_BATCH = 64
 #: records read per range while paging ``list``.
 LIST_CHUNK = 512
 #: the longest pause between clean-up attempts while etcd does not take them.
-CLEANUP_BACKOFF_CAP = 1.0
+CLEANUP_BACKOFF_CAP = 0.5
 
 
 def lease_seconds(ttl_ms: int) -> int:
@@ -186,8 +186,17 @@ class EtcdBackend:
                 PutOp(hold_key, replace(hold, tied=False).value(), lease=hold.lease),
                 DeleteOp(binding_key),
             ],
+            [RangeOp(hold_key)],
         )
-        return result.succeeded
+        if result.succeeded:
+            return True
+        # An earlier attempt whose outcome was unknown may have untied it:
+        # then the same grant (its create revision, the fence) is there untied.
+        read = result.responses[0]
+        assert isinstance(read, RangeResult)
+        if read.kvs and read.kvs[0].create_revision == hold.fence:
+            return not Hold.parse(hold.key, hold.handle, read.kvs[0]).needs_binding
+        return False
 
     async def _confirm(self, hold: Hold, deadline: float) -> Hold | None:
         """Untie a tied hold before its grant is answered (SPEC: an acknowledged hold lasts
