@@ -59,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client"))
 
-from lockd_client import LockClient, LockdError
+from lockd_client import Handle, LockClient, LockdError
 
 from bench.common import LockdDaemon
 from tests.etcd_cluster import EtcdBackend, EtcdCluster, EtcdMember
@@ -134,19 +134,43 @@ def worker(run: Run, name: str, daemons: list[LockdDaemon], index: int, key: str
             run.grants.append(grant)
         time.sleep(random.uniform(0.002, 0.02))
         grant.end = time.monotonic()
-        try:
-            client.release(handle)
-        except (LockdError, OSError) as exc:
-            # Not known released (the outcome may be unknown): the hold ended
-            # at the release's commit or at its lease's end, after this either way.
-            with run.lock:
-                run.errors["release:" + getattr(exc, "code", type(exc).__name__)] += 1
-            with contextlib.suppress(Exception):
-                client.close()
-            client = None
+        client = release(run, client, handle, daemons, index)
         time.sleep(random.uniform(0.005, 0.03))
     if client is not None:
         client.close()
+
+
+def release(
+    run: Run, client: LockClient, handle: Handle, daemons: list[LockdDaemon], index: int
+) -> LockClient | None:
+    """Release, retrying while the answer is BACKEND_UNAVAILABLE (retry safe) or the daemon is
+    away, as a client that wants its key to move on does, up to the hold's TTL.
+
+    A release whose outcome is unknown ended the hold at its commit or at its
+    lease's end: after ``grant.end`` either way, so the interval stays sound.
+    """
+    deadline = time.monotonic() + HOLD_TTL_S
+    current: LockClient | None = client
+    while time.monotonic() < deadline and not run.stop.is_set():
+        try:
+            if current is None:
+                current = LockClient(str(daemons[index].socket), request_timeout=15)
+            current.release(handle)
+            return current
+        except LockdError as exc:
+            with run.lock:
+                run.errors["release:" + exc.code] += 1
+            if exc.code not in ("BACKEND_UNAVAILABLE", "DAEMON_UNAVAILABLE"):
+                return current
+        except OSError as exc:
+            with run.lock:
+                run.errors["release:" + type(exc).__name__] += 1
+        if current is not None:
+            with contextlib.suppress(Exception):
+                current.close()
+        current = None
+        time.sleep(0.1)
+    return current
 
 
 def _b64(data: bytes) -> str:

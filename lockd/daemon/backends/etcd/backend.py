@@ -880,22 +880,12 @@ class EtcdBackend:
         """
         hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
         key_queue = self._queues.get(key)
-        try:
-            result = await key_queue.hand_off(hold_key) if key_queue is not None else None
-            if result is None:
-                result = await self.etcd.txn(
-                    [],
-                    [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
-                )
-        except BaseException:
-            # Not known released (etcd did not answer, or the outcome is
-            # unknown): its holder asked for the end of it, so the clean-up
-            # list deletes it once etcd answers, instead of the key staying
-            # held until the lease runs out. Handles are never reused: this
-            # deletes nobody else's hold.
-            self.delete_later(hold_key)
-            self.delete_later(binding_key)
-            raise
+        result = await key_queue.hand_off(hold_key) if key_queue is not None else None
+        if result is None:
+            result = await self.etcd.txn(
+                [],
+                [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
+            )
         holds, bindings = result.responses[:2]
         if not getattr(holds, "prev_kvs", None):
             return False
