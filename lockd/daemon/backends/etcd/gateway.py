@@ -414,8 +414,13 @@ class EtcdGateway:
         then suspect). Learned from a status read (no raft) when unknown,
         after an election (a reply's raft term moved on) or a failure.
         """
-        if self._leader_endpoint is None or self._down_members:
+        if self._down_members:  # a member was seen down: wait for a live leader
             await self._check_leader(endpoint)
+        elif self._leader_endpoint is None:
+            try:
+                await self._check_leader(endpoint)
+            except NotSent:
+                return endpoint  # who leads is not known: the member forwards it
         return self._leader_endpoint or endpoint
 
     def _suspect(self, endpoint: str) -> None:
