@@ -182,9 +182,7 @@ class EtcdRun:
                 return False
             if queue.revision < self.last_change.get(queue.directory_key, 0):
                 return False
-        return not (
-            backend._doomed_keys or backend._doomed_leases or backend._granting or backend._tied
-        )
+        return not (backend._doomed_keys or backend._doomed_leases or backend._granting)
 
     async def _barrier(self) -> int:
         revision = (await self.etcd.txn([], [PutOp(self.barrier_key, b"")])).header.revision
@@ -252,9 +250,8 @@ class EtcdRun:
         for key in KEYS:
             status = await backend.status(key)
             holds = [h for h in status.holds if isinstance(h, Hold)]
-            # Oldest grant first, as the backend lists them; holds granted by one
-            # transaction share a fence (ETCD_SAME_FENCE_BUG in test_differential)
-            # and come in etcd key order: those are put in queue order.
+            # Oldest grant first, as the backend lists them (every grant has a
+            # fence of its own since issue 23; the request breaks no tie now).
             holds.sort(key=lambda h: (h.fence, self.request_of[h.handle]))
             mode, limit = (holds[0].mode, holds[0].limit) if holds else (None, None)
             seen.status[key] = (

@@ -14,6 +14,7 @@ import os
 import pwd
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -359,7 +360,8 @@ def test_list_is_an_aligned_table(shared: DaemonProcess) -> None:
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     headers = ["KEY", "MODE", "HELD BY", "OWNER", "PID", "PROCESS", "FENCE", "EXPIRES IN"]
-    assert re.split(r"\s{2,}", lines[0]) == [*headers, "WAITERS"]
+    node = ["NODE"] if shared.etcd is not None else []  # the host of each hold, on etcd
+    assert re.split(r"\s{2,}", lines[0]) == [*headers, "WAITERS", *node]
     assert len(lines) == 3  # "other" is not under the prefix
     columns = [lines[0].index(h) for h in (*headers[1:], "WAITERS")]
     for line in lines[1:]:
@@ -371,6 +373,9 @@ def test_list_is_an_aligned_table(shared: DaemonProcess) -> None:
     assert rows["app:alpha"][4] == str(os.getpid())  # the CLI ran in this process
     assert rows["app:alpha"][7].startswith("in 4m")
     assert rows["app:b"][3] == "-" and rows["app:b"][8] == "0"  # no owner; no waiters
+    if node:
+        expected = shared.etcd.node or socket.gethostname()  # type: ignore[union-attr]
+        assert rows["app:b"][9] == expected
 
     empty = run_cli(shared, "locks", "list", "--prefix", "nothing-here:")
     assert empty.exit_code == 0 and "no locks held under 'nothing-here:'" in empty.stdout

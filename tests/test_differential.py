@@ -238,15 +238,6 @@ class Model:
 # --------------------------------------------------------------- comparing
 
 
-#: Known etcd bug (issue 23: "every grant its own fence on etcd too"), fixed
-#: on another branch: waiters granted by one etcd transaction (consecutive
-#: shared waiters, or several semaphore slots) share its revision as their
-#: fence. Until that lands, equal fences are accepted on etcd only among
-#: grants of one step, and are then ordered by request (the queue's order).
-#: Remove ``ties_allowed=True`` below once it has landed.
-ETCD_SAME_FENCE_BUG = "waiters granted together on etcd share one fence (one txn revision)"
-
-
 def check_fences(run: str, steps: list[Seen], *, ties_allowed: bool) -> list[str]:
     """Fences strictly increase with the grant order; ties only within one step, if allowed."""
     ties: list[str] = []
@@ -353,7 +344,7 @@ def test_the_engine_and_the_etcd_backend_decide_as_the_model(ops: list[Op]) -> N
     check_fences("engine", engine, ties_allowed=False)
     etcd = trio.run(run_etcd, ops, FakeEtcd(), "/diff/")
     compare(ops, want, "etcd (fake)", etcd)
-    check_fences("etcd (fake)", etcd, ties_allowed=True)  # ETCD_SAME_FENCE_BUG
+    check_fences("etcd (fake)", etcd, ties_allowed=False)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -365,7 +356,7 @@ def test_two_etcd_hosts_decide_as_the_model(ops: list[Op]) -> None:
     _, want = run_model(ops)
     etcd = trio.run(run_etcd, ops, FakeEtcd(), "/diff/", 2)
     compare(ops, want, "etcd (fake, two hosts)", etcd, ordered=False)
-    check_fences("etcd (fake, two hosts)", etcd, ties_allowed=True)  # ETCD_SAME_FENCE_BUG
+    check_fences("etcd (fake, two hosts)", etcd, ties_allowed=False)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -377,7 +368,7 @@ def test_the_etcd_backend_on_a_real_cluster_decides_as_the_model(
     _, want = run_model(ops)
     etcd = trio.run(run_etcd_cluster, ops, etcd_cluster.endpoints)
     compare(ops, want, "etcd (real)", etcd)
-    check_fences("etcd (real)", etcd, ties_allowed=True)  # ETCD_SAME_FENCE_BUG
+    check_fences("etcd (real)", etcd, ties_allowed=False)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
@@ -389,4 +380,4 @@ def test_two_etcd_hosts_on_a_real_cluster_decide_as_the_model(
     _, want = run_model(ops)
     etcd = trio.run(run_etcd_cluster, ops, etcd_cluster.endpoints, 2)
     compare(ops, want, "etcd (real, two hosts)", etcd, ordered=False)
-    check_fences("etcd (real, two hosts)", etcd, ties_allowed=True)  # ETCD_SAME_FENCE_BUG
+    check_fences("etcd (real, two hosts)", etcd, ties_allowed=False)

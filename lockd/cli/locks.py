@@ -215,11 +215,17 @@ def _stream_json(pages: Iterator[Page]) -> None:
 
 
 def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
-    table = TableWriter(LIST_COLUMNS)
+    table: TableWriter | None = None
+    # NODE (the host that granted each hold) only from a daemon that names
+    # one (the etcd backend, SPEC §11): decided on the first page with locks.
+    with_node = False
     shown = 0
     for locks, _ in pages:
-        rows = [row for s in locks for row in _list_rows(s)]
-        if rows:
+        if table is None and locks:
+            with_node = any(_nodes(s) for s in locks)
+            table = TableWriter((*LIST_COLUMNS, "NODE") if with_node else LIST_COLUMNS)
+        rows = [row for s in locks for row in _list_rows(s, with_node=with_node)]
+        if rows and table is not None:
             click.echo("\n".join(table.lines(rows)))
         shown += len(rows)
     if not shown:
@@ -227,8 +233,21 @@ def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
         click.echo(f"no locks held{under}")
 
 
-def _list_rows(status: LockStatus) -> list[tuple[object, ...]]:
+def _nodes(status: LockStatus) -> bool:
+    """True when the daemon named the node of any holder of ``status``."""
+    return status.node is not None or any(h.node is not None for h in status.holders or ())
+
+
+def _list_rows(status: LockStatus, *, with_node: bool = False) -> list[tuple[object, ...]]:
     """A key's rows in ``locks list``: one per holder, the key and mode on the first."""
+    rows = _holder_rows(status)
+    if not with_node:
+        return rows
+    nodes = [h.node for h in status.holders or ()] or [status.node]
+    return [(*row, nodes[i] if i < len(nodes) else "") for i, row in enumerate(rows)]
+
+
+def _holder_rows(status: LockStatus) -> list[tuple[object, ...]]:
     holders = status.holders or ()
     if not holders:  # held (a list entry), but the daemon named no holder
         return [

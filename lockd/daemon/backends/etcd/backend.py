@@ -24,13 +24,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import trio
 
 from lockd import core
 from lockd.config import BackendSettings
 from lockd.core import Refused
-from lockd.daemon.backends import RemoteHold, RemoteStatus
+from lockd.daemon.backends import BackendUnavailable, RemoteHold, RemoteStatus
 from lockd.daemon.backends.etcd.gateway import (
     EtcdError,
     EtcdGateway,
@@ -38,9 +39,11 @@ from lockd.daemon.backends.etcd.gateway import (
     LeaseNotFound,
 )
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease, LeasePool, Refresh
-from lockd.daemon.backends.etcd.nodeclaim import claim_node
+from lockd.daemon.backends.etcd.nodeclaim import NodeTaken, claim_node
+from lockd.daemon.backends.etcd.reconcile import Reconciler
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
+from lockd.daemon.backends.etcd.tasks import keep_running, logged
 from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
 from lockd.daemon.backends.etcd.wire import (
     Compare,
@@ -67,11 +70,19 @@ MIN_LEASE_TTL = 2
 CLEANUP_BATCH = 64
 #: records read per range while paging ``list``.
 LIST_CHUNK = 512
+#: the longest pause between clean-up attempts while etcd does not take them.
+CLEANUP_BACKOFF_CAP = 0.5
 
 
 def lease_seconds(ttl_ms: int) -> int:
     """``ttlMs`` rounded up to whole seconds, at least etcd's minimum lease."""
     return max(MIN_LEASE_TTL, math.ceil(ttl_ms / 1000))
+
+
+def binding_of(hold_key: bytes) -> bytes:
+    """The binding key of the hold at ``hold_key`` (``.../h/<handle>`` -> ``.../b/<handle>``)."""
+    cut = hold_key.rindex(b"/h/")
+    return hold_key[:cut] + b"/b/" + hold_key[cut + 3 :]
 
 
 def kept_lease(hold: Hold) -> KeptLease:
@@ -101,11 +112,12 @@ class EtcdBackend:
         self._doomed_keys: set[bytes] = set()
         self._doomed_leases: set[int] = set()
         self._cleanup_wanted = trio.Event()
+        #: session leases of ours that etcd ended (their keys are gone with them).
+        self._ended_sessions: set[int] = set()
+        #: set when a new session is in force: the reconciler looks at once.
+        self.reconcile_wanted = trio.Event()
         #: releaseOnClose holds granted on each connection: conn -> hold keys.
         self._bound: dict[int, dict[bytes, Hold]] = defaultdict(dict)
-        #: tied holds this daemon delivered (another daemon granted them), to untie.
-        self._tied: dict[bytes, Hold] = {}
-        self._untie_wanted = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closing = False
         #: told, once a session is lost, which bound holds of this daemon went with it.
@@ -121,8 +133,8 @@ class EtcdBackend:
         """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._clean_up)
-            nursery.start_soon(self._untie_delivered)
+            nursery.start_soon(keep_running, "clean_up", self._clean_up)
+            nursery.start_soon(keep_running, "reconcile", Reconciler(self).run)
             await nursery.start(self._keep_session)
             task_status.started()
 
@@ -136,8 +148,6 @@ class EtcdBackend:
         """
         self._closing = True
         with trio.move_on_after(self.settings.etcd_timeout):
-            for hold in list(self._tied.values()):  # delivered: they outlive the session
-                await self._untie(hold)
             for bound in self._bound.values():
                 for hold in bound.values():
                     await self._unbind(hold)
@@ -159,72 +169,99 @@ class EtcdBackend:
             ],
         )
 
-    async def _untie_delivered(self) -> None:
-        """Untie the TTL holds other daemons granted to our waiters, once delivered.
+    async def _untie_txn(self, hold: Hold) -> bool:
+        """Rewrite a tied hold untied, if it is unchanged and still live (its binding there).
 
-        Their holders have them now: from here on they must outlive this
-        daemon's session, like any TTL hold. One guarded write per hold,
-        after the reply went out (its hand-off stays one write); a hold
-        released or renewed first needs none (both untie it).
+        The binding must exist: once it is gone (the session ended) the hold
+        is dead, and other daemons' decisions delete it; untying it then
+        would bring back a hold they may be granting over.
         """
-        while True:
-            await self._untie_wanted.wait()
-            self._untie_wanted = trio.Event()
-            for hold in list(self._tied.values()):
-                try:
-                    await self._untie(hold)
-                except (EtcdUnavailable, EtcdError) as exc:
-                    log.debug(kv(event="untie_retry", key=hold.key, error=exc))
-                    self._untie_wanted.set()
-                    await trio.sleep(RETRY_INTERVAL)
-                    break
-
-    async def _untie(self, hold: Hold) -> None:
-        """Rewrite a tied hold untied (same lease, same fence), unless it changed since."""
         hold_key = self.layout.hold(hold.key, hold.handle)
-        if self._tied.get(hold_key) is not hold:
-            return  # released or renewed meanwhile: nothing to untie
-        await self.etcd.txn(
-            [Compare(hold_key, "mod_revision", "==", hold.mod_revision)],
+        binding_key = self.layout.binding(hold.key, hold.handle)
+        result = await self.etcd.txn(
+            [
+                Compare(hold_key, "mod_revision", "==", hold.mod_revision),
+                Compare(binding_key, "version", ">", 0),
+            ],
             [
                 PutOp(hold_key, replace(hold, tied=False).value(), lease=hold.lease),
-                DeleteOp(self.layout.binding(hold.key, hold.handle)),
+                DeleteOp(binding_key),
             ],
+            [RangeOp(hold_key)],
         )
-        if self._tied.get(hold_key) is hold:
-            del self._tied[hold_key]
+        if result.succeeded:
+            return True
+        # An earlier attempt whose outcome was unknown may have untied it:
+        # then the same grant (its create revision, the fence) is there untied.
+        read = result.responses[0]
+        assert isinstance(read, RangeResult)
+        if read.kvs and read.kvs[0].create_revision == hold.fence:
+            return not Hold.parse(hold.key, hold.handle, read.kvs[0]).needs_binding
+        return False
 
-    def untie_later(self, hold: Hold) -> None:
-        """A tied hold was delivered to its holder: untie it in the background."""
-        self._tied[self.layout.hold(hold.key, hold.handle)] = hold
-        self._untie_wanted.set()
+    async def _confirm(self, hold: Hold, deadline: float) -> Hold | None:
+        """Untie a tied hold before its grant is answered (SPEC: an acknowledged hold lasts
+        its TTL whichever daemon dies when).
+
+        Until then it ends with this daemon's session, like any grant that was
+        never delivered. Retried while etcd does not answer, up to the
+        acquire's ``deadline``; None when that passed first (the caller then
+        discards the grant and times out). ``EtcdUnavailable`` when the hold
+        was dead already (this daemon's session ended under it).
+        """
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    if await self._untie_txn(hold):
+                        return replace(hold, tied=False)
+                except (EtcdUnavailable, EtcdError) as exc:
+                    log.info(kv(event="untie_retry", key=hold.key, error=exc))
+                    await trio.sleep(RETRY_INTERVAL)
+                    continue
+                raise EtcdUnavailable(
+                    f"the grant of {hold.key!r} ended with this daemon's etcd session"
+                )
+        return None
 
     async def _keep_session(self, *, task_status: trio.TaskStatus[None]) -> None:
         started = False
         while True:
             session = Session(self.etcd, self.settings.session_ttl)
-            async with trio.open_nursery() as nursery:
-                try:
-                    await nursery.start(session.run)
-                    # Before anything goes on the lease: one daemon per node name
-                    # (NodeTaken ends the daemon: it must not serve).
-                    await claim_node(
-                        self.etcd, self.layout.node(self.node), self.node, session.lease_id
-                    )
-                except (EtcdUnavailable, EtcdError) as exc:
-                    log.warning(kv(event="etcd_unavailable", during="session", error=exc))
-                else:
-                    self._session = session
-                    self._session_ready.set()
-                    log.info(
-                        kv(event="etcd_session", node=self.node, lease=f"{session.lease_id:x}")
-                    )
-                if not started:
-                    started = True
-                    task_status.started()
-                if self._session is session:
-                    await session.lost.wait()
-                nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    try:
+                        await nursery.start(session.run)
+                        # Before anything goes on the lease: one daemon per node name
+                        # (NodeTaken ends the daemon: it must not serve).
+                        await claim_node(
+                            self.etcd, self.layout.node(self.node), self.node, session.lease_id
+                        )
+                    except NodeTaken:
+                        raise
+                    except Exception as exc:  # EtcdUnavailable, or anything else: try again
+                        log.warning(kv(event="etcd_unavailable", during="session", error=exc))
+                    else:
+                        self._session = session
+                        self._session_ready.set()
+                        self.reconcile_wanted.set()
+                        log.info(
+                            kv(event="etcd_session", node=self.node, lease=f"{session.lease_id:x}")
+                        )
+                    if not started:
+                        started = True
+                        task_status.started()
+                    if self._session is session:
+                        await session.lost.wait()
+                    nursery.cancel_scope.cancel()
+            except Exception as exc:
+                # The keeper failed (not by etcd's "lease not found"): a bug.
+                # The daemon lives on with a new session; this one is let go.
+                if isinstance(exc, NodeTaken) or (
+                    isinstance(exc, BaseExceptionGroup) and exc.subgroup(NodeTaken) is not None
+                ):
+                    raise
+                log.error(kv(event="task_failed", task="session", error=exc), exc_info=True)
+                session.mark_lost()
             if self._closing:
                 return  # ended by close(): no new session for a daemon that stops
             if not session.lost.is_set():  # never granted, or its node name not claimed
@@ -239,6 +276,9 @@ class EtcdBackend:
                 key_queue.changed.set()
 
     def _forget(self, session: Session) -> None:
+        if session.lease_id:
+            self._ended_sessions.add(session.lease_id)
+            self._cleanup_wanted.set()  # its waiter keys need no deleting any more
         if self._session is session:
             self._session, self._session_ready = None, trio.Event()
 
@@ -293,7 +333,7 @@ class EtcdBackend:
             else:
                 refresh = Refresh(kept)
                 assert self._nursery is not None
-                self._nursery.start_soon(self._refresh, refresh)
+                self._nursery.start_soon(logged, "lease_refresh", partial(self._refresh, refresh))
             # Its true end, for when the hold gives it back.
             self.leases.note(kept.id, kept.alive_until)
             hold = replace(
@@ -326,7 +366,7 @@ class EtcdBackend:
             ttl = await self.etcd.lease_keepalive(refresh.lease.id)
             refresh.lease.alive_until = sent + ttl * 1000
             self.leases.note(refresh.lease.id, refresh.lease.alive_until)
-        except (EtcdUnavailable, LeaseNotFound):
+        except (EtcdUnavailable, EtcdError):
             pass  # the grant's put fails on a lost lease; else the old bound stands
         finally:
             refresh.done.set()
@@ -354,7 +394,7 @@ class EtcdBackend:
             return
         self._granting.add(ttl_s)
         assert self._nursery is not None
-        self._nursery.start_soon(self._grant_ahead, ttl_s)
+        self._nursery.start_soon(logged, "lease_ahead", partial(self._grant_ahead, ttl_s))
 
     async def _grant_ahead(self, ttl_s: int) -> None:
         try:
@@ -399,6 +439,11 @@ class EtcdBackend:
         if hold.bound and conn is not None:
             self._bound[conn][self.layout.hold(hold.key, hold.handle)] = hold
 
+    @property
+    def doomed_keys(self) -> frozenset[bytes]:
+        """Keys on the clean-up list."""
+        return frozenset(self._doomed_keys)
+
     def delete_later(self, etcd_key: bytes) -> None:
         self._doomed_keys.add(etcd_key)
         self._cleanup_wanted.set()
@@ -406,6 +451,24 @@ class EtcdBackend:
     def revoke_later(self, lease: int) -> None:
         self._doomed_leases.add(lease)
         self._cleanup_wanted.set()
+
+    async def discard(self, hold: Hold) -> None:
+        """Delete a grant nobody will get, before the caller answers (``cancel``: CANCELLED
+        comes once the key is free of it). Shielded and bounded by the etcd timeout; the
+        clean-up list takes it when etcd does not answer in time."""
+        hold_key, binding_key = (
+            self.layout.hold(hold.key, hold.handle),
+            self.layout.binding(hold.key, hold.handle),
+        )
+        with trio.CancelScope(shield=True), trio.move_on_after(self.timeout):
+            try:
+                await self.etcd.txn([], [DeleteOp(hold_key), DeleteOp(binding_key)])
+            except (BackendUnavailable, EtcdError) as exc:
+                log.info(kv(event="discard_later", key=hold.key, error=exc))
+            else:
+                self.keep_lease(kept_lease(hold))
+                return
+        self.release_undelivered(hold)
 
     def release_undelivered(self, hold: RemoteHold) -> None:
         assert isinstance(hold, Hold)
@@ -417,11 +480,23 @@ class EtcdBackend:
         return (not self.layout.is_waiter(etcd_key), etcd_key)
 
     async def _clean_up(self) -> None:
-        """Delete doomed keys and revoke doomed leases, retrying until etcd answers."""
+        """Delete doomed keys and revoke doomed leases, retrying until etcd takes them.
+
+        Whatever the error (etcd unreachable, an unknown outcome, a refusal),
+        the list stays as it is and is tried again after a back-off: a
+        waiter key dropped here would stay at the head of its queue with
+        nobody to serve it (issue 23's ghost waiter). A waiter key leaves
+        the list unanswered only once its session is over (etcd deleted it
+        with the lease); every other key is deleted, or was never written.
+        """
+        backoff = RETRY_INTERVAL
         while True:
             await self._cleanup_wanted.wait()
             self._cleanup_wanted = trio.Event()
             try:
+                self._doomed_keys.difference_update(
+                    [key for key in self._doomed_keys if self._on_ended_session(key)]
+                )
                 while self._doomed_keys:
                     # Waiter keys first: once a waiter key is gone no grant of
                     # it can commit, so the hold a grant may have written is
@@ -434,13 +509,47 @@ class EtcdBackend:
                     with contextlib.suppress(LeaseNotFound):
                         await self.etcd.lease_revoke(lease)
                     self._doomed_leases.discard(lease)
-            except EtcdUnavailable:
+                backoff = RETRY_INTERVAL
+            except (BackendUnavailable, EtcdError) as exc:
+                log.warning(
+                    kv(
+                        event="etcd_cleanup_retry",
+                        keys=len(self._doomed_keys),
+                        leases=len(self._doomed_leases),
+                        error=exc,
+                    )
+                )
                 self._cleanup_wanted.set()
-                await trio.sleep(RETRY_INTERVAL)
-            except EtcdError as exc:  # refused (a bug, or lost rights): say so, drop the batch
-                log.error(kv(event="etcd_cleanup_failed", error=exc))
-                self._doomed_keys.clear()
-                self._doomed_leases.clear()
+                await trio.sleep(backoff)
+                backoff = min(2 * backoff, CLEANUP_BACKOFF_CAP)
+
+    def _on_ended_session(self, etcd_key: bytes) -> bool:
+        """True for a waiter key on a session lease of ours that is over (etcd deleted it)."""
+        if not self.layout.is_waiter(etcd_key):
+            return False
+        try:
+            lease = int(etcd_key.rsplit(b"/", 2)[1], 16)
+        except ValueError:
+            return False
+        return lease in self._ended_sessions
+
+    def known_session_keys(self) -> set[bytes]:
+        """Every key this daemon means to keep on its session lease (``reconcile.py``).
+
+        Its node claim, the waiter keys of its queues and the bindings of the
+        holds it knows: bound holds of its connections,
+        holds granted to its waiters (delivered or not yet).
+        """
+        known = {self.layout.node(self.node)}
+        holds: set[bytes] = set()
+        for bound in self._bound.values():
+            holds.update(bound)
+        for key_queue in self._queues.values():
+            known.update(key_queue.waiters)
+            holds.update(key_queue.expected)
+            holds.update(key_queue.holding)
+        known.update(binding_of(hold_key) for hold_key in holds)
+        return known
 
     async def _read(self, key: str) -> Directory:
         result = await self.etcd.range(RangeOp(self.layout.directory(key), prefix=True))
@@ -648,12 +757,20 @@ class EtcdBackend:
             if waiter is not None and key_queue is not None:
                 crossed = await key_queue.leave(waiter)
                 if crossed is not None:
-                    self.release_undelivered(crossed)
+                    await self.discard(crossed)
             raise
+        if granted is not None and granted.tied:
+            try:
+                confirmed = await self._confirm(granted, max(deadline, trio.current_time() + 1))
+            except BaseException:
+                await self.discard(granted)
+                raise
+            if confirmed is None:
+                await self.discard(granted)
+                return None
+            granted = confirmed
         if granted is not None:
             self.track(granted, conn)
-            if granted.tied:
-                self.untie_later(granted)
         return granted
 
     async def _enqueue(
@@ -696,7 +813,7 @@ class EtcdBackend:
                 del self._queues[key_queue.key]
 
         try:
-            await key_queue.run(retire)
+            await keep_running("queue", partial(key_queue.run, retire))
         finally:
             retire()
 
@@ -748,7 +865,6 @@ class EtcdBackend:
         ops: list[Op] = [PutOp(hold_key, renewed.value(), lease=renewed.lease)]
         if hold.tied:
             ops.append(DeleteOp(self.layout.binding(hold.key, hold.handle)))
-            self._tied.pop(hold_key, None)
         result = await self.etcd.txn(
             [Compare(hold_key, "mod_revision", "==", hold.mod_revision)], ops
         )
@@ -765,7 +881,6 @@ class EtcdBackend:
         release is a plain deletion and each waiter's daemon grants it.
         """
         hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
-        self._tied.pop(hold_key, None)
         key_queue = self._queues.get(key)
         result = await key_queue.hand_off(hold_key) if key_queue is not None else None
         if result is None:

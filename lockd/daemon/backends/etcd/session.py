@@ -21,7 +21,12 @@ import logging
 
 import trio
 
-from lockd.daemon.backends.etcd.gateway import EtcdGateway, EtcdUnavailable, LeaseNotFound
+from lockd.daemon.backends.etcd.gateway import (
+    EtcdError,
+    EtcdGateway,
+    EtcdUnavailable,
+    LeaseNotFound,
+)
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.etcd")
@@ -94,7 +99,11 @@ class Session:
                     # late is worth less than a new one sent now.
                     with trio.fail_after(max(interval, RETRY_INTERVAL)):
                         ttl = await self._gateway.lease_keepalive(self.lease_id)
-                except (EtcdUnavailable, trio.TooSlowError) as failure:
+                except LeaseNotFound:
+                    raise
+                except (EtcdUnavailable, EtcdError, trio.TooSlowError) as failure:
+                    # Not an answer about the lease (etcd refused the request,
+                    # or could not serve it): the lease may well live on.
                     overdue = trio.current_time() - self.expires_at
                     if overdue > 0:
                         log.warning(

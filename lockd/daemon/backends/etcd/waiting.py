@@ -37,6 +37,7 @@ watch shows without reading first.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -47,6 +48,7 @@ from lockd.daemon.backends.etcd import queue
 from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
 from lockd.daemon.backends.etcd.leases import Refresh
 from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
+from lockd.daemon.backends.etcd.tasks import keep_running
 from lockd.daemon.backends.etcd.wire import (
     Compare,
     DeleteOp,
@@ -82,6 +84,13 @@ class LocalWaiter:
     done: trio.Event = field(default_factory=trio.Event)
 
 
+#: seconds a waiter of another daemon (or an orphan of ours) may stay granted-
+#: able at the head of the queue, ungranted, before this daemon removes it:
+#: etcd's default election timeout, the time the issue allows a free key to
+#: stay blocked. A daemon that serves its waiter grants it within
+#: milliseconds of the watch event (hand-off p99 ~0.2 s under load).
+UNSERVED_AFTER = 1.0
+
 #: a hand-off's transaction tried again at most this often when its guard
 #: fails (each failure brings the directory as it is); then a plain release.
 HAND_OFF_TRIES = 4
@@ -116,6 +125,11 @@ class KeyQueue:
         self.wake_keys: frozenset[bytes] | None = None
         #: decisions made (how often a deletion woke it: tests, debugging).
         self.decisions = 0
+        #: waiters the rules grant now but that are not ours: etcd key ->
+        #: (create revision, when first seen so, trio clock). See _sweep.
+        self.unserved: dict[bytes, tuple[int, float]] = {}
+        #: unserved waiters removed (tests, debugging).
+        self.removed = 0
 
     def join(self, waiter: LocalWaiter, directory: Directory) -> None:
         """Take a waiter whose key is written; ``directory`` was read after it was."""
@@ -176,10 +190,19 @@ class KeyQueue:
             backend.delete_later(hold_key)
             backend.delete_later(backend.layout.binding(self.key, waiter.hold.handle))
 
-    def _granted(self, waiter: LocalWaiter, hold: Hold) -> None:
-        """``waiter`` has its hold (granted by us or by another daemon): wake its acquire."""
+    def _granted(self, waiter: LocalWaiter, hold: Hold, *, seen: bool = False) -> None:
+        """``waiter`` has its hold (granted by us or by another daemon): wake its acquire.
+
+        ``seen``: the grant was seen in the view (a watch event, a read), not
+        made by our own transaction. If the waiter's key is still in the view
+        then, the grant went to an older key of the same waiter (an enqueue
+        whose outcome was unknown, then written again: both name one hold),
+        and this one must go too, or it stays in the queue unserved.
+        """
         if waiter.granted is not None:
             return
+        if seen and self.records is not None and waiter.record.etcd_key in self.records:
+            self.backend.delete_later(waiter.record.etcd_key)
         waiter.granted = hold
         self.waiters.pop(waiter.record.etcd_key, None)
         hold_key = self._hold_key(waiter)
@@ -188,12 +211,19 @@ class KeyQueue:
         waiter.done.set()
 
     def _deliver_read(self) -> None:
-        """Grants to our waiters that a read shows (a watch event shows them one by one)."""
+        """Grants to our waiters that a read shows (a watch event shows them one by one).
+
+        Whatever its revision: a handle is never reused, so a hold under the
+        one a waiter named is its grant, also when it was granted under an
+        older key of the waiter (an enqueue whose outcome was unknown, then
+        written again) before the newer key was written. Skipping those left
+        the hold tied to this daemon's session, undelivered, blocking the key.
+        """
         assert self.records is not None
         for hold_key, waiter in list(self.expected.items()):
             record = self.records.get(hold_key)
-            if record is not None and record.create_revision > waiter.record.create_revision > 0:
-                self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, record))
+            if record is not None:
+                self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, record), seen=True)
         self.holding.intersection_update(self.records)
 
     # ------------------------------------------------------------ the task
@@ -205,13 +235,17 @@ class KeyQueue:
         waiter arriving after that starts a new queue instead of joining
         one whose task is ending.
         """
+        if self.decisions:  # started again after a failure: what it knew may be stale
+            self.records = None
+            self.changed.set()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch)
+            nursery.start_soon(keep_running, "watch", self._watch)
             while True:
                 if not self.waiters and not self.holding:
                     retire()
                     break
-                await self.changed.wait()
+                with trio.move_on_at(self._sweep_at()):
+                    await self.changed.wait()
                 self.changed = trio.Event()
                 self.decisions += 1
                 try:
@@ -220,7 +254,7 @@ class KeyQueue:
                 except (EtcdUnavailable, EtcdError) as exc:
                     # EtcdError: a kept lease that ended under the grant, or
                     # a refusal; deciding again from a new read is safe.
-                    log.debug(kv(event="queue_retry", key=self.key, error=exc))
+                    log.info(kv(event="queue_retry", key=self.key, error=exc))
                     self.records = None
                     self.changed.set()
                     await trio.sleep(RETRY_INTERVAL)
@@ -256,7 +290,8 @@ class KeyQueue:
                 self.records[event.kv.key] = event.kv
                 waiter = self.expected.get(event.kv.key)
                 if waiter is not None:  # a grant to one of ours, maybe by another daemon
-                    self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, event.kv))
+                    hold = Hold.parse(self.key, waiter.hold.handle, event.kv)
+                    self._granted(waiter, hold, seen=True)
         if events:
             self.revision = max(self.revision, events[-1].kv.mod_revision)
             self._advanced.set()
@@ -268,9 +303,9 @@ class KeyQueue:
 
     async def _watch(self) -> None:
         """Follow the directory from the first read on; a deletion may let a waiter go."""
-        start = self._watch_from
         request = WatchRequest(self.directory_key, prefix=True)
         while True:
+            start = self._watch_from
             try:
                 async with self.backend.etcd.watch(replace(request, start_revision=start)) as w:
                     try:
@@ -279,12 +314,16 @@ class KeyQueue:
                             if any(self._wakes(e) for e in response.events):
                                 self.changed.set()
                     finally:
-                        start = w.next_revision or start
+                        # Kept on the queue: a watch started again (here, or
+                        # after a failure) goes on from there, missing nothing.
+                        self._watch_from = w.next_revision or start
             except WatchCompacted as exc:
-                start = exc.compact_revision
+                self._watch_from = exc.compact_revision
                 self.records = None  # what was compacted away is read instead
                 self.changed.set()
-            except EtcdUnavailable:
+            except (EtcdUnavailable, EtcdError) as exc:
+                # EtcdError: refused (rights, say) or a bug: try again later.
+                log.info(kv(event="watch_retry", key=self.key, error=exc))
                 await trio.sleep(RETRY_INTERVAL)
 
     def _wakes(self, event: Event) -> bool:
@@ -314,11 +353,15 @@ class KeyQueue:
         A bound hold dies with its binding, so the binding's deletion can
         make room as much as the hold's; a waiter key of ours that vanishes
         means the session was lost (``_decide`` writes it again).
+
+        What the waiters *ahead* of ours wait for counts too: when the head
+        can go and its daemon does not serve it (an orphan), this daemon
+        must see it to remove it (``_sweep``), or the queue stalls.
         """
         layout, keys = self.backend.layout, set(self.waiters)
         holds = layout.directory(self.key) + b"h/"
-        for waiter_key in self.waiters:
-            for blocker in decision.wake_on.get(waiter_key, ()):
+        for blockers in decision.wake_on.values():
+            for blocker in blockers:
                 keys.add(blocker)
                 if blocker.startswith(holds):
                     keys.add(layout.binding(self.key, blocker[len(holds) :].decode()))
@@ -351,13 +394,61 @@ class KeyQueue:
             mine = [
                 self.waiters[c.etcd_key] for c in decision.granted if c.etcd_key in self.waiters
             ]
+            await self._sweep(decision)
             if not mine:
                 self.wake_keys = self._wake_keys(decision)
                 return
-            result = await self._grant(directory, mine, decision.replaces)
+            # One grant per transaction: every grant draws a fence of its own
+            # (its revision, SPEC §10), shared waiters granted together
+            # included. The next one is decided once the watch shows this one.
+            result = await self._grant(directory, mine[:1], decision.replaces)
             if result is None:
                 return
             self._learn(result)
+
+    def _sweep_at(self) -> float:
+        """When the oldest unserved waiter's time is up (trio clock; inf: none)."""
+        if not self.unserved:
+            return math.inf
+        return min(since for _, since in self.unserved.values()) + UNSERVED_AFTER
+
+    async def _sweep(self, decision: queue.QueueDecision) -> None:
+        """Remove waiters at the head that the rules grant now and nobody serves.
+
+        The daemon that owns a waiter grants it within milliseconds of
+        seeing it fit. One still ungranted :data:`UNSERVED_AFTER` after this
+        daemon first saw it fit is an orphan (its daemon does not know it: an
+        enqueue whose outcome was unknown, issue 23's ghost), or its daemon
+        is cut off or stopped. Either way it blocks every waiter behind it,
+        so any daemon with a waiter behind it deletes it, guarded by its
+        create revision (a grant that came first deleted it already). Safe
+        whatever the case: a waiter whose key vanishes is written again at
+        the tail by its own daemon, if that daemon still serves it; a
+        stopped daemon's waiter would have gone with its session anyway.
+        """
+        now = trio.current_time()
+        others = {
+            c.etcd_key: c.create_revision
+            for c in decision.granted
+            if c.etcd_key not in self.waiters
+        }
+        self.unserved = {
+            key: (revision, self.unserved.get(key, (revision, now))[1])
+            for key, revision in others.items()
+        }
+        due = [
+            (key, revision)
+            for key, (revision, since) in self.unserved.items()
+            if now - since >= UNSERVED_AFTER
+        ]
+        for key, revision in due:
+            result = await self.backend.etcd.txn(
+                [Compare(key, "create_revision", "==", revision)], [DeleteOp(key)]
+            )
+            del self.unserved[key]
+            if result.succeeded:
+                self.removed += 1
+                log.warning(kv(event="unserved_waiter_removed", key=self.key, waiter=key.decode()))
 
     async def _grant(
         self, directory: Directory, mine: list[LocalWaiter], replaces: dict[bytes, bytes]
@@ -467,7 +558,11 @@ class KeyQueue:
                 decision = queue.decide(holds, [w.claim for w in directory.waiters])
                 by_key = {w.etcd_key: w for w in directory.waiters}
                 heads: list[Waiter] = []
-                for claim in decision.granted:
+                # The head alone: every grant draws a fence of its own (its
+                # revision, SPEC §10), so the waiters granted beside it
+                # (shared heads, free slots) are granted by their own daemons,
+                # which the release wakes, each in a transaction of its own.
+                for claim in decision.granted[:1]:
                     waiter = by_key[claim.etcd_key]
                     if not waiter.grantable or self._granted_in(waiter, hold_key):
                         break  # an older daemon's record; or granted already (a stale view)
