@@ -241,6 +241,7 @@ def _open_store(
             background_check=True,
             record=RunRecord(record_path(paths.socket.parent, paths.db)),
             accept_loss=accept_data_loss,
+            boot_ms=clock.boot_ms,
         )
         adopt = adopt_fence_mark or accept_data_loss
         fence = store.stored_fence()

@@ -217,6 +217,7 @@ class Store:
         background_check: bool = False,
         record: RunRecord | None = None,
         accept_loss: bool = False,
+        boot_ms: Callable[[], int] | None = None,
     ) -> None:
         """Open (or create) the database; raises :class:`StoreError` if it cannot be used.
 
@@ -250,6 +251,7 @@ class Store:
         #: what was found lost or damaged and accepted (``accept_loss``), for the log.
         self.accepted_loss: list[str] = []
         self._accept_loss = accept_loss
+        self._boot_ms = boot_ms or _boot_ms
         #: path -> (st_dev, st_ino) of the files we write, to notice them vanish.
         self._identities: dict[Path, tuple[int, int]] = {}
         #: why the files are no longer ours, once a check found it (then no writes).
@@ -435,7 +437,7 @@ class Store:
 
     def _hold_grants(self) -> None:
         """After an accepted loss: no grant until every lease that may be lost has run out."""
-        now = _boot_ms()
+        now = self._boot_ms()
         last = self.last_run
         # Every lease that may be lost ends by the latest deadline committed in
         # this boot; without a record of it, by the longest TTL from now.
