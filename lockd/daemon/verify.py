@@ -126,12 +126,11 @@ def inspect(conn: sqlite3.Connection, *, structure: bool = True) -> Findings:
             return found  # reading rows of a damaged tree tells nothing more
     if found.version == 0:
         return found
-    meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
-    found.fence = int(meta.get("fence", 0))
+    found.fence = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0]
     if found.version < CHECKED_SINCE:
         found.rows = conn.execute("SELECT count(*) FROM leases").fetchone()[0]
         return found
-    found.seq = int(meta.get("seq", 0))
+    found.seq = conn.execute("SELECT seq FROM meta WHERE name = 'fence'").fetchone()[0]
     crc32 = zlib.crc32
     old_factory = conn.text_factory
     conn.text_factory = bytes  # damaged text may not even be UTF-8
