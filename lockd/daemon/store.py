@@ -59,11 +59,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lockd.contract import MAX_TTL_MS
 from lockd.daemon.engine import Changes, Lease, RowId
 from lockd.daemon.fencemark import BLOCK, FenceMark
-from lockd.daemon.runrecord import LastRun, RunRecord, RunRecordError
-from lockd.daemon.verify import ROW_TEXT_SQL, Findings, inspect, inspect_readonly, row_checksum
+from lockd.daemon.losscheck import LossCheck, StartRefused
+from lockd.daemon.runrecord import LastRun, RunRecord
+from lockd.daemon.verify import ROW_TEXT_SQL, Findings, inspect, row_checksum
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.store")
@@ -251,16 +251,12 @@ class Store:
         #: lease rows inserted or deleted so far (``meta.seq``; the run record follows it).
         self.seq = 0
         self.record = record if on_disk else None
-        #: the record of this database's last run, when it was in this boot.
-        self.last_run: LastRun | None = None
-        #: the fence the run record reserved, whatever boot wrote it (0: none).
-        self.recorded_fence = 0
+        #: the start's judgement of the database against the run record.
+        self.loss = LossCheck(self.path, boot_id, self.record, accept_loss)
+        #: what was found lost or damaged and accepted (``accept_loss``), for the log.
+        self.accepted_loss = self.loss.accepted
         #: after an accepted loss: no grant before this boot-clock ms (0: none held).
         self.grants_held_until = 0
-        #: what was found lost or damaged and accepted (``accept_loss``), for the log.
-        self.accepted_loss: list[str] = []
-        self._accept_loss = accept_loss
-        self._boot_ms = boot_ms or _boot_ms
         #: path -> (st_dev, st_ino) of the files we write, to notice them vanish.
         self._identities: dict[Path, tuple[int, int]] = {}
         #: why the files are no longer ours, once a check found it (then no writes).
@@ -274,8 +270,13 @@ class Store:
         if on_disk:
             _prepare_directory(self.path.parent)
             _check_files_before_open(self.path)
-            self.last_run = self._read_last_run()
-            found = self._inspect_first()
+            try:
+                self.loss.read_last_run()
+                found = self.loss.inspect_first()
+            except StartRefused as exc:
+                raise StoreError(str(exc)) from None
+            except sqlite3.Error as exc:
+                raise _open_failed(self.path, exc) from exc
         # The -wal and -shm files SQLite creates later copy the database
         # file's mode, so a private umask at creation covers all three.
         old_umask = os.umask(0o077)
@@ -303,83 +304,34 @@ class Store:
             self._db.execute("PRAGMA journal_size_limit=4194304")
             self._db.execute("PRAGMA foreign_keys=ON")
             if on_disk and found is None:
-                self._judge_seq(self._read_seq())  # before anything is written
+                self.loss.judge_seq(self._read_seq())  # before anything is written
             self._migrate()
             if found is not None:
-                self._repair_accepted(found)  # checked already, on the files as found
+                self.loss.repair(self._db, found)  # checked already, on the files as found
             elif on_disk and background_check and self._wal_folded_in():
                 self._check = _IntegrityCheck(self.path)
             else:
-                self._judge_found(inspect(self._db))
-            if self.accepted_loss:
-                self._hold_grants()
+                self.loss.judge_found(inspect(self._db))
+            self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
             self.seq = self._read_seq() or 0
             if on_disk:
                 self._remember_identity(self.path)
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc):
-                raise StoreError(
-                    f"{path} is in use by another process (another lockd on this database?)"
-                ) from exc
-            raise StoreError(f"{path}: {exc}") from exc
+        except StartRefused as exc:
+            raise StoreError(str(exc)) from None
         except sqlite3.Error as exc:
-            raise StoreError(f"{path}: {exc}") from exc
+            raise _open_failed(Path(path), exc) from exc
         finally:
             os.umask(old_umask)
 
-    # -------------------------------------------------- checks before use (issue 21)
+    @property
+    def last_run(self) -> LastRun | None:
+        """The run record of this database's last run, when it was in this boot."""
+        return self.loss.last_run
 
-    def _read_last_run(self) -> LastRun | None:
-        """The run record's account of this database, if it is from this boot."""
-        if self.record is None:
-            return None
-        try:
-            last = self.record.read()
-        except RunRecordError as exc:
-            if not self._accept_loss:
-                raise StoreError(
-                    f"{exc}: cannot tell whether acknowledged leases were lost"
-                ) from None
-            self.accepted_loss.append(str(exc))
-            return None
-        if last is None:
-            return None
-        self.recorded_fence = last.fence
-        if last.boot_id != self.boot_id or last.db != os.path.abspath(self.path):
-            return None  # another boot's leases are dropped anyway; its fence still counts
-        return last
-
-    def _inspect_first(self) -> Findings | None:
-        """Check a database left by a crash (a WAL is there) before SQLite touches it.
-
-        Opening it for writing and closing it again would checkpoint the WAL
-        into the file and delete it: a refusal must leave both as found. A
-        read-only connection sees the WAL and writes neither. A database
-        stopped cleanly (no WAL) is checked by the daemon's own connection
-        in the background instead, as before (nothing is written first).
-        None when there is nothing to inspect this way.
-        """
-        try:
-            wal_size = os.stat(self._wal).st_size
-        except FileNotFoundError:
-            wal_size = 0
-        if not self.path.exists():
-            self._judge_seq(0)  # a deleted database after acknowledged writes
-            return None
-        if not wal_size and not self._accept_loss:
-            return None
-        try:
-            found = inspect_readonly(self.path)
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc):
-                raise StoreError(
-                    f"{self.path} is in use by another process (another lockd on this database?)"
-                ) from exc
-            raise StoreError(f"{self.path}: {exc}") from exc
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: {exc}") from exc
-        self._judge_seq(found.seq, found)
-        return found
+    @property
+    def recorded_fence(self) -> int:
+        """The fence the run record reserved, whatever boot wrote it (0: none)."""
+        return self.loss.recorded_fence
 
     def _read_seq(self) -> int | None:
         """``meta.seq`` (None before schema 3 or in a new file)."""
@@ -388,70 +340,6 @@ class Store:
             return None
         row = db.execute("SELECT seq FROM meta WHERE name = 'fence'").fetchone()
         return None if row is None else int(row[0])
-
-    def _judge_seq(self, seq: int | None, found: Findings | None = None) -> None:
-        """Refuse a database that lost writes acknowledged in this boot (and ``found`` damage)."""
-        problems: list[str] = []
-        last = self.last_run
-        if last is not None and (seq or 0) < last.seq:
-            assert self.record is not None
-            missing = last.seq - (seq or 0)
-            what = (
-                "is missing"
-                if not self.path.exists()
-                else f"holds {seq or 0} lease writes (inserts and deletes)"
-            )
-            problems.append(
-                f"{what}, but lockd acknowledged {last.seq} in this boot (per the run record "
-                f"{self.record.path}): {missing} acknowledged writes are gone (its WAL "
-                f"{self._wal.name} cut short, damaged or deleted, or the folder deleted)"
-            )
-        if found is not None and not found.sound:
-            problems.append(found.describe())
-        self._refuse_or_accept(problems, structural=found is not None and bool(found.structure))
-
-    def _judge_found(self, found: Findings) -> None:
-        """Refuse a damaged database (or note it, accepted)."""
-        if not found.sound:
-            self._refuse_or_accept([found.describe()], structural=bool(found.structure))
-
-    def _refuse_or_accept(self, problems: list[str], *, structural: bool) -> None:
-        if not problems:
-            return
-        if structural:
-            raise StoreError(
-                f"{self.path} {'; '.join(problems)}; SQLite cannot read it as it is: move it "
-                "aside (lockd serve --accept-data-loss then starts on a new one)"
-            )
-        if not self._accept_loss:
-            raise StoreError(
-                f"{self.path} {'; '.join(problems)}; nothing was changed "
-                "(lockd serve --accept-data-loss starts on what is left)"
-            )
-        self.accepted_loss.extend(problems)
-
-    def _repair_accepted(self, found: Findings) -> None:
-        """Drop rows that failed their check and rebuild a tree that hides rows (accepted)."""
-        if not self.accepted_loss:
-            return
-        db = self._db
-        if found.damaged:
-            db.execute("BEGIN IMMEDIATE")
-            db.executemany(
-                "DELETE FROM leases WHERE CAST(key AS BLOB) = ? AND slot = ?", found.damaged
-            )
-            db.execute("COMMIT")
-        if found.unreachable:
-            db.execute("VACUUM")  # copies every row into a new tree by a scan
-
-    def _hold_grants(self) -> None:
-        """After an accepted loss: no grant until every lease that may be lost has run out."""
-        now = self._boot_ms()
-        last = self.last_run
-        # Every lease that may be lost ends by the latest deadline committed in
-        # this boot; without a record of it, by the longest TTL from now.
-        until = last.deadline if last is not None else now + MAX_TTL_MS
-        self.grants_held_until = until if until > now else 0
 
     def check_grants(self, now: int) -> None:
         """Raise :class:`GrantsOnHold` while no key may be granted (after an accepted loss)."""
@@ -483,9 +371,17 @@ class Store:
                 self.boot_id, self.path, seq=self.seq, fence=fence_reserved, deadline=latest
             )
         except OSError as exc:
-            raise StoreError(
-                f"{record.path}: cannot write the run record: {exc.strerror or exc}"
-            ) from exc
+            # Serve anyway: without the record the next start cannot tell lost
+            # writes of this run, which the log says loudly (operations.md).
+            log.error(
+                kv(
+                    event="run_record_unavailable",
+                    path=record.path,
+                    error=exc.strerror or exc,
+                    effect="a later start cannot tell whether acknowledged leases were lost",
+                )
+            )
+            self.record = None
 
     def _migrate(self) -> None:
         db = self._db
@@ -940,6 +836,12 @@ def _check_files_before_open(db: Path) -> None:
             raise StoreError(f"{path} is empty (0 bytes): it was truncated or damaged")
         if head and head not in magics:
             raise StoreError(f"{path} is damaged: {what} (its first bytes are wrong)")
+
+
+def _open_failed(path: Path, exc: sqlite3.Error) -> StoreError:
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        return StoreError(f"{path} is in use by another process (another lockd on this database?)")
+    return StoreError(f"{path}: {exc}")
 
 
 def _prepare_directory(directory: Path) -> None:
