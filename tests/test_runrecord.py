@@ -136,3 +136,22 @@ def test_unchanged_files_after_a_refusal(tmp_path: Path) -> None:
         Store(crashed, BOOT, record=RunRecord(record_file), background_check=True)
     assert (crashed.read_bytes(), wal.read_bytes()) == before
     assert not crashed.with_name("lockd.db-shm").exists()
+
+
+def test_the_record_counts_what_the_database_counts(tmp_path: Path) -> None:
+    """Inserts, replaces (renew), deletes and deletes of nothing: both counts agree."""
+    db = tmp_path / "state" / "lockd.db"
+    record = RunRecord(record_path(tmp_path, db))
+    store = Store(db, BOOT, record=record)
+    store.begin_run(0)
+    store.apply(changes({"a": lease("a", 1), "b": lease("b", 2)}, fence=2))
+    store.apply(changes({"a": lease("a", 1, expires_at=9_000)}))  # a renew: a REPLACE
+    store.apply(changes({"b": None}))
+    store.apply(changes({"gone": None, "c": lease("c", 3)}, fence=3))  # deletes no row
+    store.apply(changes({"a": None}))
+    # (the store's connection is exclusive: the count is read through it)
+    counted = store._db.execute("SELECT seq FROM meta WHERE name = 'fence'").fetchone()[0]
+    assert counted == store.seq == record.seq == 6
+    last = RunRecord(record.path).read()
+    assert last is not None and last.seq == 6 and last.deadline == 9_000
+    store.close()

@@ -303,6 +303,9 @@ class Store:
             self._db.execute("PRAGMA wal_autocheckpoint=10000")
             self._db.execute("PRAGMA journal_size_limit=4194304")
             self._db.execute("PRAGMA foreign_keys=ON")
+            # The write count (meta.seq) relies on a REPLACE not firing the
+            # delete trigger; some builds default this on (compile options).
+            self._db.execute("PRAGMA recursive_triggers=OFF")
             if on_disk and found is None:
                 self.loss.judge_seq(self._read_seq())  # before anything is written
             self._migrate()
