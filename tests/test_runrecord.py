@@ -8,6 +8,7 @@ record saw: driven here with explicit boot-clock values, no sleeping.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import zlib
@@ -70,6 +71,11 @@ def test_record_round_trip_and_bounds(tmp_path: Path) -> None:
     assert last.db == str(tmp_path / "state" / "lockd.db")
     assert path.stat().st_mode & 0o777 == 0o600
     record.close()
+    if os.geteuid() == 0:  # CI runs as root: a record planted by another user
+        os.chown(path, 65534, 65534)
+        with pytest.raises(RunRecordError, match="not a regular file of ours"):
+            RunRecord(path).read()
+    path.unlink()
     path.write_bytes(b"garbage")
     with pytest.raises(RunRecordError, match="not a lockd run record"):
         RunRecord(path).read()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,13 @@ class RunRecord:
         except OSError as exc:
             raise RunRecordError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
         with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+                # In a shared sticky folder (--socket /tmp/...) another user
+                # could plant one: never trusted, said so like <socket>.lock.
+                raise RunRecordError(
+                    f"{self.path} is not a regular file of ours; remove it and start again"
+                )
             data = f.read(_SIZE)
         if len(data) != _SIZE or not data.startswith(_MAGIC):
             raise RunRecordError(f"{self.path}: not a lockd run record (damaged?)")
