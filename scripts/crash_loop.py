@@ -37,6 +37,9 @@ from lockd_client import Handle, LockClient, LockdError
 
 #: Leases a client keeps at most; older ones are released (keeps ``list`` cheap).
 KEEP = 40
+#: The longest TTL there is (24 h): a lease must not run out during the run,
+#: or its expiry would read as a loss (a 600 s TTL did, 600 s into a run).
+TTL = 86_400
 
 
 @dataclass
@@ -112,13 +115,13 @@ def _load(sock: str, ledger: Ledger, name: str, stop: threading.Event, rng: rand
         while not stop.is_set():
             roll = rng.random()
             if roll < 0.6 or not mine:
-                handle = client.try_acquire(f"{name}:{time.monotonic_ns()}:{i}", ttl=600)
+                handle = client.try_acquire(f"{name}:{time.monotonic_ns()}:{i}", ttl=TTL)
                 i += 1
                 if handle is not None:
                     ledger.granted(handle)
                     mine.append(handle)
             elif roll < 0.75:
-                client.renew(rng.choice(mine), ttl=600)
+                client.renew(rng.choice(mine), ttl=TTL)
             if len(mine) > KEEP or (roll >= 0.75 and mine):
                 gone = mine.pop(0)
                 with ledger.lock:
@@ -211,6 +214,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = parser.parse_args()
+    if args.seconds >= TTL:
+        parser.error(f"--seconds must stay below the leases' TTL ({TTL} s)")
     root = Path(tempfile.mkdtemp(prefix="lockd-crash-", dir="/tmp"))
     started = time.monotonic()
     ledger = run(args.rounds, args.seconds, root, args.seed)
