@@ -17,6 +17,8 @@ from typing import Any
 
 from lockd_client import DaemonUnavailableError, Handle, LockClient, LockdError
 
+from lockd.daemon.verify import row_checksum
+
 from .conftest import DaemonProcess
 from .test_integration import wait_for
 
@@ -116,21 +118,28 @@ def test_every_acknowledged_grant_survives_kill9(daemon_paths: DaemonProcess) ->
 
 def insert_foreign_lease(db: str, key: str, fence: int) -> None:
     """Write a lease row as an earlier boot of the host would have left it."""
+    values = (
+        key,
+        0,
+        "F" * 22,
+        fence,
+        "old-run",
+        "user:root",
+        600_000,
+        boot_ms() + 600_000,
+        str(uuid.uuid4()),
+        "exclusive",
+        1,
+        None,
+        None,
+    )
     with sqlite3.connect(db) as conn:
         conn.execute(
             "INSERT INTO leases "
             "(key, slot, handle, fence, owner, principal, ttl_ms, expires_at, boot_id, "
-            "mode, hold_limit) VALUES (?, 0, ?, ?, ?, ?, ?, ?, ?, 'exclusive', 1)",
-            (
-                key,
-                "F" * 22,
-                fence,
-                "old-run",
-                "user:root",
-                600_000,
-                boot_ms() + 600_000,
-                str(uuid.uuid4()),
-            ),
+            "mode, hold_limit, pid, process, chk) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*values, row_checksum(*values)),  # a row as lockd writes it (lockd.daemon.verify)
         )
     conn.close()
 

@@ -57,14 +57,20 @@ def test_state_folder_deleted_while_running(daemon_paths: DaemonProcess) -> None
     # The mark is back (its folder was deleted too); the empty database is refused.
     assert daemon_paths.db.with_name("lockd.db.fence").exists()
     line = _start_fails(daemon_paths)
-    assert f"below the fence it held for sure ({highest}" in line
+    # The run record outside the state folder (issue 21) says what is missing.
+    assert "lockd.db is missing, but lockd acknowledged" in line
     assert "docs/operations.md" in line
     # The documented recovery: leases are gone, fences continue above the mark.
-    daemon_paths.extra_args = ["--adopt-fence-mark"]
+    # The documented recovery: the operator accepts the loss. Any key may have
+    # been held by a lost lease ("held" for 600 s): none is granted before then.
+    daemon_paths.extra_args = ["--accept-data-loss"]
     daemon_paths.start()
     with LockClient(str(daemon_paths.socket)) as client:
-        handle = client.try_acquire("after-recovery", ttl=60)
-        assert handle is not None and handle.fence > highest
+        with pytest.raises(StorageUnavailableError):
+            client.try_acquire("after-recovery", ttl=60)
+        assert not client.status("held").held
+        assert client.stats()["fence"] >= highest  # the run record kept the reservation
+    assert "event=data_loss_accepted" in daemon_paths.read_log()
     daemon_paths.terminate()
 
 
@@ -92,7 +98,18 @@ def test_lost_database_never_brings_fences_back(daemon_paths: DaemonProcess) -> 
         if path.exists():
             path.unlink()
     line = _start_fails(daemon_paths)
+    assert "lockd.db is missing, but lockd acknowledged" in line
+    # After a reboot the run record (on the runtime tmpfs) is gone: the fence mark still refuses.
+    for record in daemon_paths.root.glob("lockd-run.*"):
+        record.unlink()
+    line = _start_fails(daemon_paths)
     assert f"({highest}" in line
+    daemon_paths.extra_args = ["--adopt-fence-mark"]
+    daemon_paths.start()
+    with LockClient(str(daemon_paths.socket)) as client:
+        handle = client.try_acquire("after-recovery", ttl=60)
+        assert handle is not None and handle.fence > highest
+    daemon_paths.terminate()
 
 
 def test_zero_length_database_is_refused(daemon_paths: DaemonProcess) -> None:

@@ -89,6 +89,12 @@ def main() -> None:
     "(after losing it: see docs/operations.md); fences continue above the mark.",
 )
 @click.option(
+    "--accept-data-loss",
+    is_flag=True,
+    help="Start although acknowledged leases were lost or damaged (see docs/operations.md): "
+    "the log says what; no key is granted until every lease that may be lost has run out.",
+)
+@click.option(
     "--etcd",
     "etcd",
     metavar="URL[,URL...]",
@@ -102,6 +108,7 @@ def serve(
     config_dir: str | None,
     json_output: bool,
     adopt_fence_mark: bool,
+    accept_data_loss: bool,
     etcd: str | None,
 ) -> None:
     """Run the daemon in the foreground (stops cleanly on SIGTERM).
@@ -119,7 +126,12 @@ def serve(
     try:
         paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
         endpoints = tuple(url.strip() for url in etcd.split(",")) if etcd is not None else ()
-        code = run(paths, adopt_fence_mark=adopt_fence_mark, etcd=endpoints)
+        code = run(
+            paths,
+            adopt_fence_mark=adopt_fence_mark,
+            accept_data_loss=accept_data_loss,
+            etcd=endpoints,
+        )
     except (StartupError, ConfigError) as exc:
         # A config mistake (lockd.toml, the files it names) exits 2, as a
         # usage error; anything else that stops a start exits 1. Under --json

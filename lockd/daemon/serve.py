@@ -32,6 +32,7 @@ from lockd.daemon.listener import (
 from lockd.daemon.ratelimit import RateLimiter
 from lockd.daemon.remote import RemoteService
 from lockd.daemon.rulewatch import watch_rule_sets
+from lockd.daemon.runrecord import RunRecord, record_path
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.stats import StatsRecorder
@@ -89,6 +90,7 @@ def build(
     *,
     clock: Clock | None = None,
     adopt_fence_mark: bool = False,
+    accept_data_loss: bool = False,
     etcd: tuple[str, ...] = (),
 ) -> Daemon:
     """Load config, rules and database, and take the socket. Raises StartupError.
@@ -126,7 +128,7 @@ def build(
         engine = LockEngine()
         backend = _etcd_backend(settings.backend, clock)
     else:
-        store, engine = _open_store(paths, clock, adopt_fence_mark, settings)
+        store, engine = _open_store(paths, clock, adopt_fence_mark, settings, accept_data_loss)
     service = LockService(
         engine,
         store,
@@ -214,9 +216,17 @@ def build(
 
 
 def _open_store(
-    paths: Paths, clock: Clock, adopt_fence_mark: bool, settings: Settings
+    paths: Paths,
+    clock: Clock,
+    adopt_fence_mark: bool,
+    settings: Settings,
+    accept_data_loss: bool = False,
 ) -> tuple[Store, LockEngine]:
-    """The SQLite database and the engine loaded from it (the embedded backend)."""
+    """The SQLite database and the engine loaded from it (the embedded backend).
+
+    The run record (lockd.daemon.runrecord) lives in the socket's folder: the
+    runtime folder, outside the state folder, for as long as the boot.
+    """
     # Loading makes objects per lease (rows, keys; long-lived ones for keys
     # loaded at once): the cyclic collector would walk the growing heap
     # again and again for nothing. run() freezes what is left after.
@@ -229,22 +239,39 @@ def _open_store(
             read_boot_id(),
             synchronous=settings.sqlite_synchronous,
             background_check=True,
+            record=RunRecord(record_path(paths.socket.parent, paths.db)),
+            accept_loss=accept_data_loss,
+            boot_ms=clock.boot_ms,
         )
+        adopt = adopt_fence_mark or accept_data_loss
         fence = store.stored_fence()
         if store.mark is not None:
-            if adopt_fence_mark:
+            if adopt:
                 store.wait_checked()  # adopting writes the mark: only for a sound database
             try:
-                fence = fencemark.check_at_start(store.mark, fence, adopt=adopt_fence_mark)
+                fence = fencemark.check_at_start(store.mark, fence, adopt=adopt)
             except fencemark.FenceMarkError as exc:
                 store.wait_checked()  # a damaged file says so rather than "below the mark"
                 store.close()
                 raise StartupError(f"database: {exc}") from None
+        # The record's reservation too: the mark goes when the state folder goes.
+        fence = max(fence, store.recorded_fence)
         engine = LockEngine(fence=fence)
         # Each lease's key and deadline only; the engine reads a key's full
         # rows when it first needs the key (lockd.daemon.cold).
         engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.boot_ms())
         store.wait_checked()
+        store.begin_run(max(fence, store.mark.reserved if store.mark is not None else 0))
+        if store.accepted_loss:
+            log.warning(
+                kv(
+                    event="data_loss_accepted",
+                    db=paths.db,
+                    found=" | ".join(store.accepted_loss),
+                    grants_held_ms=max(0, store.grants_held_until - clock.boot_ms()),
+                    hint="no key is granted until every lease that may be lost has run out",
+                )
+            )
     except (StoreError, OSError) as exc:
         raise StartupError(
             f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"
@@ -331,9 +358,17 @@ async def _main(daemon: Daemon) -> None:
         await daemon.backend.etcd.aclose()
 
 
-def run(paths: Paths, *, adopt_fence_mark: bool = False, etcd: tuple[str, ...] = ()) -> int:
+def run(
+    paths: Paths,
+    *,
+    adopt_fence_mark: bool = False,
+    accept_data_loss: bool = False,
+    etcd: tuple[str, ...] = (),
+) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit status."""
-    daemon = build(paths, adopt_fence_mark=adopt_fence_mark, etcd=etcd)
+    daemon = build(
+        paths, adopt_fence_mark=adopt_fence_mark, accept_data_loss=accept_data_loss, etcd=etcd
+    )
     # Start-up leaves a large heap of long-lived objects (the CEL grammar,
     # compiled rules, modules): freeze them out of the cyclic collector's
     # way, and let gen-0 run less often -- request garbage is freed by

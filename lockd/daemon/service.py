@@ -585,6 +585,8 @@ class LockService:
     def _acquire(self, caller: Caller, conn: int, req: Acquire, *, pending: int) -> AcquireStep:
         self.check_acquire(caller, req, pending=pending)
         now = self._now()
+        if self.store is not None:
+            self.store.check_grants(now)  # none after an accepted data loss, for a while
         if req.timeout_ms is None:
             retry_after = self.take_attempt(caller, now)
             if retry_after is not None:

@@ -37,6 +37,14 @@ A broken disk must not quietly lose what was acknowledged:
   :class:`StorageUnavailable` until a restart.
 - The fence high-water mark is kept outside the database as well
   (:mod:`lockd.daemon.fencemark`); :meth:`Store.apply` moves it in blocks.
+- Nothing acknowledged may be missing (issue 21). Each row carries a
+  checksum, checked at start (:mod:`lockd.daemon.verify`); ``meta`` counts
+  the lease rows written, and the run record outside the state folder
+  (:mod:`lockd.daemon.runrecord`) counts the same after each commit: a
+  start in the same boot on a database that counts fewer is refused. A
+  database left with a WAL is checked on a read-only connection first, so
+  a refusal leaves the files as they were; ``accept_loss`` starts anyway
+  and holds every grant until the lost leases have run out.
 """
 
 from __future__ import annotations
@@ -45,17 +53,22 @@ import logging
 import os
 import sqlite3
 import threading
+import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from lockd.daemon.engine import Changes, Lease, RowId
 from lockd.daemon.fencemark import BLOCK, FenceMark
+from lockd.daemon.losscheck import LossCheck, StartRefused
+from lockd.daemon.runrecord import LastRun, RunRecord
+from lockd.daemon.verify import ROW_TEXT_SQL, Findings, inspect, row_checksum
 from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.store")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def _migrate_0_to_1(db: sqlite3.Connection) -> None:
@@ -134,8 +147,48 @@ def _migrate_1_to_2(db: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_2_to_3(db: sqlite3.Connection) -> None:
+    """Rows checked and writes counted (issue 21, :mod:`lockd.daemon.verify`).
+
+    Every row gets ``chk``, the CRC-32 of its columns; ``meta`` gets
+    ``seq`` (a column of its ``fence`` row), the number of lease rows inserted
+    or deleted so far, kept by
+    triggers inside each write's own transaction (the run record outside
+    the state folder counts the same: see :mod:`lockd.daemon.runrecord`).
+    An insert (a grant or a renew) already rewrote ``meta`` for the fence,
+    so counting it costs no page more; a delete now writes ``meta`` too.
+    """
+    db.execute("ALTER TABLE leases ADD COLUMN chk INTEGER")
+    db.create_function("lockd_chk", 1, lambda text: zlib.crc32(text.encode()), deterministic=True)
+    db.execute(f"UPDATE leases SET chk = lockd_chk({ROW_TEXT_SQL})")
+    # The count rides in the fence's own meta row: the trigger that raised the
+    # fence on every insert still updates one row (a second row cost ~2 us).
+    db.execute("ALTER TABLE meta ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
+    db.execute("DROP TRIGGER leases_fence")
+    db.execute(
+        """
+        CREATE TRIGGER leases_insert AFTER INSERT ON leases BEGIN
+            UPDATE meta SET value = max(value, NEW.fence), seq = seq + 1 WHERE name = 'fence';
+        END
+        """
+    )
+    # An INSERT OR REPLACE does not fire it for the row it replaces
+    # (recursive_triggers is off): one write, one count.
+    db.execute(
+        """
+        CREATE TRIGGER leases_delete AFTER DELETE ON leases BEGIN
+            UPDATE meta SET seq = seq + 1 WHERE name = 'fence';
+        END
+        """
+    )
+
+
 #: MIGRATIONS[n] takes a database at user_version n to n + 1.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_0_to_1, _migrate_1_to_2]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _migrate_0_to_1,
+    _migrate_1_to_2,
+    _migrate_2_to_3,
+]
 
 
 class StoreError(Exception):
@@ -144,6 +197,14 @@ class StoreError(Exception):
 
 class StorageUnavailable(StoreError):
     """A write failed (disk full, I/O error, files gone); nothing of it was kept."""
+
+
+class GrantsOnHold(StorageUnavailable):
+    """No key is granted yet: leases were lost and accepted at start (issue 21)."""
+
+
+def _boot_ms() -> int:
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1_000_000
 
 
 #: sqlite3 errors that mean "the storage failed", not "lockd has a bug".
@@ -163,6 +224,9 @@ class Store:
         *,
         synchronous: str = "NORMAL",
         background_check: bool = False,
+        record: RunRecord | None = None,
+        accept_loss: bool = False,
+        boot_ms: Callable[[], int] | None = None,
     ) -> None:
         """Open (or create) the database; raises :class:`StoreError` if it cannot be used.
 
@@ -170,6 +234,12 @@ class Store:
         runs in a thread and the constructor returns at once: reads may go
         on meanwhile; :meth:`wait_checked` (and every write, and
         :meth:`close`) waits for it and raises its failure.
+
+        ``record``: the run record outside the state folder
+        (:mod:`lockd.daemon.runrecord`): a database that lost writes it
+        acknowledged in this boot is refused, unless ``accept_loss``; then
+        :attr:`grants_held_until` says until when no key may be granted.
+        Call :meth:`begin_run` once the start succeeded.
         """
         self.path = Path(path)
         self.boot_id = boot_id
@@ -178,6 +248,15 @@ class Store:
         self.mark: FenceMark | None = FenceMark.beside(self.path) if on_disk else None
         #: the highest fence the database holds (after load and each commit).
         self.committed_fence = 0
+        #: lease rows inserted or deleted so far (``meta.seq``; the run record follows it).
+        self.seq = 0
+        self.record = record if on_disk else None
+        #: the start's judgement of the database against the run record.
+        self.loss = LossCheck(self.path, boot_id, self.record, accept_loss)
+        #: what was found lost or damaged and accepted (``accept_loss``), for the log.
+        self.accepted_loss = self.loss.accepted
+        #: after an accepted loss: no grant before this boot-clock ms (0: none held).
+        self.grants_held_until = 0
         #: path -> (st_dev, st_ino) of the files we write, to notice them vanish.
         self._identities: dict[Path, tuple[int, int]] = {}
         #: why the files are no longer ours, once a check found it (then no writes).
@@ -187,9 +266,17 @@ class Store:
         self._wal_known = False
         #: the integrity check still running in its thread (background_check).
         self._check: _IntegrityCheck | None = None
+        found: Findings | None = None
         if on_disk:
             _prepare_directory(self.path.parent)
             _check_files_before_open(self.path)
+            try:
+                self.loss.read_last_run()
+                found = self.loss.inspect_first()
+            except StartRefused as exc:
+                raise StoreError(str(exc)) from None
+            except sqlite3.Error as exc:
+                raise _open_failed(self.path, exc) from exc
         # The -wal and -shm files SQLite creates later copy the database
         # file's mode, so a private umask at creation covers all three.
         old_umask = os.umask(0o077)
@@ -216,23 +303,88 @@ class Store:
             self._db.execute("PRAGMA wal_autocheckpoint=10000")
             self._db.execute("PRAGMA journal_size_limit=4194304")
             self._db.execute("PRAGMA foreign_keys=ON")
+            # The write count (meta.seq) relies on a REPLACE not firing the
+            # delete trigger; some builds default this on (compile options).
+            self._db.execute("PRAGMA recursive_triggers=OFF")
+            if on_disk and found is None:
+                self.loss.judge_seq(self._read_seq())  # before anything is written
             self._migrate()
-            if on_disk and background_check and self._wal_folded_in():
+            if found is not None:
+                self.loss.repair(self._db, found)  # checked already, on the files as found
+            elif on_disk and background_check and self._wal_folded_in():
                 self._check = _IntegrityCheck(self.path)
             else:
-                _raise_problems(self.path, self._db.execute("PRAGMA quick_check").fetchall())
+                self.loss.judge_found(inspect(self._db))
+            self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
+            self.seq = self._read_seq() or 0
             if on_disk:
                 self._remember_identity(self.path)
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc):
-                raise StoreError(
-                    f"{path} is in use by another process (another lockd on this database?)"
-                ) from exc
-            raise StoreError(f"{path}: {exc}") from exc
+        except StartRefused as exc:
+            raise StoreError(str(exc)) from None
         except sqlite3.Error as exc:
-            raise StoreError(f"{path}: {exc}") from exc
+            raise _open_failed(Path(path), exc) from exc
         finally:
             os.umask(old_umask)
+
+    @property
+    def last_run(self) -> LastRun | None:
+        """The run record of this database's last run, when it was in this boot."""
+        return self.loss.last_run
+
+    @property
+    def recorded_fence(self) -> int:
+        """The fence the run record reserved, whatever boot wrote it (0: none)."""
+        return self.loss.recorded_fence
+
+    def _read_seq(self) -> int | None:
+        """``meta.seq`` (None before schema 3 or in a new file)."""
+        db = self._db
+        if db.execute("PRAGMA user_version").fetchone()[0] < 3:
+            return None
+        row = db.execute("SELECT seq FROM meta WHERE name = 'fence'").fetchone()
+        return None if row is None else int(row[0])
+
+    def check_grants(self, now: int) -> None:
+        """Raise :class:`GrantsOnHold` while no key may be granted (after an accepted loss)."""
+        if self.grants_held_until:
+            if now < self.grants_held_until:
+                raise GrantsOnHold(
+                    "lockd started accepting lost leases; no key is granted until every lease "
+                    f"that may have been lost has run out ({self.grants_held_until - now} ms)"
+                )
+            self.grants_held_until = 0
+            log.info(kv(event="grants_resumed"))
+
+    def begin_run(self, fence_reserved: int) -> None:
+        """Write this run's record once the start is complete (its checks passed).
+
+        Not earlier: a start refused by a check must leave the last run's
+        record as it was, or the next attempt would start on the damage.
+        """
+        record = self.record
+        if record is None:
+            return
+        deadline = self._db.execute(
+            "SELECT max(expires_at) FROM leases WHERE boot_id = ?", (self.boot_id,)
+        ).fetchone()[0]
+        last = self.last_run
+        latest = max(deadline or 0, last.deadline if last is not None else 0)
+        try:
+            record.begin(
+                self.boot_id, self.path, seq=self.seq, fence=fence_reserved, deadline=latest
+            )
+        except OSError as exc:
+            # Serve anyway: without the record the next start cannot tell lost
+            # writes of this run, which the log says loudly (operations.md).
+            log.error(
+                kv(
+                    event="run_record_unavailable",
+                    path=record.path,
+                    error=exc.strerror or exc,
+                    effect="a later start cannot tell whether acknowledged leases were lost",
+                )
+            )
+            self.record = None
 
     def _migrate(self) -> None:
         db = self._db
@@ -402,8 +554,15 @@ class Store:
 
     def _drop_earlier_boots(self, count: int) -> None:
         self.wait_checked()
-        self._db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,))
+        deleted = self._db.execute("DELETE FROM leases WHERE boot_id != ?", (self.boot_id,))
+        self._count_writes(deleted.rowcount)
         log.info(kv(event="dropped_earlier_boot", leases=count))
+
+    def _count_writes(self, count: int) -> None:
+        """``count`` more lease rows written and committed: the run record follows."""
+        self.seq += count
+        if self.record is not None:
+            self.record.set_seq(self.seq)
 
     def apply(self, changes: Changes) -> None:
         """Persist one batch of engine effects atomically.
@@ -423,10 +582,13 @@ class Store:
         # grant whose row is gone again in the same batch (granted, then
         # broken or released) needs the mark written by hand.
         fence = changes.fence
-        if fence is not None and any(
-            lease is not None and lease.fence >= fence for lease in rows.values()
-        ):
-            fence = None
+        latest = 0
+        for lease in rows.values():
+            if lease is not None:
+                if fence is not None and lease.fence >= fence:
+                    fence = None
+                if lease.expires_at > latest:
+                    latest = lease.expires_at
         if not rows and fence is None:
             return
         if self._check is not None:
@@ -443,12 +605,19 @@ class Store:
             and changes.fence > self.mark.reserved
         ):
             self._move_mark(changes.fence)
+        record = self.record
+        if record is not None and latest > record.deadline:
+            # Before the commit: a lease lost with it may have run until then.
+            record.set_deadline(latest)
         try:
-            self._apply(rows, fence)
+            written = self._apply(rows, fence)
         except _BUG_ERRORS:
             raise
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"{self.path}: {exc}") from exc
+        self.seq += written
+        if record is not None:
+            record.set_seq(self.seq)
         if changes.fence is not None:
             self.committed_fence = max(self.committed_fence, changes.fence)
         if not self._wal_known and self.mark is not None:
@@ -467,6 +636,9 @@ class Store:
         try:
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
             self.mark.write(fence + BLOCK, max(self.mark.floor, self.committed_fence))
+            if self.record is not None:
+                # Also outside the state folder: the mark goes if the folder goes.
+                self.record.set_fence(fence + BLOCK)
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"{self.path}: {exc}") from exc
         except OSError as exc:
@@ -474,18 +646,20 @@ class Store:
                 f"{self.mark.path}: cannot move the fence mark: {exc.strerror or exc}"
             ) from exc
 
-    def _apply(self, rows: dict[RowId, Lease | None], fence: int | None) -> None:
+    def _apply(self, rows: dict[RowId, Lease | None], fence: int | None) -> int:
+        """Write the batch; how many rows were written (what ``meta.seq`` counted)."""
         db = self._db
         if len(rows) == 1 and fence is None:
-            self._write_row(*next(iter(rows.items())))
-            return
+            return self._write_row(*next(iter(rows.items())))
+        written = 0
         db.execute("BEGIN")
         try:
             for row_id, lease in rows.items():
-                self._write_row(row_id, lease)
+                written += self._write_row(row_id, lease)
             if fence is not None:
                 db.execute("UPDATE meta SET value = max(value, ?) WHERE name = 'fence'", (fence,))
             db.execute("COMMIT")
+            return written
         except BaseException:
             if db.in_transaction:
                 try:
@@ -495,36 +669,42 @@ class Store:
                     log.debug(kv(event="rollback_failed", db=self.path))
             raise
 
-    def _write_row(self, row_id: RowId, lease: Lease | None) -> None:
+    def _write_row(self, row_id: RowId, lease: Lease | None) -> int:
+        """Write one row; 1, or 0 for a delete that found no row (the triggers count the same)."""
         if lease is None:
-            self._db.execute("DELETE FROM leases WHERE key = ? AND slot = ?", row_id)
-            return
+            deleted = self._db.execute("DELETE FROM leases WHERE key = ? AND slot = ?", row_id)
+            return deleted.rowcount
+        values = (
+            lease.key,
+            lease.slot,
+            lease.handle,
+            lease.fence,
+            lease.owner,
+            lease.principal,
+            lease.ttl_ms,
+            lease.expires_at,
+            self.boot_id,
+            lease.mode,
+            lease.limit,
+            lease.pid,
+            lease.process,
+        )
         self._db.execute(
             "INSERT OR REPLACE INTO leases "
             "(key, slot, handle, fence, owner, principal, ttl_ms, expires_at, boot_id, "
-            "mode, hold_limit, pid, process) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                lease.key,
-                lease.slot,
-                lease.handle,
-                lease.fence,
-                lease.owner,
-                lease.principal,
-                lease.ttl_ms,
-                lease.expires_at,
-                self.boot_id,
-                lease.mode,
-                lease.limit,
-                lease.pid,
-                lease.process,
-            ),
+            "mode, hold_limit, pid, process, chk) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*values, row_checksum(*values)),
         )
+        return 1
 
     def close(self) -> None:
         if self._check is not None:
             # Closing checkpoints into the file the check is reading.
             self._check.done.wait()
         self._db.close()
+        if self.record is not None:
+            self.record.close()
         mark = self.mark
         if mark is not None and mark.reserved:
             # Record what the database holds now: a database lost or rolled
@@ -571,7 +751,7 @@ def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
 
 
 class _IntegrityCheck:
-    """``PRAGMA quick_check`` of the database file in a thread of its own.
+    """``PRAGMA quick_check`` and the row checks (:func:`~lockd.daemon.verify.inspect`) in a thread.
 
     SQLite lets go of the GIL for the whole check (one ``sqlite3_step``), so
     on a second core it costs the start nothing while the daemon reads the
@@ -586,6 +766,7 @@ class _IntegrityCheck:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._problems: list[str] = []
+        self._found: Findings | None = None
         self.done = threading.Event()
         threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
 
@@ -597,7 +778,7 @@ class _IntegrityCheck:
                 # Mapped: no system call per page (~40 % less CPU, measured);
                 # unmapped when the connection closes.
                 conn.execute(f"PRAGMA mmap_size={_START_MMAP_BYTES}")
-                self._problems = [str(row[0]) for row in conn.execute("PRAGMA quick_check")]
+                self._found = inspect(conn)
             finally:
                 conn.close()
         except sqlite3.Error as exc:
@@ -611,7 +792,13 @@ class _IntegrityCheck:
     def result(self) -> None:
         """Wait for the check; raise :class:`StoreError` if the file is damaged."""
         self.done.wait()
-        _raise_problems(self.path, [(p,) for p in self._problems])
+        if self._problems:
+            _raise_problems(self.path, [(p,) for p in self._problems])
+        if self._found is not None and not self._found.sound:
+            raise StoreError(
+                f"{self.path} {self._found.describe()}; nothing was changed "
+                "(lockd serve --accept-data-loss starts on what is left)"
+            )
 
 
 def _raise_problems(path: Path, rows: list[tuple[Any, ...]]) -> None:
@@ -652,6 +839,12 @@ def _check_files_before_open(db: Path) -> None:
             raise StoreError(f"{path} is empty (0 bytes): it was truncated or damaged")
         if head and head not in magics:
             raise StoreError(f"{path} is damaged: {what} (its first bytes are wrong)")
+
+
+def _open_failed(path: Path, exc: sqlite3.Error) -> StoreError:
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        return StoreError(f"{path} is in use by another process (another lockd on this database?)")
+    return StoreError(f"{path}: {exc}")
 
 
 def _prepare_directory(directory: Path) -> None:
