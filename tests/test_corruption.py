@@ -13,7 +13,7 @@ were.
 The crash is real: a daemon subprocess under load from a client thread,
 killed with SIGKILL. The damage is then applied to copies of the files it
 left, one variant at a time. The fast lane restarts a real daemon on a
-handful of variants; the wide sweep (``LOCKD_SLOW_TESTS=1``) checks hundreds
+handful of variants; the wide sweep (``LOCKD_SLOW=1``) checks hundreds
 of offsets of both files and many truncations through the daemon's own
 start-up code in-process (``lockd.daemon.serve._open_store``), which is what
 ``lockd serve`` runs before it answers anything.
@@ -44,7 +44,7 @@ WAL_HEADER = 32
 FRAME = 24 + 1024
 
 slow = pytest.mark.skipif(
-    not os.environ.get("LOCKD_SLOW_TESTS"), reason="wide sweep: set LOCKD_SLOW_TESTS=1"
+    not os.environ.get("LOCKD_SLOW"), reason="wide sweep: set LOCKD_SLOW=1"
 )
 
 
