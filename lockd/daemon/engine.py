@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
@@ -56,6 +57,7 @@ from sortedcontainers import SortedList
 from lockd import core
 from lockd.core import EXCLUSIVE, SHARED, Refused
 from lockd.daemon.cold import ColdLeases
+from lockd.daemon.demoted import ColdKeys
 from lockd.daemon.leases import (
     MAX_LISTED_HOLDERS,
     AcquireResult,
@@ -103,6 +105,18 @@ EXPIRY_CHUNK = 250
 REQUEST_CHUNK = 64
 #: cold keys (see :mod:`lockd.daemon.cold`) loaded by one call of the loader.
 LOAD_BATCH = 256
+#: keys the engine holds in full at most, once :meth:`LockEngine.demote` runs:
+#: beyond it the least recently touched settled keys go back to the store
+#: (:mod:`lockd.daemon.demoted`). ~700 B each in full, ~72 B demoted.
+HOT_KEYS = 10_000
+#: a settled key untouched this long is demoted however few keys are hot,
+#: unless its first lease ends within as long again (then it runs out hot).
+IDLE_MS = 60_000
+#: keys one :meth:`LockEngine.demote` call examines at most (a bounded pause).
+DEMOTE_BATCH = 2_048
+#: after a :meth:`LockEngine.demote` call found only keys that must stay
+#: (waiters, connection-bound), the next looks again this much later.
+DEMOTE_RETRY_MS = 1_000
 
 
 #: Reads the stored leases of cold keys (:meth:`LockEngine.restore_cold`):
@@ -208,9 +222,17 @@ class LockEngine:
         #: set when a bounded :meth:`advance` left due deadlines unapplied;
         #: requests then settle their own key first (:meth:`_settle`).
         self._behind = False
-        #: keys restored but not loaded yet (restore_cold), and how to load them.
-        self._cold = ColdLeases()
+        #: keys restored but not loaded yet (restore_cold) or demoted since,
+        #: and how to load them.
+        self._cold = ColdKeys()
         self._load: LeaseLoader = _no_loader
+        #: tracked keys, least recently touched first, with when (see demote()).
+        #: Keys dropped meanwhile leave lazily, when demote() meets them.
+        self._touched: OrderedDict[str, int] = OrderedDict()
+        #: the latest ``now`` the engine was given (the touch time of keys loaded).
+        self._last_now = 0
+        #: demote() does nothing before this (it found nothing to demote).
+        self._demote_after = 0
 
     # ------------------------------------------------------------------ state
 
@@ -260,7 +282,7 @@ class LockEngine:
         """
         if self._keys or self._cold.key_count:
             raise ValueError("restore_cold() is for a new engine")
-        self._cold, self._load = cold, load
+        self._cold, self._load = ColdKeys(cold), load
         self._advance(now, EXPIRY_CHUNK)
 
     def _warm(self, keys: list[str], now: int | None = None) -> None:
@@ -323,6 +345,7 @@ class LockEngine:
         key = group[0].key
         if key in self._keys:
             raise ValueError(f"the leases of {key!r} must come together")
+        self._touch(key)
         for lease in group:
             lease.conn = None  # a restart ends every connection binding
             if lease.fence > self._fence:
@@ -653,6 +676,84 @@ class LockEngine:
             keys[-1] if more else None,
         )
 
+    # ----------------------------------------------------------------- memory
+
+    def _touch(self, key: str) -> None:
+        """``key`` is in use now: the last candidate for :meth:`demote`."""
+        touched = self._touched
+        touched[key] = self._last_now
+        touched.move_to_end(key)
+
+    def demote(self, now: int) -> int:
+        """Send settled keys back to the store; how many went (see :mod:`lockd.daemon.demoted`).
+
+        Call it right after a commit (:meth:`drain`): a demoted key's rows
+        must be in the store, since they are what the engine reads when it
+        needs the key again. The least recently touched keys go first, while
+        more than :data:`HOT_KEYS` keys are tracked, or when untouched for
+        :data:`IDLE_MS`. A key stays when it has waiters or a lease bound to
+        its connection (those live in memory only); it is then looked at
+        again later. Like a load, a demotion changes nothing anyone can
+        see: the key answers every request as before, after one read.
+        """
+        touched = self._touched
+        if (
+            self._load is _no_loader
+            or now < self._demote_after
+            or self._undo.recording
+            or self._changes.rows
+            or not touched
+        ):
+            return 0
+        idle_before = now - IDLE_MS
+        demoted = kept = 0
+        for _ in range(DEMOTE_BATCH):
+            if not touched:
+                break
+            key, touched_at = next(iter(touched.items()))
+            crowded = len(touched) > HOT_KEYS
+            if not crowded and touched_at > idle_before:
+                break
+            del touched[key]
+            state = self._keys.get(key)
+            if state is None:
+                continue  # dropped since it was touched
+            if self._demote_key(key, state, now, soon=None if crowded else now + IDLE_MS):
+                demoted += 1
+            else:
+                touched[key] = now  # looked at again after the others
+                kept += 1
+        if kept and not demoted:
+            self._demote_after = now + DEMOTE_RETRY_MS  # all pinned: no rescan per commit
+        return demoted
+
+    def _demote_key(self, key: str, state: _KeyState, now: int, soon: int | None) -> bool:
+        """Forget ``key``'s state, keeping its key and first deadline cold.
+
+        Not when a lease of it ends by ``soon`` (it runs out hot, without a
+        read), or when it must stay in memory (waiters, connection-bound).
+        """
+        if state.q_len:
+            return False
+        held = list(self._holders(state))
+        if any(lease.conn is not None for lease in held):
+            return False
+        first_end = min(lease.expires_at for lease in held)
+        if first_end <= now or (soon is not None and first_end <= soon):
+            return False
+        if not self._cold.demoted.add(key, first_end, len(held)):
+            return False
+        del self._keys[key]
+        self._sorted_keys.discard(key)
+        self._lease_count -= len(held)
+        for lease in held:
+            if lease.owner is not None:
+                owned = (key, lease.principal, lease.owner)
+                if self._owned.get(owned) is lease:
+                    del self._owned[owned]
+        # Its heap entries are dead now (_lease_entry_live) and go lazily.
+        return True
+
     # ---------------------------------------------------------------- holders
 
     def _status(self, key: str, state: _KeyState | None) -> KeyStatus:
@@ -957,6 +1058,7 @@ class LockEngine:
         """
         if not self._undo.recording or self.due(now):
             self._undo.stop()
+        self._last_now = max(self._last_now, now)
         heap, wheap = self._lease_heap, self._waiter_heap
         applied = 0
         caught_up = False
@@ -1009,6 +1111,8 @@ class LockEngine:
         """Time passes before a request: a few due deadlines, then all of ``key``'s."""
         if key is not None:
             self._warm_key(key)
+            self._last_now = now
+            self._touch(key)
         if not self._advance(now, REQUEST_CHUNK) and key is not None:
             self._settle(now, key)
 

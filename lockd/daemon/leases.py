@@ -95,6 +95,13 @@ class Lease:
         self.prev: Lease | None = None
         self.next: Lease | None = None
 
+    def __lt__(self, other: Lease) -> bool:
+        # The engine's deadline heap holds (expires_at, fence, lease); two
+        # entries tie only for a lease and its copy read back from the store
+        # (a demoted key loaded again, lockd.daemon.demoted), one of them
+        # dead. Which goes first does not matter: any order will do.
+        return id(self) < id(other)
+
     def __repr__(self) -> str:  # never show the handle id, not even in a traceback
         return (
             f"Lease(key={self.key!r}, fence={self.fence}, owner={self.owner!r}, "

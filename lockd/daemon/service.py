@@ -273,6 +273,8 @@ class LockService:
             raise
         self.engine.drain()
         self._announce_losses(changes.expired)
+        # The rows are in the store now: settled keys may leave memory.
+        self.engine.demote(self.clock.boot_ms())
         if changes.grants:
             self.stats.count("grants", changes.grants)
         if changes.retakes:

@@ -1,0 +1,187 @@
+"""lockd's memory per lease: ``.venv/bin/python bench/memory.py [--quick] [--leases N]``.
+
+Fills a real ``lockd serve`` with N live leases (1,000,000; ``--quick``:
+100,000) over its socket, the way clients would make them: 4 connections,
+200 pipelined ``tryAcquire`` each (more in flight can fill both sides'
+socket buffers), distinct keys, 24 h TTL. Then:
+
+* RSS of the daemon that took them (and its peak), and bytes per lease
+  over the same daemon's RSS before the fill;
+* the daemon stopped and started again on the same database: time from the
+  exec until ``hello`` answers, RSS then, and after every lease has been
+  asked about once more (``--probe`` of them, spread over the keys);
+* a held key from the fill answers ``status`` as held, before and after.
+
+Goals (issue 26): <= 150 MB live and after restart at 1 M, restart <= 1 s.
+Prints a table and writes ``bench/results/<UTC time>-memory-<plan>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import LockdDaemon, run_meta, save_run, table
+from run import log
+from scale import Wire, rss_mb, start_timed, workdir
+
+TTL_MS = 24 * 3600 * 1000
+CONNECTIONS = 4
+PIPELINE = 200
+
+
+def key_of(i: int) -> str:
+    return f"mem:{i:07d}"
+
+
+def _fill_part(socket: Path, start: int, count: int, errors: list[str]) -> None:
+    """Take keys ``start`` .. ``start + count`` on one connection, PIPELINE in flight."""
+    wire = Wire(socket)
+    try:
+        wire.result("hello")
+        sent = done = 0
+        while done < count:
+            batch = []
+            while sent < count and sent - done < PIPELINE:
+                batch.append(
+                    wire.line(sent + 1, "tryAcquire", key=key_of(start + sent), ttlMs=TTL_MS)
+                )
+                sent += 1
+            if batch:
+                wire.sock.sendall(b"".join(batch))
+            for reply in wire.ready_replies():
+                done += 1
+                if not reply.get("ok") or not reply["result"]:
+                    errors.append(str(reply))
+    finally:
+        wire.close()
+
+
+def fill(daemon: LockdDaemon, count: int) -> float:
+    """``count`` leases over CONNECTIONS connections; seconds taken."""
+    errors: list[str] = []
+    per = -(-count // CONNECTIONS)
+    parts = [(i * per, min(per, count - i * per)) for i in range(CONNECTIONS)]
+    threads = [
+        threading.Thread(target=_fill_part, args=(daemon.socket, start, n, errors))
+        for start, n in parts
+        if n > 0
+    ]
+    t0 = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} tryAcquire failed, e.g. {errors[0]}")
+    return time.monotonic() - t0
+
+
+def check_held(daemon: LockdDaemon, count: int, probes: int) -> float:
+    """``status`` of ``probes`` filled keys spread over all: each must be held; seconds."""
+    wire = Wire(daemon.socket)
+    t0 = time.monotonic()
+    try:
+        step = max(1, count // max(1, probes))
+        for i in range(0, count, step):
+            st = wire.result("status", key=key_of(i))
+            if not st.get("held"):
+                raise RuntimeError(f"{key_of(i)} is not held: {st}")
+    finally:
+        wire.close()
+    return time.monotonic() - t0
+
+
+def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]:
+    with workdir() as root:
+        db = root / "lockd.db"
+        live = LockdDaemon(db=db, start_timeout=120, tree=tree)
+        with live.running():
+            base_rss, _ = rss_mb(live.pid)
+            log(f"live: empty daemon RSS {base_rss:.0f} MB; filling {count:,} leases")
+            fill_s = fill(live, count)
+            rss, peak = rss_mb(live.pid)
+            log(f"live: {count:,} leases in {fill_s:.1f} s; RSS {rss:.0f} MB (peak {peak:.0f} MB)")
+            probe_s = check_held(live, count, probes)
+            probed_rss, _ = rss_mb(live.pid)
+        restarted = LockdDaemon(db=db, start_timeout=120, tree=tree)
+        start_s = start_timed(restarted)
+        try:
+            r_rss, r_peak = rss_mb(restarted.pid)
+            log(f"restart: hello after {start_s:.2f} s, RSS {r_rss:.0f} MB (peak {r_peak:.0f} MB)")
+            r_probe_s = check_held(restarted, count, probes)
+            r_probed_rss, _ = rss_mb(restarted.pid)
+        finally:
+            restarted.stop()
+    per_lease = 1e6 / count
+    return {
+        "leases": count,
+        "base_rss_mb": base_rss,
+        "fill_s": fill_s,
+        "fill_per_s": count / fill_s,
+        "live_rss_mb": rss,
+        "live_peak_mb": peak,
+        "live_bytes_per_lease": (rss - base_rss) * per_lease,
+        "live_probed_rss_mb": probed_rss,
+        "probe_s": probe_s,
+        "restart_s": start_s,
+        "restart_rss_mb": r_rss,
+        "restart_peak_mb": r_peak,
+        "restart_bytes_per_lease": (r_rss - base_rss) * per_lease,
+        "restart_probed_rss_mb": r_probed_rss,
+        "restart_probe_s": r_probe_s,
+        "probes": probes,
+    }
+
+
+def report(r: dict[str, Any]) -> str:
+    def mb(value: float) -> str:
+        return f"{value:.0f} MB"
+
+    rows = [
+        ["empty daemon", mb(r["base_rss_mb"]), "", ""],
+        [
+            f"{r['leases']:,} live leases ({r['fill_per_s']:,.0f}/s)",
+            mb(r["live_rss_mb"]),
+            mb(r["live_peak_mb"]),
+            f"{r['live_bytes_per_lease']:.0f}",
+        ],
+        [f"  after {r['probes']:,} status", mb(r["live_probed_rss_mb"]), "", ""],
+        [
+            f"restarted (hello after {r['restart_s']:.2f} s)",
+            mb(r["restart_rss_mb"]),
+            mb(r["restart_peak_mb"]),
+            f"{r['restart_bytes_per_lease']:.0f}",
+        ],
+        [f"  after {r['probes']:,} status", mb(r["restart_probed_rss_mb"]), "", ""],
+    ]
+    return table(["daemon", "RSS", "peak", "B/lease"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="100,000 leases")
+    parser.add_argument("--leases", type=int, help="leases to fill (default 1,000,000)")
+    parser.add_argument("--probes", type=int, default=2_000, help="status calls after the fill")
+    parser.add_argument("--tree", type=Path, help="measure the lockd of this checkout instead")
+    args = parser.parse_args(argv)
+    count = args.leases or (100_000 if args.quick else 1_000_000)
+    t0 = time.monotonic()
+    plan = "quick" if args.quick else "full"
+    results: dict[str, Any] = {
+        "meta": run_meta(Path(__file__).parent / "results", f"memory-{plan}", plan)
+    }
+    results["memory"] = measure(count, args.probes, args.tree)
+    print(report(results["memory"]))
+    save_run(results, t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
