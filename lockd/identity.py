@@ -29,6 +29,7 @@ import re
 import signal
 import socket
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -76,7 +77,8 @@ class Caller:
 
     @property
     def principal(self) -> str:
-        return f"{self.kind}:{self.name}"
+        # Interned: the leases of one caller share one string, not one each.
+        return sys.intern(f"{self.kind}:{self.name}")
 
     @property
     def privileged(self) -> bool:

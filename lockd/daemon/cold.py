@@ -95,26 +95,43 @@ class ColdLeases:
         cold._taken = bytearray(cold.lease_count)
         return cold
 
+    def extend(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Add (UTF-8 key, deadline) rows after the last key here, before :meth:`finish`.
+
+        A restore in chunks (:meth:`LockEngine.restore_lazily
+        <lockd.daemon.engine.LockEngine.restore_lazily>`): keys and
+        membership work at once, deadlines only once finished.
+        """
+        if rows:
+            self._append(list(map(operator.itemgetter(0), rows)), map(operator.itemgetter(1), rows))
+            self._taken += bytes(len(self._offsets) - 1 - len(self._taken))
+
+    def finish(self) -> None:
+        """The last chunk is in: order the deadlines (a heap, made in linear time)."""
+        heapq.heapify(self._heap)
+
     @classmethod
     def of(cls, leases: Iterable[tuple[bytes, int]]) -> ColdLeases:
         """From (UTF-8 key, deadline) pairs in key order, all at once."""
         return cls.build([list(leases)])
 
     def _append(self, keys: list[bytes], deadlines: Iterable[int]) -> None:
+        # Leases so far, taken ones too (lease_count leaves those out: extend()).
+        stored = len(self._offsets) - 1
         # The batch with the last key of the one before: a key's leases may straddle.
-        ordered = [bytes(self._keys[self.lease_count - 1]), *keys] if self.lease_count else keys
+        ordered = [bytes(self._keys[stored - 1]), *keys] if stored else keys
         # One pass when no key has several leases (the common case), two otherwise.
         pairs = len(ordered) - 1
         rising = sum(map(operator.lt, ordered, itertools.islice(ordered, 1, None)))
         repeats = 0 if rising == pairs else sum(map(operator.eq, ordered, ordered[1:]))
         if rising + repeats != pairs:
             raise ValueError("cold leases must come in key order")
-        self._posts.extend(keys[-self.lease_count % POST_EVERY :: POST_EVERY])
+        self._posts.extend(keys[-stored % POST_EVERY :: POST_EVERY])
         start = len(self._blob)
         self._blob += b"".join(keys)
         ends = itertools.accumulate(map(len, keys), initial=start)
         self._offsets.extend(itertools.islice(ends, 1, None))  # ``start`` is there already
-        numbers = range(self.lease_count, self.lease_count + len(keys))
+        numbers = range(stored, stored + len(keys))
         shifted = map(operator.lshift, deadlines, itertools.repeat(NUMBER_BITS))
         self._heap.extend(map(operator.or_, shifted, numbers))
         self.lease_count += len(keys)

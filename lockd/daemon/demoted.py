@@ -198,6 +198,14 @@ class ColdKeys:
     def __init__(self, restored: ColdLeases | None = None) -> None:
         self.restored = restored if restored is not None else ColdLeases()
         self.demoted = DemotedKeys()
+        #: a restore in chunks is under way: ``restored`` has the keys up to
+        #: ``frontier`` (UTF-8) and no deadlines yet; a key past it is unknown.
+        self.loading = False
+        self.frontier = b""
+
+    def unknown(self, key: str) -> bool:
+        """Might the store hold leases of ``key`` that are not here yet (see ``loading``)?"""
+        return self.loading and key.encode() > self.frontier
 
     @property
     def key_count(self) -> int:
@@ -227,7 +235,8 @@ class ColdKeys:
         )
 
     def next_deadline(self) -> int | None:
-        restored = self.restored.next_deadline() if self.restored.key_count else None
+        has_restored = self.restored.key_count and not self.loading
+        restored = self.restored.next_deadline() if has_restored else None
         demoted = self.demoted.next_deadline() if self.demoted.key_count else None
         if restored is None or demoted is None:
             return restored if demoted is None else demoted
@@ -235,7 +244,8 @@ class ColdKeys:
 
     def due(self, now: int, limit: int) -> list[str]:
         """Up to ``limit`` cold keys with a deadline <= ``now`` (keys are independent)."""
-        keys = self.restored.due(now, limit) if self.restored.key_count else []
+        has_restored = self.restored.key_count and not self.loading
+        keys = self.restored.due(now, limit) if has_restored else []
         if len(keys) < limit and self.demoted.key_count:
             keys += self.demoted.due(now, limit - len(keys))
         return keys

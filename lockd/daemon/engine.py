@@ -119,6 +119,16 @@ DEMOTE_BATCH = 2_048
 DEMOTE_RETRY_MS = 1_000
 
 
+#: One chunk of a restore (:meth:`LockEngine.restore_lazily`): the (UTF-8 key,
+#: deadline) rows of whole keys after a key (None: from the first), in
+#: (key, slot) order, and the last key looked at, or None after the last chunk.
+ChunkReader = Callable[[str | None], tuple[list[tuple[bytes, int]], str | None]]
+
+
+def _no_chunks(after: str | None) -> tuple[list[tuple[bytes, int]], str | None]:
+    return [], None
+
+
 #: Reads the stored leases of cold keys (:meth:`LockEngine.restore_cold`):
 #: every lease of each key asked for, a key's leases together, keys in any
 #: order. The daemon's is :meth:`lockd.daemon.store.Store.leases_of`.
@@ -226,6 +236,7 @@ class LockEngine:
         #: and how to load them.
         self._cold = ColdKeys()
         self._load: LeaseLoader = _no_loader
+        self._read_chunk: ChunkReader = _no_chunks
         #: tracked keys, least recently touched first, with when (see demote()).
         #: Keys dropped meanwhile leave lazily, when demote() meets them.
         self._touched: OrderedDict[str, int] = OrderedDict()
@@ -285,6 +296,66 @@ class LockEngine:
         self._cold, self._load = ColdKeys(cold), load
         self._advance(now, EXPIRY_CHUNK)
 
+    def restore_lazily(self, read: ChunkReader, load: LeaseLoader) -> None:
+        """Take up the stored leases chunk by chunk (:meth:`restore_step`), answering meanwhile.
+
+        ``read`` gives the (UTF-8 key, deadline) rows of the keys after a
+        key, a chunk at a time (the store's ``deadlines_after``); ``load``
+        is :meth:`restore_cold`'s. Until the last chunk is in, a key past
+        the chunks read is read from the store like a cold key when a
+        request needs it, and a ``list`` page reads the rest first
+        (:meth:`finish_restore`): every lease counts from the first request.
+        Deadlines of the keys not loaded come once the last chunk is in.
+        """
+        if self._keys or self._cold.key_count:
+            raise ValueError("restore_lazily() is for a new engine")
+        self._cold, self._load, self._read_chunk = ColdKeys(), load, read
+        self._cold.loading = True
+
+    @property
+    def restoring(self) -> bool:
+        """A restore in chunks is not complete yet (see :meth:`restore_lazily`)."""
+        return self._cold.loading
+
+    def restore_step(self, now: int) -> bool:
+        """Take up the next chunk; True once the restore is complete.
+
+        Only between commits: a row the engine has let go of but not yet
+        deleted in the store would otherwise come back as a cold lease.
+        Keys the engine took up meanwhile (loaded, granted, demoted) are
+        its own already; their rows in the chunk are skipped.
+        """
+        cold = self._cold
+        if not cold.loading:
+            return True
+        if self._undo.recording or self._changes.rows:
+            raise RuntimeError("restore_step() runs between commits only")
+        after = cold.frontier.decode() if cold.frontier else None
+        rows, upto = self._read_chunk(after)
+        if rows:
+            first, last = rows[0][0].decode(), rows[-1][0].decode()
+            mine = {
+                key.encode()
+                for keys in (
+                    self._sorted_keys.irange(first, last),
+                    cold.demoted.keys_from(first, inclusive=True),
+                )
+                for key in itertools.takewhile(lambda key: key <= last, keys)
+            }
+            cold.restored.extend([row for row in rows if row[0] not in mine] if mine else rows)
+        if upto is not None:
+            cold.frontier = upto.encode()
+            return False
+        cold.restored.finish()
+        cold.loading = False
+        self._advance(now, EXPIRY_CHUNK)  # leases that ran out while down, in passes
+        return True
+
+    def finish_restore(self, now: int) -> None:
+        """Take up every chunk left (a ``list`` needs all keys); between commits only."""
+        while not self.restore_step(now):
+            pass
+
     def _warm(self, keys: list[str], now: int | None = None) -> None:
         """Load cold keys into the engine's state (they are cold no more).
 
@@ -336,8 +407,13 @@ class LockEngine:
             heapq.heappush(self._lease_heap, (lease.expires_at, lease.fence, lease))
 
     def _warm_key(self, key: str) -> None:
-        """Load ``key`` if it is still cold (before anything looks at it)."""
-        if self._cold.key_count and key not in self._keys and key in self._cold:
+        """Load ``key`` if it is still cold, or maybe stored (before anything looks at it)."""
+        cold = self._cold
+        if (
+            (cold.key_count or cold.loading)
+            and key not in self._keys
+            and (key in cold or cold.unknown(key))
+        ):
             self._warm([key])
 
     def _restore_key(self, group: list[Lease]) -> None:
@@ -625,6 +701,8 @@ class LockEngine:
         good): O(limit + log n). While the timer is behind, each key is
         settled first and skipped if that freed it.
         """
+        if self._cold.loading:
+            self.finish_restore(now)  # a page shows every key: all of them first
         self._catch_up(now, None)
         if after is not None and after >= prefix:
             cursor, inclusive = after, False

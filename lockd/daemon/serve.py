@@ -20,7 +20,6 @@ import trio
 from lockd.config import BackendSettings, ConfigError, Paths, Settings, load_settings
 from lockd.daemon import fdlimit, fencemark, systemd
 from lockd.daemon.clock import Clock, SystemClock
-from lockd.daemon.cold import ColdLeases
 from lockd.daemon.engine import LockEngine
 from lockd.daemon.listener import (
     SocketInUseError,
@@ -257,9 +256,10 @@ def _open_store(
         # The record's reservation too: the mark goes when the state folder goes.
         fence = max(fence, store.recorded_fence)
         engine = LockEngine(fence=fence)
-        # Each lease's key and deadline only; the engine reads a key's full
-        # rows when it first needs the key (lockd.daemon.cold).
-        engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.boot_ms())
+        # Each lease's key and deadline only, in chunks after READY (see
+        # _restore_rest); the engine reads a key's full rows when it first
+        # needs the key, from the first request on (lockd.daemon.cold).
+        engine.restore_lazily(store.deadlines_after, store.leases_of)
         store.wait_checked()
         store.begin_run(max(fence, store.mark.reserved if store.mark is not None else 0))
         if store.accepted_loss:
@@ -310,7 +310,8 @@ def _backend_fields(paths: Paths, settings: Settings, engine: LockEngine) -> dic
             "prefix": config.prefix,
             "node": config.node_name,
         }
-    return {"db": paths.db, "leases": engine.held_count, "fence": engine.fence}
+    # How many leases it holds comes with event=restored, once they are all read.
+    return {"db": paths.db, "fence": engine.fence}
 
 
 #: Seconds between checks that the database files are still ours.
@@ -340,10 +341,46 @@ async def _watch_store(store: Store) -> None:
             return  # the store refuses every write from now on
 
 
+#: Seconds the restore waits before trying a chunk again after a failed read.
+RESTORE_RETRY = 0.25
+#: Seconds it waits for pending effects to be committed before its next chunk.
+RESTORE_WAIT = 0.001
+
+
+async def _restore_rest(service: LockService) -> None:
+    """Take up the stored leases a chunk at a time between requests (restore_lazily).
+
+    A chunk is read only when no effect is pending: the engine's view and
+    the store's rows agree then (see :meth:`LockEngine.restore_step`).
+    """
+    engine = service.engine
+    started = trio.current_time()
+    while engine.restoring:
+        await trio.sleep(0)
+        if engine.pending():  # the batch under way is committed first, by its own path
+            await trio.sleep(RESTORE_WAIT)
+            continue
+        try:
+            engine.restore_step(service.clock.boot_ms())
+        except StorageUnavailable as exc:
+            log.warning(kv(event="storage_unavailable", during="restore", error=exc))
+            await trio.sleep(RESTORE_RETRY)
+    service.commit_fact("restore")  # leases that ran out while lockd was down
+    log.info(
+        kv(
+            event="restored",
+            leases=engine.lease_count,
+            keys=engine.held_count,
+            seconds=round(trio.current_time() - started, 3),
+        )
+    )
+
+
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
             nursery.start_soon(_watch_store, daemon.store)
+            nursery.start_soon(_restore_rest, daemon.service)
         if daemon.backend is not None:
             await nursery.start(daemon.backend.run)
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)

@@ -804,6 +804,7 @@ class LockService:
 
     def list(self, caller: Caller, prefix: str, limit: int, after: str | None) -> dict[str, Any]:
         self.authorize(caller, "list")
+        self._restore_all("list")
         page = self.engine.list_held(self._now(), prefix, limit, after)
         self.commit_fact("list")
         return {
@@ -887,8 +888,24 @@ class LockService:
             "fence": oldest.fence,
         }
 
+    def _restore_all(self, what: str) -> None:
+        """A restore in chunks is under way: read the rest now (this answer counts every key).
+
+        Between commits only (:meth:`LockEngine.restore_step`), so what is
+        pending is committed first; a failed commit or read fails the request.
+        """
+        if not self.engine.restoring:
+            return
+        if self.engine.pending() and not self.commit_fact(what):
+            raise storage_unavailable()
+        try:
+            self.engine.finish_restore(self._now())
+        except StorageUnavailable as exc:
+            raise self._read_failed(what, exc) from None
+
     def stats_result(self, caller: Caller) -> dict[str, Any]:
         self.authorize(caller, "stats")
+        self._restore_all("stats")
         return self.stats.snapshot({**self.server_gauges(), **self.gauges()})
 
     def rules(self, caller: Caller) -> dict[str, Any]:

@@ -262,6 +262,8 @@ class Store:
         #: why the files are no longer ours, once a check found it (then no writes).
         self.lost: str | None = None
         self._writes_unchecked = 0
+        #: rows of earlier boots seen by deadlines_after(), deleted after its last chunk.
+        self._earlier_rows = 0
         self._wal = self.path.with_name(self.path.name + "-wal")
         self._wal_known = False
         #: the integrity check still running in its thread (background_check).
@@ -508,6 +510,40 @@ class Store:
             self._read_failed(exc)
         if dropped:
             self._drop_earlier_boots(dropped)
+
+    def deadlines_after(self, after: str | None) -> tuple[list[tuple[bytes, int]], str | None]:
+        """This boot's (UTF-8 key, deadline) rows of the keys after ``after``: one chunk.
+
+        Whole keys in (key, slot) order, at most :data:`_ROWS_PER_BATCH`
+        rows, and the last key it looked at (where the next chunk starts),
+        or None when there are no more: the restore in chunks that
+        :meth:`deadlines` is at once (the engine interleaves it with
+        requests, see ``LockEngine.restore_lazily``). Rows of an earlier
+        boot are counted on the way and deleted after the last chunk.
+        """
+        try:
+            rows = self._db.execute(
+                "SELECT CAST(key AS BLOB), CASE WHEN boot_id = ? THEN expires_at END "
+                "FROM leases WHERE key > ? ORDER BY key, slot LIMIT ?",
+                (self.boot_id, "" if after is None else after, _ROWS_PER_BATCH),
+            ).fetchall()
+        except sqlite3.DatabaseError as exc:
+            self._read_failed(exc)
+        done = len(rows) < _ROWS_PER_BATCH
+        upto = None
+        if not done:  # the last key's rows may go on in the next chunk: all there
+            last = rows[-1][0]
+            while rows[-1][0] == last:  # a key has far fewer rows than a chunk
+                rows.pop()
+            upto = rows[-1][0].decode()
+        if any(deadline is None for _, deadline in rows):
+            earlier = sum(deadline is None for _, deadline in rows)
+            self._earlier_rows += earlier
+            rows = [row for row in rows if row[1] is not None]
+        if done and self._earlier_rows:
+            self._drop_earlier_boots(self._earlier_rows)
+            self._earlier_rows = 0
+        return rows, upto
 
     def leases_of(self, keys: list[str]) -> list[Lease]:
         """This boot's leases of ``keys``, in (key, slot) order (a cold key's load).
