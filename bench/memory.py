@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LockdDaemon, run_meta, save_run, table
+from common import LockdDaemon, proc_cpu_s, run_meta, save_run, table
 from run import log
 from scale import Wire, rss_mb, start_timed, workdir
 
@@ -105,7 +105,9 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         with live.running():
             base_rss, _ = rss_mb(live.pid)
             log(f"live: empty daemon RSS {base_rss:.0f} MB; filling {count:,} leases")
+            cpu0 = proc_cpu_s(live.pid)
             fill_s = fill(live, count)
+            fill_cpu_s = proc_cpu_s(live.pid) - cpu0
             rss, peak = rss_mb(live.pid)
             log(f"live: {count:,} leases in {fill_s:.1f} s; RSS {rss:.0f} MB (peak {peak:.0f} MB)")
             probe_s = check_held(live, count, probes)
@@ -125,6 +127,7 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         "base_rss_mb": base_rss,
         "fill_s": fill_s,
         "fill_per_s": count / fill_s,
+        "fill_cpu_us_per_lease": fill_cpu_s * 1e6 / count,
         "live_rss_mb": rss,
         "live_peak_mb": peak,
         "live_bytes_per_lease": (rss - base_rss) * per_lease,
@@ -147,7 +150,8 @@ def report(r: dict[str, Any]) -> str:
     rows = [
         ["empty daemon", mb(r["base_rss_mb"]), "", ""],
         [
-            f"{r['leases']:,} live leases ({r['fill_per_s']:,.0f}/s)",
+            f"{r['leases']:,} live leases ({r['fill_per_s']:,.0f}/s, "
+            f"{r['fill_cpu_us_per_lease']:.0f} us CPU each)",
             mb(r["live_rss_mb"]),
             mb(r["live_peak_mb"]),
             f"{r['live_bytes_per_lease']:.0f}",

@@ -95,6 +95,8 @@ class DemotedKeys:
         self._ahead: deque[int] = deque()
         #: lease counts of the keys with more than one lease (the rest have one).
         self._several: dict[bytes, int] = {}
+        #: the front entry last found live, until a take (asked after every request).
+        self._front_live = -1
         self.key_count = 0
         self.lease_count = 0
 
@@ -132,6 +134,7 @@ class DemotedKeys:
         if raw not in self._keys:
             return False
         self._keys.remove(raw)
+        self._front_live = -1
         self.key_count -= 1
         self.lease_count -= self._several.pop(raw, 1)
         return True
@@ -155,12 +158,17 @@ class DemotedKeys:
     def next_deadline(self) -> int | None:
         """The earliest deadline of a key still here."""
         ahead, heap = self._ahead, self._heap
+        front = ahead[0] if ahead else heap[0] if heap else -1
+        if front == self._front_live >= 0:
+            return front >> SLOT_BITS
         while ahead:
             if self._live(ahead[0]):
+                self._front_live = ahead[0]
                 return ahead[0] >> SLOT_BITS
             self._forget(ahead.popleft())
         while heap:
             if self._live(heap[0]):
+                self._front_live = heap[0]
                 return heap[0] >> SLOT_BITS
             self._forget(_pop(heap))
         return None

@@ -813,10 +813,17 @@ class LockEngine:
         """
         if state.q_len:
             return False
-        held = list(self._holders(state))
-        if any(lease.conn is not None for lease in held):
-            return False
-        first_end = min(lease.expires_at for lease in held)
+        if state.count == 1:  # the common case, without the loops
+            assert state.first is not None
+            held = [state.first]
+            if state.first.conn is not None:
+                return False
+            first_end = state.first.expires_at
+        else:
+            held = list(self._holders(state))
+            if any(lease.conn is not None for lease in held):
+                return False
+            first_end = min(lease.expires_at for lease in held)
         if first_end <= now or (soon is not None and first_end <= soon):
             return False
         if not self._cold.demoted.add(key, first_end, len(held)):
