@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import LockdDaemon, proc_cpu_s, run_meta, save_run, table
 from run import log
-from scale import Wire, rss_mb, start_timed, workdir
+from scale import Wire, compile_bytecode, rss_mb, start_timed, workdir
 
 TTL_MS = 24 * 3600 * 1000
 CONNECTIONS = 4
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": run_meta(Path(__file__).parent / "results", f"memory-{plan}", plan)
     }
+    # As an installed lockd starts: from bytecode, not compiling its source.
+    compile_bytecode(args.tree or Path(__file__).resolve().parent.parent)
     results["memory"] = measure(count, args.probes, args.tree)
     print(report(results["memory"]))
     save_run(results, t0)
