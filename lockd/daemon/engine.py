@@ -809,9 +809,13 @@ class LockEngine:
         """Forget ``key``'s state, keeping its key and first deadline cold.
 
         Not when a lease of it ends by ``soon`` (it runs out hot, without a
-        read), or when it must stay in memory (waiters, connection-bound).
+        read), or when it must stay in memory (waiters, connection-bound,
+        free slots: a reload must make exactly the state it had).
         """
-        if state.q_len:
+        if state.q_len or state.free_slots:
+            # Free slots below the last: which one the next holder gets
+            # follows the order they were freed in, which the rows do not
+            # keep. Such a key waits until its holders are contiguous again.
             return False
         if state.count == 1:  # the common case, without the loops
             assert state.first is not None
