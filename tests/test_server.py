@@ -721,3 +721,44 @@ async def test_overlong_line_reply_names_limit_and_closes(short_tmp: Path) -> No
     assert second["error"]["code"] == "INVALID_REQUEST"
     assert second["error"]["details"]["limit"] == 1024
     assert eof is None
+
+
+async def test_blank_lines_get_no_reply_and_cost_no_request(short_tmp: Path) -> None:
+    """A bare newline is no request: no parse, no reply, no counter (issue 21, item 7)."""
+    async with running(short_tmp) as h:
+        client = await h.connect()
+        await client.sock.send(b"\n" * 500 + b"\r\n  \n" + b'{"id":1,"op":"hello"}\n' + b"\n" * 5)
+        first = await client.recv()
+        more = await client.recv(timeout=0.3)
+        counters = dict(h.service.stats.counters)
+    assert first is not None and first["id"] == 1 and first["ok"]
+    assert more is None
+    assert counters.get("invalidRequests", 0) == 0
+
+
+async def test_a_trickled_line_is_closed_a_bound_after_its_first_byte(
+    short_tmp: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """One byte every 8 s must not keep a line (and its buffer) open (issue 21, item 8)."""
+    async with running(short_tmp, limits=Limits(partial_line_timeout=10.0)) as h:
+        client = await h.connect()
+        started = trio.current_time()
+
+        async def trickle() -> None:
+            with contextlib.suppress(OSError):
+                for byte in b'{"id":1,"op":"hello"':
+                    await client.sock.send(bytes([byte]))
+                    await trio.sleep(8)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            reply = await client.recv(timeout=120)
+            closed_after = trio.current_time() - started
+            eof = await client.recv(timeout=120)
+            nursery.cancel_scope.cancel()
+        buffered = h.server._buffered
+    assert reply is not None and reply["error"]["code"] == "INVALID_REQUEST"
+    assert reply["error"]["details"]["reason"] == "partial_line_timeout"
+    assert 10.0 <= closed_after < 11.0, closed_after
+    assert eof is None
+    assert buffered == 0

@@ -623,13 +623,16 @@ class LockServer:
         """Read and answer lines; a partial line is bounded in time and in total bytes."""
         limits = self.limits
         inline = 0
+        #: trio time the first byte of the incomplete line came.
+        line_started = 0.0
         while True:
             data: bytes | None = None
             try:
                 if splitter.pending:
-                    # Half a request: the rest must come soon, or the bytes
-                    # (and the slot) go back. Idle between lines is fine.
-                    with trio.move_on_after(limits.partial_line_timeout):
+                    # Half a request: the rest must come soon after its first
+                    # byte, or the bytes (and the slot) go back; a byte now
+                    # and then does not extend it. Idle between lines is fine.
+                    with trio.move_on_at(line_started + limits.partial_line_timeout):
                         data = await sockio.recv_some(conn.sock)
                     if data is None:
                         await self._close_stalled(conn, "partial_line_timeout")
@@ -648,7 +651,11 @@ class LockServer:
             before = splitter.pending
             lines = splitter.feed(data)
             self._buffered += splitter.pending - before
+            if splitter.pending and (lines or not before):
+                line_started = trio.current_time()  # a new incomplete line began
             for line in lines:
+                if not line or line.isspace():
+                    continue  # a blank line is no request: it costs its read, no reply
                 if conn.remote_busy is not None:
                     # One request in flight to a remote backend per connection:
                     # a client pipelining thousands of lines must not make the
