@@ -15,6 +15,7 @@ commit neither crashes the daemon nor strands a waiter.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket as stdsocket
@@ -37,7 +38,7 @@ from lockd.daemon.protocol import Acquire
 from lockd.daemon.server import INLINE_READS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
-from lockd.identity import Caller, IdentityConfig
+from lockd.identity import Caller, IdentityConfig, IdentityUnavailable
 
 from .test_protocol_live import RawConn
 
@@ -762,3 +763,29 @@ async def test_a_trickled_line_is_closed_a_bound_after_its_first_byte(
     assert 10.0 <= closed_after < 11.0, closed_after
     assert eof is None
     assert buffered == 0
+
+
+async def test_a_caller_that_cannot_be_identified_is_answered_and_kept(short_tmp: Path) -> None:
+    """Issue 21, item 10: BACKEND_UNAVAILABLE per request, then served once a lookup works."""
+    failures = [IdentityUnavailable(errno.EMFILE, "Too many open files")] * 3
+
+    def flaky_lookup() -> Caller:
+        if failures:
+            raise failures.pop()
+        return MEMBER
+
+    async with running(short_tmp, caller=flaky_lookup) as h:
+        client = await h.connect()
+        # The lookup at accept and those before requests 1 and 2 fail ...
+        first = await client.call({"id": 1, "op": "hello"})
+        await client.sock.send(b"\n")  # a blank line is no request: no lookup
+        second = await client.call(try_acquire(2, "k"))
+        # ... then the lookups work: the same connection is served.
+        await client.send({"id": 3, "op": "hello"}, try_acquire(4, "k"))
+        third, fourth = await client.recv(), await client.recv()
+    for reply, rid in ((first, 1), (second, 2)):
+        assert reply["id"] == rid and reply["ok"] is False
+        assert reply["error"]["code"] == "BACKEND_UNAVAILABLE"
+        assert reply["error"]["details"]["reason"] == "identity_unavailable"
+    assert third is not None and third["id"] == 3 and third["result"]["principal"] == "user:alice"
+    assert fourth is not None and fourth["id"] == 4 and fourth["ok"] and fourth["result"]["fence"]

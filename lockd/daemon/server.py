@@ -62,7 +62,7 @@ from typing import Any
 
 import trio
 
-from lockd.daemon import fdlimit, sockio, systemd
+from lockd.daemon import fdlimit, sockio, systemd, unidentified
 from lockd.daemon.backends import RemoteHold
 from lockd.daemon.engine import Lease, Parked, Waiter
 from lockd.daemon.events import LossEvent, PendingBreak
@@ -549,16 +549,28 @@ class LockServer:
             self._release_uid(uid)
 
     async def _serve_counted(self, sock: stdsocket.socket) -> None:
+        #: bytes read before the caller was identified, not yet served.
+        early = b""
         try:
             caller = self._resolve(sock)
         except IdentityUnavailable as exc:
-            # Never guess who it is (an admin would become a member): refuse.
-            self._open_connections -= 1
+            # Never guess who it is (an admin would become a member): its
+            # requests are answered BACKEND_UNAVAILABLE until a lookup works.
             self.service.stats.count("connectionsRefused")
             reason = "no_file_descriptors" if exc.errno in fdlimit.OUT_OF_FDS else "no_identity"
             self._warnings.warn("connection_refused", reason, error=exc.strerror or exc)
-            sock.close()
-            return
+            identified = await unidentified.serve_until_identified(
+                sock,
+                self._resolve,
+                exc,
+                max_line_bytes=self.limits.max_line_bytes,
+                partial_line_timeout=self.limits.partial_line_timeout,
+            )
+            if identified is None:
+                self._open_connections -= 1
+                sockio.close(sock)
+                return
+            caller, early = identified
         except OSError as exc:
             self._open_connections -= 1
             log.warning(kv(event="peer_unknown", error=exc))
@@ -582,7 +594,7 @@ class LockServer:
                 conn.writer = writer = sockio.ReplyWriter(
                     sock, nursery.start_soon, self._release_undelivered
                 )
-                await self._read_loop(conn, nursery)
+                await self._read_loop(conn, nursery, early)
                 # Answer what was read before the end (the peer may only
                 # have shut down its sending side).
                 self._flush()
@@ -610,15 +622,15 @@ class LockServer:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(kv(event="disconnected", conn=conn.id))
 
-    async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
+    async def _read_loop(self, conn: Connection, nursery: trio.Nursery, early: bytes = b"") -> None:
         splitter = LineSplitter(self.limits.max_line_bytes)
         try:
-            await self._read_lines(conn, nursery, splitter)
+            await self._read_lines(conn, nursery, splitter, early)
         finally:
             self._buffered -= splitter.pending
 
     async def _read_lines(
-        self, conn: Connection, nursery: trio.Nursery, splitter: LineSplitter
+        self, conn: Connection, nursery: trio.Nursery, splitter: LineSplitter, early: bytes = b""
     ) -> None:
         """Read and answer lines; a partial line is bounded in time and in total bytes."""
         limits = self.limits
@@ -628,7 +640,9 @@ class LockServer:
         while True:
             data: bytes | None = None
             try:
-                if splitter.pending:
+                if early:  # read before the caller could be identified
+                    data, early = early, b""
+                elif splitter.pending:
                     # Half a request: the rest must come soon after its first
                     # byte, or the bytes (and the slot) go back; a byte now
                     # and then does not extend it. Idle between lines is fine.
