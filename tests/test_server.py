@@ -789,3 +789,24 @@ async def test_a_caller_that_cannot_be_identified_is_answered_and_kept(short_tmp
         assert reply["error"]["details"]["reason"] == "identity_unavailable"
     assert third is not None and third["id"] == 3 and third["result"]["principal"] == "user:alice"
     assert fourth is not None and fourth["id"] == 4 and fourth["ok"] and fourth["result"]["fence"]
+
+
+async def test_internal_errors_of_one_caller_are_logged_once_per_interval(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 21, item 5: a caller who can trigger a bug cannot fill the log with tracebacks."""
+    async with running(short_tmp) as h:
+
+        def broken(caller: Caller) -> dict[str, Any]:
+            raise RuntimeError("a bug")
+
+        h.service.hello = broken  # type: ignore[method-assign]
+        client = await h.connect()
+        with caplog.at_level("ERROR", logger="lockd.daemon.server"):
+            for rid in range(50):
+                reply = await client.call({"id": rid, "op": "hello"})
+                assert reply["error"]["code"] == "INTERNAL"
+        internal = dict(h.service.stats.counters)["internalErrors"]
+    lines = [r for r in caplog.records if "event=internal_error" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is not None
+    assert internal == 50

@@ -99,7 +99,7 @@ from lockd.identity import (
     peer_credentials,
     process_name,
 )
-from lockd.logfmt import kv
+from lockd.logfmt import LogThrottle, kv
 
 log = logging.getLogger("lockd.daemon.server")
 
@@ -240,6 +240,8 @@ class LockServer:
         #: breaks waiting for their told holders to stop (woken at shutdown).
         self._breaks: set[PendingBreak] = set()
         self._warnings = fdlimit.ThrottledWarnings(log)
+        #: internal errors are logged once per principal per interval, with counts.
+        self._error_log = LogThrottle()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -993,7 +995,11 @@ class LockServer:
     def _reply_internal(self, conn: Connection, request: Request | None) -> None:
         """A bug: log the traceback, answer INTERNAL; connection and daemon live on."""
         self.service.stats.count("internalErrors")
-        log.exception(kv(event="internal_error", op=getattr(request, "op", None)))
+        # One caller that can trigger a bug must not fill the log with tracebacks.
+        suppressed = self._error_log.admit(conn.caller.principal)
+        if suppressed is not None:
+            op = getattr(request, "op", None)
+            log.exception(kv(event="internal_error", op=op, suppressed=suppressed))
         rid = request.id if request is not None else None
         self._queue(conn, rid, encode_error(rid, "INTERNAL", "internal error; see the log"))
 
@@ -1135,10 +1141,12 @@ class LockServer:
                 if not waits:
                     conn.waits.pop(req.id, None)
                 conn.waiting -= 1
+                self.service.wait_ended(conn.caller)
                 self._observe(req.op, started)
                 self._reschedule()
 
         conn.waiting += 1
+        self.service.wait_started(conn.caller)
         nursery.start_soon(run)
 
     def _cancel(self, conn: Connection, target: RequestId) -> bool:
