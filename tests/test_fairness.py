@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from lockd.daemon.engine import LockEngine, Parked
+from lockd.daemon.memory import TrimAfterDrop
 from lockd.daemon.protocol import Acquire, ProtocolError, Renew
 from lockd.daemon.ratelimit import RateLimiter, RuleCpuBudget
 from lockd.daemon.service import LockService, Reply, WaitForRoom
@@ -245,3 +246,20 @@ def test_denials_are_logged_once_per_principal_per_interval(
     assert "principal=user:bob" in lines[1]
     assert "principal=user:alice" in lines[2] and "suppressed=999" in lines[2]
     assert world.service.stats.counters["denials"] == 1002  # every one still counted
+
+
+def test_memory_is_trimmed_as_a_flood_of_waits_ends_not_per_request() -> None:
+    trims: list[int] = []
+    gauge = TrimAfterDrop("waits", 1024, trim=lambda: trims.append(1))
+    for pending in range(1, 2049):
+        gauge.observe(pending)
+    for pending in range(2047, 1000, -1):
+        gauge.observe(pending)
+    assert trims == [1]  # at half the high-water mark, once
+    for pending in range(1000, -1, -1):
+        gauge.observe(pending)
+    assert trims == [1, 1]  # at 512, half of 1024; then the mark is below min_high
+    small = TrimAfterDrop("waits", 1024, trim=lambda: trims.append(2))
+    for pending in [*range(1, 100), *range(100, 0, -1)]:
+        small.observe(pending)
+    assert trims == [1, 1]  # small swings never trim

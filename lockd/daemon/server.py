@@ -66,6 +66,7 @@ from lockd.daemon import fdlimit, sockio, systemd, unidentified
 from lockd.daemon.backends import RemoteHold
 from lockd.daemon.engine import Lease, Parked, Waiter
 from lockd.daemon.events import LossEvent, PendingBreak
+from lockd.daemon.memory import TrimAfterDrop
 from lockd.daemon.protocol import (
     Acquire,
     Cancel,
@@ -242,6 +243,7 @@ class LockServer:
         self._warnings = fdlimit.ThrottledWarnings(log)
         #: internal errors are logged once per principal per interval, with counts.
         self._error_log = LogThrottle()
+        self._memory = TrimAfterDrop("connections", 8)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -583,6 +585,7 @@ class LockServer:
             self._conn_ids, sock, caller, busy=sockio.BusyPoll(self.limits.busy_poll_ns)
         )
         self.connections[conn.id] = conn
+        self._memory.observe(len(self.connections))
         self.service.stats.count("connectionsAccepted")
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -612,6 +615,7 @@ class LockServer:
                 self._readable.unregister(sock)
             self._open_connections -= 1
             del self.connections[conn.id]
+            self._memory.observe(len(self.connections))  # a flood gone: memory back
             try:
                 # A stop is not the client leaving: its releaseOnClose leases
                 # stay committed as plain TTL leases, as across a crash.
@@ -691,6 +695,11 @@ class LockServer:
                 # The peer does not read its replies: read none of its
                 # requests until it does, so what it costs us stays bounded.
                 await writer.wait_drained()
+            pause_ms = self.service.rule_cpu_pause_ms(conn.caller)
+            if pause_ms:
+                # Its rules used its share of the daemon: it waits behind
+                # the others (its connections are not read) until it is back.
+                await trio.sleep(pause_ms / 1000)
             if self._buffered > limits.max_buffered_bytes and splitter.pending:
                 await self._close_stalled(conn, "max_buffered_bytes")
                 return

@@ -55,6 +55,7 @@ from lockd.daemon.engine import (
     Waiter,
 )
 from lockd.daemon.events import EXPIRED, RETAKE, LossEvent, LossWatch, PendingBreak
+from lockd.daemon.memory import TrimAfterDrop
 from lockd.daemon.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -259,6 +260,10 @@ class LockService:
         self.max_pending_per_user = max_pending_per_user
         #: blocking acquires waiting now, by principal (owners not counted).
         self._pending_by_principal: dict[str, int] = {}
+        #: every blocking acquire waiting now (owners' too), for the trim below.
+        self._pending_total = 0
+        #: memory goes back to the system once a flood of waits is over.
+        self.memory = TrimAfterDrop("waits", 1024)
         #: denials are logged at most once per principal per interval, with counts.
         self._denial_log = LogThrottle()
         #: the backend behind the service, fixed here (backends/__init__.py):
@@ -664,6 +669,13 @@ class LockService:
             return self._acquire_in_engine(caller, conn, req, now, None)
         return self._acquire_within(caller, conn, req, now, now + req.timeout_ms)
 
+    def rule_cpu_pause_ms(self, caller: Caller) -> int:
+        """How long to read no more of ``caller``'s requests: 0 unless its rule share is spent."""
+        rule_cpu = self.rule_cpu
+        if rule_cpu is None or caller.role != "member":
+            return 0
+        return rule_cpu.wait_ms(caller.principal, self.clock.boot_ms())
+
     def _wait_for_rules(self, req: Acquire, now: int, deadline: int, wait_ms: int) -> WaitForRoom:
         if now >= deadline:
             raise timed_out(req)
@@ -710,12 +722,16 @@ class LockService:
 
     def wait_started(self, caller: Caller) -> None:
         """A blocking acquire of ``caller`` waits in a task now (the server says so)."""
+        self._pending_total += 1
+        self.memory.observe(self._pending_total)
         if caller.role != "owner":
             principal = caller.principal
             self._pending_by_principal[principal] = self._pending_by_principal.get(principal, 0) + 1
 
     def wait_ended(self, caller: Caller) -> None:
         """That wait is over (answered, cancelled, or its connection gone)."""
+        self._pending_total -= 1
+        self.memory.observe(self._pending_total)
         if caller.role != "owner":
             principal = caller.principal
             left = self._pending_by_principal.get(principal, 0) - 1
