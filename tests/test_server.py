@@ -810,3 +810,37 @@ async def test_internal_errors_of_one_caller_are_logged_once_per_interval(
     lines = [r for r in caplog.records if "event=internal_error" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is not None
     assert internal == 50
+
+
+async def test_a_member_past_its_rule_share_is_read_no_further_until_it_is_back(
+    short_tmp: Path,
+) -> None:
+    """Issue 21, item 3: its requests wait behind everyone else's, not served at full speed."""
+    from lockd.daemon.ratelimit import RuleCpuBudget
+
+    from .test_fairness import CostlyPolicy
+
+    callers = iter([MEMBER, OWNER])
+    async with running(short_tmp, caller=lambda: next(callers)) as h:
+        h.service.policy = CostlyPolicy(cost_s=0.2)  # 200 ms of CPU per evaluation
+        h.service.rule_cpu = RuleCpuBudget(200, burst_ms=100)  # one evaluation: 0.5 s to pay back
+        member = await h.connect()
+        started = trio.current_time()
+        await member.send(try_acquire(1, "k1"), try_acquire(2, "k2"))
+        first = await member.recv()
+        refused = await member.recv()
+        await member.send(try_acquire(3, "k3"))
+        owner = await h.connect()
+        owner_started = trio.current_time()
+        assert (await owner.call({"id": 9, "op": "hello"}))["ok"]
+        owner_waited = trio.current_time() - owner_started
+        third = await member.recv(timeout=5)
+        member_waited = trio.current_time() - started
+    assert first is not None and first["ok"]
+    # read in the same batch: refused without evaluation
+    assert refused is not None and refused["error"]["code"] == "RATE_LIMITED"
+    assert refused["error"]["details"]["reason"] == "rule_cpu"
+    # the next one was read only once the share was back, then evaluated and granted
+    assert third is not None and third["id"] == 3 and third["ok"]
+    assert member_waited >= 0.4, member_waited
+    assert owner_waited < 0.4, owner_waited  # nobody else waited for it
