@@ -109,8 +109,8 @@ class RuleCpuBudget:
     evaluating for it, and everyone else's requests waited behind (root's
     ``hello`` p50 from 0.4 to 10 ms). Each principal earns
     ``per_second_ms`` of rule CPU per second, up to ``burst_ms`` banked
-    (by default a second of CPU: a caller's first evaluation, which also
-    pays for cel-python warming up, can cost 100 ms or more). An
+    (by default 250 ms: a caller's first evaluation, which also pays for
+    cel-python warming up, can cost 100 ms or more). An
     evaluation is charged what it used after it ran, which may take the
     balance below zero by at most one evaluation's budget; while the
     balance is not positive, no new evaluation runs for that principal
@@ -123,7 +123,7 @@ class RuleCpuBudget:
     memory stays bounded by the principals evaluated in the last second.
     """
 
-    def __init__(self, per_second_ms: int, burst_ms: int = 1000) -> None:
+    def __init__(self, per_second_ms: int, burst_ms: int = 250) -> None:
         if per_second_ms < 1 or burst_ms < 1:
             raise ValueError("per_second_ms and burst_ms must be at least 1")
         self.per_second_ms = per_second_ms

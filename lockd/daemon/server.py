@@ -689,6 +689,11 @@ class LockServer:
                     # queued before it go out first).
                     self._batch_point(conn)
                     await remote
+                elif self.service.costly_rule_ran():
+                    # A rule took milliseconds: the other connections go
+                    # before this one's next line (issue 21).
+                    self._batch_point(conn)
+                    await trio.lowlevel.checkpoint()
             self._batch_point(conn)
             writer = conn.writer
             if writer is not None and writer.backlogged:

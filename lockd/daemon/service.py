@@ -154,6 +154,8 @@ class WaitForRoom:
     authorized: bool = True
 
 
+#: a rule evaluation that costs this much CPU (seconds) lets other connections go first.
+COSTLY_RULE_S = 0.001
 #: ops whose rule a member's request may have evaluated (SPEC 5).
 _RULE_GATED = frozenset({"acquire", "tryAcquire", "renew"})
 
@@ -257,6 +259,7 @@ class LockService:
         self.max_pending_per_connection = max_pending_per_connection
         #: each member's share of rule-evaluation CPU (None: unbounded).
         self.rule_cpu = rule_cpu
+        self._costly_rule_ran = False
         self.max_pending_per_user = max_pending_per_user
         #: blocking acquires waiting now, by principal (owners not counted).
         self._pending_by_principal: dict[str, int] = {}
@@ -566,6 +569,8 @@ class LockService:
             decision = self.policy.decide(caller, op, key or "", mode, limit)
             if decision.cpu_s:
                 rule_cpu.charge(caller.principal, decision.cpu_s * 1000, now)
+                if decision.cpu_s >= COSTLY_RULE_S:
+                    self._costly_rule_ran = True
         else:
             decision = self.policy.decide(caller, op, key or "", mode, limit)
         if not decision.allowed:
@@ -668,6 +673,11 @@ class LockService:
                 raise self.rate_limited(retry_after)
             return self._acquire_in_engine(caller, conn, req, now, None)
         return self._acquire_within(caller, conn, req, now, now + req.timeout_ms)
+
+    def costly_rule_ran(self) -> bool:
+        """Whether a rule evaluation of ``COSTLY_RULE_S`` or more ran since the last call."""
+        ran, self._costly_rule_ran = self._costly_rule_ran, False
+        return ran
 
     def rule_cpu_pause_ms(self, caller: Caller) -> int:
         """How long to read no more of ``caller``'s requests: 0 unless its rule share is spent."""
