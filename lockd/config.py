@@ -280,8 +280,12 @@ class Settings:
     max_line_bytes: int = 65536
     #: blocking acquires one connection may have waiting; more are refused.
     max_pending_per_connection: int = 1024
+    #: blocking acquires one user (principal) may have waiting, all connections together.
+    max_pending_per_user: int = 1024
     #: CPU milliseconds one rule evaluation may use; over it the request is denied.
     rule_budget_ms: int = 50
+    #: CPU milliseconds per second each member's rule evaluations may use together.
+    rule_cpu_ms_per_second: int = 100
     #: microseconds a connection's task polls for the next request before it
     #: parks in epoll (adaptive; 0 turns it off). See bench/README.md, "Busy-polling".
     busy_poll_us: int = 200

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from lockd_client import Holder, LockStatus
 
+from lockd.textsafe import visible
+
 __all__ = ["HOLDER_COLUMNS", "holder_cells", "mode_text", "who_holds"]
 
 #: The columns of one holder in ``locks list`` and ``locks status``.
@@ -27,12 +29,13 @@ def _one(holder: Holder) -> str:
     """``user:alice (owner run-7, pid 1234 python3)``."""
     extra = []
     if holder.owner:
-        extra.append(f"owner {holder.owner}")
+        extra.append(f"owner {visible(holder.owner)}")
     if holder.pid is not None:
-        extra.append(f"pid {holder.pid}" + (f" {holder.process}" if holder.process else ""))
+        process = f" {visible(holder.process)}" if holder.process else ""
+        extra.append(f"pid {holder.pid}{process}")
     if holder.node:
-        extra.append(f"node {holder.node}")
-    name = holder.held_by or "?"
+        extra.append(f"node {visible(holder.node)}")
+    name = visible(holder.held_by or "?")
     return f"{name} ({', '.join(extra)})" if extra else name
 
 
@@ -40,7 +43,7 @@ def who_holds(status: LockStatus, most: int = 3) -> str:
     """Every holder in one phrase, the oldest first; at most ``most`` named."""
     holders = status.holders
     if not holders:
-        return status.held_by or "?"
+        return visible(status.held_by or "?")
     named = ", ".join(_one(h) for h in holders[:most])
     count = max(status.holder_count, len(holders))
     more = f" and {count - most} more" if count > most else ""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import grp
+import logging
 import os
 import pwd
 import re
@@ -33,6 +34,10 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
+
+from lockd.logfmt import kv
+
+log = logging.getLogger("lockd.identity")
 
 Role = Literal["owner", "admin", "member", "service"]
 Kind = Literal["user", "service"]
@@ -281,11 +286,64 @@ def resolve_caller(
     return Caller("user", display, role, cred.uid, cred.gid, cred.pid, groups)
 
 
+class GroupDatabaseWatch:
+    """Says loudly, once per change, that admins cannot be recognised.
+
+    glibc answers a group lookup whose file cannot be read exactly like a
+    group that does not exist: with ``/etc/group`` unreadable (a bad chmod,
+    a broken package upgrade) every admin silently became a member. Each
+    caller found to be a member while admin groups are configured has the
+    file opened here; an error is logged when it becomes unreadable (and
+    which admin groups it hides), a warning when it can be read again --
+    one line per change, not one per connection.
+    """
+
+    def __init__(self, path: str = "/etc/group") -> None:
+        self.path = path
+        #: why the file could not be read at the last check; None when it could.
+        self.problem: str | None = None
+
+    def check(self, admin_groups: Iterable[str]) -> str | None:
+        """Open the group file; log a change of state; the problem, if any."""
+        try:
+            with open(self.path, "rb"):
+                pass
+        except FileNotFoundError:
+            problem = None  # no files source: NSS answers from elsewhere
+        except OSError as exc:
+            problem = exc.strerror or str(exc)
+        else:
+            problem = None
+        if problem != self.problem:
+            groups = ",".join(sorted(admin_groups))
+            if problem is not None:
+                log.error(
+                    kv(
+                        event="admin_groups_unreadable",
+                        file=self.path,
+                        error=problem,
+                        admin_groups=groups,
+                        effect="admins are treated as members until it can be read",
+                    )
+                )
+            else:
+                log.warning(kv(event="admin_groups_readable", file=self.path, admin_groups=groups))
+            self.problem = problem
+        return problem
+
+
+#: the daemon's watch on the group database (one per process).
+GROUP_DATABASE = GroupDatabaseWatch()
+
+
 def identify(sock: socket.socket, config: IdentityConfig) -> Caller:
     """The caller behind an accepted socket; raises :class:`IdentityUnavailable`."""
     cred = peer_credentials(sock)
     ensure_lookup_room()
-    return resolve_caller(cred, config, unit_of=lambda _pid: peer_unit(sock, cred))
+    caller = resolve_caller(cred, config, unit_of=lambda _pid: peer_unit(sock, cred))
+    if caller.role == "member" and config.admin_groups:
+        GROUP_DATABASE.check(config.admin_groups)
+    return caller
 
 
 def process_name(pid: int) -> str | None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 # sd-daemon(3) priority prefixes, which journald turns into the entry's
 # priority, so `journalctl -p warning` selects lockd's warnings.
@@ -64,3 +67,45 @@ def setup_logging(level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+class LogThrottle:
+    """At most one log line per key (say, event and principal) per ``interval`` seconds.
+
+    One user must not be able to write the daemon's log at its own pace (a
+    flood of denied requests made 3.3 MB/s of log). :meth:`admit` says
+    whether to write this line; a line that is written carries, in
+    ``suppressed``, how many of that key's lines were left out since the
+    previous one, so nothing is hidden, only counted (a burst's count is
+    reported with the key's next line). At most ``max_keys`` keys are
+    remembered, the one written longest ago forgotten first.
+    """
+
+    def __init__(
+        self,
+        interval: float = 10.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 4096,
+    ) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._max_keys = max_keys
+        #: key -> (clock of its last written line, lines left out since); oldest first.
+        self._seen: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()
+
+    def admit(self, key: Hashable) -> int | None:
+        """None: leave this line out (it is counted). Else write it, with this many suppressed."""
+        now = self._clock()
+        seen = self._seen
+        entry = seen.get(key)
+        if entry is not None:
+            written, left_out = entry
+            if now - written < self.interval:
+                seen[key] = (written, left_out + 1)
+                return None
+            del seen[key]
+        seen[key] = (now, 0)
+        if len(seen) > self._max_keys:
+            seen.popitem(last=False)  # the key written longest ago
+        return 0 if entry is None else entry[1]

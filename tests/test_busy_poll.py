@@ -134,3 +134,21 @@ def test_bytes_without_a_whole_request_count_as_a_miss(
     peer.send(b'"op":"hello"}\n')
     assert poll.next_bytes(ours, now_ns=FakeClock()) == b'"op":"hello"}\n'
     assert poll.misses == 0 and poll.skip == 0
+
+
+def test_blank_lines_count_as_a_miss(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Bare newlines end no request: they must not re-arm polling (issue 21, item 7)."""
+    ours, peer = pair
+    poll = BusyPoll(BUDGET_NS)
+    peer.send(b"\n")
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b"\n"
+    assert poll.misses == 1 and poll.skip == 1
+    assert poll.next_bytes(ours, now_ns=FakeClock()) is None  # skipped
+    peer.send(b"\r\n \n")
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b"\r\n \n"
+    assert poll.misses == 2 and poll.skip == 3
+    peer.send(b'\n{"id":1,"op":"hello"}\n')
+    for _ in range(3):
+        assert poll.next_bytes(ours, now_ns=FakeClock()) is None
+    assert poll.next_bytes(ours, now_ns=FakeClock()) == b'\n{"id":1,"op":"hello"}\n'
+    assert poll.misses == 0 and poll.skip == 0

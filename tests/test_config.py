@@ -42,6 +42,8 @@ GOOD: dict[str, Any] = {
     "partial_line_timeout_ms": 5000,
     "max_buffered_bytes": 1048576,
     "rule_budget_ms": 20,
+    "rule_cpu_ms_per_second": 50,
+    "max_pending_per_user": 100,
     "busy_poll_us": 0,
     "break_grace": 2.5,
     "stats_window": 4096,

@@ -11,6 +11,7 @@ why in ``lockd rules show``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 
@@ -239,3 +240,51 @@ def test_the_costly_rule_is_allowed_without_a_budget_cut(
     with Agent(mallory, daemon_paths.socket) as agent:
         handle = agent.call("try_acquire", "fresh:1", 60)
         assert handle is not None and handle["key"] == "fresh:1"
+
+
+# ------------------------------------------- issue 21, item 12: folders above rule-sets/
+
+
+def test_member_cannot_open_the_namespace_by_renaming_the_folder_above(
+    live: Callable[..., LockClient], daemon_paths: DaemonProcess, mallory: User
+) -> None:
+    """Every folder up to / is checked like the rule files themselves."""
+    client = live(rules=OWN_KEYS)
+    os.chmod(daemon_paths.root, 0o755)
+    os.chown(daemon_paths.config, mallory.uid, mallory.gid)  # a config folder handed over
+    with Agent(mallory, daemon_paths.socket) as agent:
+        assert agent.error("try_acquire", "payroll", 60).code == "LOCK_ACCESS_DENIED"
+        folder = daemon_paths.config / "rule-sets"
+        moved = subprocess.run(
+            [
+                "/usr/bin/python3",
+                "-c",
+                f"import os; os.rename({str(folder)!r}, {str(folder)!r} + '.x')",
+            ],
+            user=mallory.uid,
+            group=mallory.gid,
+            extra_groups=[],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert moved.returncode == 0, moved.stderr
+        assert daemon_paths.proc is not None
+        daemon_paths.proc.send_signal(signal.SIGHUP)
+        result = wait_error(client, f"the folder {daemon_paths.config} above it belongs to uid")
+        assert (result["policy"] or {}).get("name") == "own"
+        error = agent.error("try_acquire", "payroll", 60)
+        assert error.code == "LOCK_ACCESS_DENIED", "the namespace was opened"
+
+
+def test_a_writable_folder_above_the_rules_at_start_up_stops_the_daemon(
+    daemon_paths: DaemonProcess,
+) -> None:
+    daemon_paths.write_rules("policy.toml", OWN_KEYS)
+    os.chmod(daemon_paths.config, 0o777)
+    daemon_paths.start(wait=False)
+    assert daemon_paths.proc is not None
+    assert daemon_paths.proc.wait(30) == 1
+    log = daemon_paths.read_log()
+    assert f"the folder {daemon_paths.config} above it is writable by other users" in log

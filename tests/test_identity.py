@@ -376,3 +376,42 @@ def test_lookups_need_spare_descriptors(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(IdentityUnavailable, match="Too many open files") as caught:
         ensure_lookup_room()
     assert caught.value.errno == errno.EMFILE
+
+
+# ------------------------------------- issue 21, item 10: an unreadable group database
+
+
+def test_an_unreadable_group_file_is_logged_loudly_once_per_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    group_file = tmp_path / "group"
+    group_file.write_text("lockd-admin:x:990:alice\n")
+    watch = identity.GroupDatabaseWatch(str(tmp_path))  # a folder: open() fails as EACCES would
+    with caplog.at_level("WARNING", logger="lockd.identity"):
+        for _ in range(3):
+            assert watch.check({"lockd-admin"}) is not None
+        watch.path = str(group_file)
+        for _ in range(3):
+            assert watch.check({"lockd-admin"}) is None
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2, lines
+    assert caplog.records[0].levelname == "ERROR"
+    assert "event=admin_groups_unreadable" in lines[0] and "admin_groups=lockd-admin" in lines[0]
+    assert "admins are treated as members" in lines[0]
+    assert "event=admin_groups_readable" in lines[1]
+
+
+def test_identify_checks_the_group_file_for_members(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller found to be a member, admin groups configured: the watch is asked."""
+    monkeypatch.setattr(identity, "GROUP_DATABASE", identity.GroupDatabaseWatch(str(tmp_path)))
+    monkeypatch.setattr(
+        identity, "peer_credentials", lambda sock: identity.PeerCred(os.getpid(), 65534, 65534)
+    )
+    left, right = socket.socketpair()
+    with left, right, caplog.at_level("ERROR", logger="lockd.identity"):
+        config = identity.IdentityConfig(daemon_uid=0, admin_groups=frozenset({"lockd-admin"}))
+        assert identity.identify(left, config).role == "member"
+        assert identity.identify(left, config).role == "member"
+    assert [r.getMessage().split()[0] for r in caplog.records] == ["event=admin_groups_unreadable"]

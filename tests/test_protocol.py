@@ -288,12 +288,6 @@ def test_bad_handle_is_refused(handle: object) -> None:
     assert_invalid({"id": 1, "op": "release", "key": "k", "handle": handle}, "handle")
 
 
-def test_duplicate_json_keys_take_the_last_value() -> None:
-    """Python's json keeps the last duplicate; pinned so a change is noticed."""
-    request = parse_request(b'{"id": 1, "id": 2, "op": "hello"}')
-    assert request.id == 2
-
-
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
 def test_non_utf8_encodings_are_refused(encoding: str) -> None:
     """SPEC §3: UTF-8 only (json.loads on bytes would auto-detect UTF-16/32)."""
@@ -560,3 +554,45 @@ def test_reply_lines_are_what_json_dumps_makes(rid: int | str, result: Any) -> N
     """The encoder built once writes byte for byte what json.dumps would (ASCII, compact)."""
     expected = json.dumps({"id": rid, "ok": True, "result": result}, separators=(",", ":"))
     assert encode_result(rid, result) == expected.encode("ascii") + b"\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "request_id"),
+    [
+        (b'{"id":1,"op":"acquire","key":"a","key":"b","ttlMs":1000,"timeoutMs":0}', "key", 1),
+        (b'{"id": 1, "op": "status", "key": "a", "key": "a"}', "key", 1),
+        (b'{"id":1,"op":"hello","op":"stats"}', "op", 1),
+        (b'{"id":1,"id":2,"op":"hello"}', "id", None),
+        (b'{"id":"x","op":"renew","key":"k","handle":"h","ttlMs":5,"ttlMs":6}', "ttlMs", "x"),
+    ],
+)
+def test_a_field_given_twice_is_refused_naming_it(
+    raw: bytes, field: str, request_id: int | str | None
+) -> None:
+    """The last of two equal keys must not win silently (issue 21, item 13)."""
+    assert_invalid(raw, field, request_id)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"id":1,"op":"status","key":"a\\":b"}',  # an escaped '":' inside a value
+        b'{"id" : 1, "op" : "status", "key" : "k"}',  # spaced: the careful path
+    ],
+)
+def test_lines_that_only_look_like_a_repeated_key_parse(raw: bytes) -> None:
+    request = parse_request(raw)
+    assert request.op == "status"
+
+
+@given(
+    names=st.lists(st.sampled_from(["id", "op", "key", "ttlMs", "owner"]), min_size=2, max_size=7)
+)
+def test_any_repeated_field_is_named(names: list[str]) -> None:
+    body = ",".join(f'"{name}":1' for name in names)
+    repeated = [name for index, name in enumerate(names) if name in names[:index]]
+    if not repeated:
+        return
+    exc = refused(("{" + body + "}").encode())
+    assert exc.code == "INVALID_REQUEST"
+    assert exc.details["field"] == repeated[0]

@@ -339,8 +339,6 @@ def test_id_is_echoed_exactly(conn: RawConn, rid: int | str) -> None:
         b'{"id": "\\ud800", "op": "hello"}',
         b"[]",
         b"{",
-        b"",
-        b"   ",
         b"hello",
         b'{"id": 1, "op": "hello"} {"id": 2}',
         b'{"id": NaN, "op": "hello"}',
@@ -352,6 +350,14 @@ def test_unreadable_id_gives_null_id_and_the_connection_lives(conn: RawConn, raw
     reply = conn.error(raw)
     assert reply["id"] is None
     check_error(reply, "INVALID_REQUEST", 400)
+    assert conn.result({"id": 99, "op": "hello"})["protocol"] == 1
+
+
+def test_blank_lines_are_no_requests(conn: RawConn) -> None:
+    """A blank line costs its read and nothing more: no reply (issue 21, item 7)."""
+    for blank in (b"", b"   ", b"\r", b"\t \r"):
+        conn.send(blank)
+    # The first reply is the hello's: a blank line would have had one before it.
     assert conn.result({"id": 99, "op": "hello"})["protocol"] == 1
 
 
@@ -593,6 +599,8 @@ def test_junk_lines_each_get_one_reply(
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             raw.sock.sendall(payload)
         for line in lines:
+            if not line or line.isspace():
+                continue  # a blank line is no request: it gets no reply
             reply = raw.reply()
             assert reply["id"] == expected_reply_id(line), (line, reply)
             assert isinstance(reply["ok"], bool)

@@ -251,17 +251,19 @@ def test_admin_is_counted(start: Callable[..., Live], cast: Cast) -> None:
     live.assert_used(admin, 0)
 
 
-def test_denied_attempts_do_not_count(start: Callable[..., Live], cast: Cast) -> None:
+def test_denied_attempts_count(start: Callable[..., Live], cast: Cast) -> None:
+    """Issue 21: a denial costs the daemon a rule evaluation; it counts like any attempt."""
     rules = (
         '[ruleSet]\nname = "ok-only"\nresourceType = "lock"\n\n'
         "[rules.lock]\nacquire = \"record.key.startsWith('ok:')\"\n"
     )
     live = start(rules)
     alice = live.agent(cast.alice)
-    for number in range(2 * LIMIT):
+    for number in range(2):
         error = alice.error("try_acquire", f"no:{number}", 5)
         assert error.code == "LOCK_ACCESS_DENIED"
-    live.assert_used(alice, 0, prefix="ok")
+    live.assert_used(alice, 2, prefix="ok")
+    live.assert_used(live.agent(cast.bob), 0, prefix="ok")  # bob's budget is his own
 
 
 def test_rate_limited_replies_leave_the_daemon_serving(

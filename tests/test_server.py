@@ -15,6 +15,7 @@ commit neither crashes the daemon nor strands a waiter.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket as stdsocket
@@ -37,7 +38,7 @@ from lockd.daemon.protocol import Acquire
 from lockd.daemon.server import INLINE_READS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
-from lockd.identity import Caller, IdentityConfig
+from lockd.identity import Caller, IdentityConfig, IdentityUnavailable
 
 from .test_protocol_live import RawConn
 
@@ -721,3 +722,125 @@ async def test_overlong_line_reply_names_limit_and_closes(short_tmp: Path) -> No
     assert second["error"]["code"] == "INVALID_REQUEST"
     assert second["error"]["details"]["limit"] == 1024
     assert eof is None
+
+
+async def test_blank_lines_get_no_reply_and_cost_no_request(short_tmp: Path) -> None:
+    """A bare newline is no request: no parse, no reply, no counter (issue 21, item 7)."""
+    async with running(short_tmp) as h:
+        client = await h.connect()
+        await client.sock.send(b"\n" * 500 + b"\r\n  \n" + b'{"id":1,"op":"hello"}\n' + b"\n" * 5)
+        first = await client.recv()
+        more = await client.recv(timeout=0.3)
+        counters = dict(h.service.stats.counters)
+    assert first is not None and first["id"] == 1 and first["ok"]
+    assert more is None
+    assert counters.get("invalidRequests", 0) == 0
+
+
+async def test_a_trickled_line_is_closed_a_bound_after_its_first_byte(
+    short_tmp: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """One byte every 8 s must not keep a line (and its buffer) open (issue 21, item 8)."""
+    async with running(short_tmp, limits=Limits(partial_line_timeout=10.0)) as h:
+        client = await h.connect()
+        started = trio.current_time()
+
+        async def trickle() -> None:
+            with contextlib.suppress(OSError):
+                for byte in b'{"id":1,"op":"hello"':
+                    await client.sock.send(bytes([byte]))
+                    await trio.sleep(8)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            reply = await client.recv(timeout=120)
+            closed_after = trio.current_time() - started
+            eof = await client.recv(timeout=120)
+            nursery.cancel_scope.cancel()
+        buffered = h.server._buffered
+    assert reply is not None and reply["error"]["code"] == "INVALID_REQUEST"
+    assert reply["error"]["details"]["reason"] == "partial_line_timeout"
+    assert 10.0 <= closed_after < 11.0, closed_after
+    assert eof is None
+    assert buffered == 0
+
+
+async def test_a_caller_that_cannot_be_identified_is_answered_and_kept(short_tmp: Path) -> None:
+    """Issue 21, item 10: BACKEND_UNAVAILABLE per request, then served once a lookup works."""
+    failures = [IdentityUnavailable(errno.EMFILE, "Too many open files")] * 3
+
+    def flaky_lookup() -> Caller:
+        if failures:
+            raise failures.pop()
+        return MEMBER
+
+    async with running(short_tmp, caller=flaky_lookup) as h:
+        client = await h.connect()
+        # The lookup at accept and those before requests 1 and 2 fail ...
+        first = await client.call({"id": 1, "op": "hello"})
+        await client.sock.send(b"\n")  # a blank line is no request: no lookup
+        second = await client.call(try_acquire(2, "k"))
+        # ... then the lookups work: the same connection is served.
+        await client.send({"id": 3, "op": "hello"}, try_acquire(4, "k"))
+        third, fourth = await client.recv(), await client.recv()
+    for reply, rid in ((first, 1), (second, 2)):
+        assert reply["id"] == rid and reply["ok"] is False
+        assert reply["error"]["code"] == "BACKEND_UNAVAILABLE"
+        assert reply["error"]["details"]["reason"] == "identity_unavailable"
+    assert third is not None and third["id"] == 3 and third["result"]["principal"] == "user:alice"
+    assert fourth is not None and fourth["id"] == 4 and fourth["ok"] and fourth["result"]["fence"]
+
+
+async def test_internal_errors_of_one_caller_are_logged_once_per_interval(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 21, item 5: a caller who can trigger a bug cannot fill the log with tracebacks."""
+    async with running(short_tmp) as h:
+
+        def broken(caller: Caller) -> dict[str, Any]:
+            raise RuntimeError("a bug")
+
+        h.service.hello = broken  # type: ignore[method-assign]
+        client = await h.connect()
+        with caplog.at_level("ERROR", logger="lockd.daemon.server"):
+            for rid in range(50):
+                reply = await client.call({"id": rid, "op": "hello"})
+                assert reply["error"]["code"] == "INTERNAL"
+        internal = dict(h.service.stats.counters)["internalErrors"]
+    lines = [r for r in caplog.records if "event=internal_error" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is not None
+    assert internal == 50
+
+
+async def test_a_member_past_its_rule_share_is_read_no_further_until_it_is_back(
+    short_tmp: Path,
+) -> None:
+    """Issue 21, item 3: its requests wait behind everyone else's, not served at full speed."""
+    from lockd.daemon.ratelimit import RuleCpuBudget
+
+    from .test_fairness import CostlyPolicy
+
+    callers = iter([MEMBER, OWNER])
+    async with running(short_tmp, caller=lambda: next(callers)) as h:
+        h.service.policy = CostlyPolicy(cost_s=0.2)  # 200 ms of CPU per evaluation
+        h.service.rule_cpu = RuleCpuBudget(200, burst_ms=100)  # one evaluation: 0.5 s to pay back
+        member = await h.connect()
+        started = trio.current_time()
+        await member.send(try_acquire(1, "k1"), try_acquire(2, "k2"))
+        first = await member.recv()
+        refused = await member.recv()
+        await member.send(try_acquire(3, "k3"))
+        owner = await h.connect()
+        owner_started = trio.current_time()
+        assert (await owner.call({"id": 9, "op": "hello"}))["ok"]
+        owner_waited = trio.current_time() - owner_started
+        third = await member.recv(timeout=5)
+        member_waited = trio.current_time() - started
+    assert first is not None and first["ok"]
+    # read in the same batch: refused without evaluation
+    assert refused is not None and refused["error"]["code"] == "RATE_LIMITED"
+    assert refused["error"]["details"]["reason"] == "rule_cpu"
+    # the next one was read only once the share was back, then evaluated and granted
+    assert third is not None and third["id"] == 3 and third["ok"]
+    assert member_waited >= 0.4, member_waited
+    assert owner_waited < 0.4, owner_waited  # nobody else waited for it

@@ -40,6 +40,8 @@ __all__ = [
 #: The system user the packaged system daemon runs as (systemd/lockd.sysusers).
 SYSTEM_USER = "lockd"
 _PEERCRED = struct.Struct("3i")
+#: symlinks followed from the socket path at most (as the kernel's MAXSYMLINKS).
+_MAX_HOPS = 40
 
 
 def trusted_uids() -> frozenset[int]:
@@ -55,13 +57,43 @@ def _owner(uid: int) -> str:
     return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
 
 
+def _unsafe_entry(path: str, st: os.stat_result, trusted: frozenset[int]) -> str | None:
+    if st.st_uid not in trusted:
+        kind = "the symlink " if stat.S_ISLNK(st.st_mode) else ""
+        return f"{kind}{path} belongs to {_owner(st.st_uid)}"
+    if stat.S_ISLNK(st.st_mode):
+        return None  # a symlink's own mode means nothing; its folder is checked next
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        mode = stat.S_IMODE(st.st_mode)
+        return f"{path} is writable by other users (mode {mode:04o}, not sticky)"
+    return None
+
+
 def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
     """Why ``folder`` (and its parents) cannot be trusted to hold a socket; None if it can.
 
     A folder that does not exist is not reported (connecting or binding
-    will say so). Symlinks are resolved first: it is the real folders whose
-    owners decide who can replace the socket.
+    will say so). Checked as ssh checks the path of its files, component by
+    component, twice: on the path as given, where each folder and each
+    symlink (``lstat``) must be trusted -- whoever owns a folder on the way,
+    or a symlink, can point the rest anywhere, for instance at another
+    trusted daemon's folder -- and on the path the symlinks lead to, whose
+    real folders decide who can replace the socket.
     """
+    path = os.path.abspath(folder)
+    while True:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            reason = _unsafe_entry(path, st, trusted)
+            if reason is not None:
+                return reason
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
     path = os.path.realpath(folder)
     while True:
         try:
@@ -89,7 +121,23 @@ class _Socket(Protocol):
 def check_folder(path: str) -> frozenset[int]:
     """Check 1 for the socket ``path`` (UntrustedDaemonError); the trusted uids for check 2."""
     trusted = trusted_uids()
-    reason = unsafe_directory(os.path.dirname(os.path.abspath(path)), trusted)
+    # The socket may be a symlink (to a symlink ...): each hop is an entry of
+    # its folder, which must be safe, and must be owned by a trusted uid.
+    current = os.path.abspath(path)
+    for _ in range(_MAX_HOPS):
+        reason = unsafe_directory(os.path.dirname(current), trusted)
+        if reason is not None:
+            break
+        try:
+            st = os.lstat(current)
+        except OSError:
+            break  # missing: connecting will say so
+        if not stat.S_ISLNK(st.st_mode):
+            break
+        reason = _unsafe_entry(current, st, trusted)
+        if reason is not None:
+            break
+        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
     if reason is not None:
         raise UntrustedDaemonError(path, reason)
     return trusted

@@ -23,13 +23,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ._aconnect import connect_unix
 from ._async import AsyncClientBase, BlockGuard, ConnectionLost, Pipeline, ReplyTimeout, Slot
 from ._trust import check_folder, check_peer
 
 __all__ = ["AsyncLockClient"]
+
+
+async def _writable(sock: socket.socket) -> None:
+    """Wait until ``sock`` is writable (a connect in progress has finished)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(sock, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(sock)
+
 
 _READ_CHUNK = 65536
 
@@ -100,7 +119,12 @@ class AsyncLockClient(AsyncClientBase[_FutureSlot]):
                 return self._pipe
             await self._shutdown()
             trusted = check_folder(self.socket_path)  # as the sync client: before sending
-            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            # Not open_unix_connection(path): it takes EAGAIN (a full backlog) for a
+            # connect in progress and hands back an unconnected socket (_aconnect).
+            sock = await connect_unix(
+                self.socket_path, self.request_timeout, sleep=asyncio.sleep, wait_writable=_writable
+            )
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
             try:
                 check_peer(self.socket_path, writer.get_extra_info("socket"), trusted)
             except BaseException:

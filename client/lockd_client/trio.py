@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from ._aconnect import connect_unix
 from ._async import AsyncClientBase, BlockGuard, ConnectionLost, Pipeline, ReplyTimeout, Slot
 from ._errors import LockdError
 from ._trust import check_folder, check_peer
@@ -128,7 +129,15 @@ class TrioLockClient(AsyncClientBase[_EventSlot]):
                 return self._pipe
             await self._shutdown()
             trusted = check_folder(self.socket_path)  # as the sync client: before sending
-            stream = await trio.open_unix_socket(self.socket_path)
+            # Not open_unix_socket(path): it takes EAGAIN (a full backlog) for a
+            # connect in progress and hands back an unconnected socket (_aconnect).
+            sock = await connect_unix(
+                self.socket_path,
+                self.request_timeout,
+                sleep=trio.sleep,
+                wait_writable=trio.lowlevel.wait_writable,
+            )
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
             try:
                 check_peer(self.socket_path, stream.socket, trusted)
             except BaseException:

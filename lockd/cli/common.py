@@ -69,6 +69,7 @@ from lockd.exitcodes import (
     exit_code_for,
     exit_codes_help,
 )
+from lockd.textsafe import visible
 from lockd.timefmt import format_duration_ms
 
 # --------------------------------------------------------------------------- exit codes
@@ -205,7 +206,8 @@ def failure_for(exc: LockdError) -> CliFailure:
     if code not in ERROR_STATUS:
         code = DAEMON_UNAVAILABLE if isinstance(exc, DaemonUnavailableError) else "INTERNAL"
         details = {**details, "clientCode": exc.code}
-    return CliFailure(describe_error(exc), exit_code_for(exc), code=code, details=details)
+    # The message may quote a key or a holder (strings other users chose).
+    return CliFailure(visible(describe_error(exc)), exit_code_for(exc), code=code, details=details)
 
 
 P = ParamSpec("P")
@@ -598,7 +600,7 @@ class TableWriter:
 
     def lines(self, rows: Iterable[Sequence[object]]) -> list[str]:
         """The next lines of the table (the header first, on the first call)."""
-        cells = [["-" if c is None else str(c) for c in r] for r in rows]
+        cells = [["-" if c is None else visible(c) for c in r] for r in rows]
         if self._headers is not None:
             cells.insert(0, self._headers)
             self._headers = None
@@ -614,6 +616,6 @@ class TableWriter:
 
 def render_fields(pairs: Iterable[tuple[str, object]]) -> str:
     """``Label:  value`` lines, values aligned (``-`` for None)."""
-    items = [(f"{label}:", "-" if value is None else str(value)) for label, value in pairs]
+    items = [(f"{label}:", "-" if value is None else visible(value)) for label, value in pairs]
     width = max((len(label) for label, _ in items), default=0)
     return "\n".join(f"{label.ljust(width)}  {value}".rstrip() for label, value in items)

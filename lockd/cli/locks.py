@@ -56,6 +56,7 @@ from lockd.cli.common import (
 )
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
+from lockd.textsafe import visible
 from lockd.timefmt import format_duration_ms
 
 
@@ -559,8 +560,8 @@ def break_cmd(key: str, reason: str, socket_path: str | None, as_json: bool) -> 
         return
     extra: list[str] = []
     if result.owner:
-        extra.append(f"owner {result.owner}")
+        extra.append(f"owner {visible(result.owner)}")
     if result.fence is not None:
         extra.append(f"fence {result.fence}")
     detail = f" ({', '.join(extra)})" if extra else ""
-    click.echo(f"broke {key!r}: it was held by {result.held_by}{detail}")
+    click.echo(f"broke {key!r}: it was held by {visible(result.held_by)}{detail}")

@@ -25,6 +25,7 @@ Who is exempt (owners, services) is the server's decision, not this module's.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 
 HOUR_MS = 3_600_000
@@ -97,3 +98,74 @@ class RateLimiter:
             if stamps and stamps[-1] > horizon:
                 return
             del log[principal]
+
+
+class RuleCpuBudget:
+    """CPU time each principal may spend in rule evaluations: a token bucket per principal.
+
+    Why: a member's rule may cost up to ``rule_budget_ms`` per evaluation,
+    and a verdict cache does not help against fresh keys, so one member
+    asking for new keys in a loop kept the single-threaded daemon busy
+    evaluating for it, and everyone else's requests waited behind (root's
+    ``hello`` p50 from 0.4 to 10 ms). Each principal earns
+    ``per_second_ms`` of rule CPU per second, up to ``burst_ms`` banked
+    (by default 250 ms: a caller's first evaluation, which also pays for
+    cel-python warming up, can cost 100 ms or more). An
+    evaluation is charged what it used after it ran, which may take the
+    balance below zero by at most one evaluation's budget; while the
+    balance is not positive, no new evaluation runs for that principal
+    (:meth:`wait_ms` says for how long). A flood then costs the daemon
+    ``per_second_ms`` of CPU per second, not all of it, and only the
+    flooding principal waits.
+
+    Pure and clock-free like :class:`RateLimiter`: every call takes
+    ``now_ms``. Principals whose balance is full again are forgotten, so
+    memory stays bounded by the principals evaluated in the last second.
+    """
+
+    def __init__(self, per_second_ms: int, burst_ms: int = 250) -> None:
+        if per_second_ms < 1 or burst_ms < 1:
+            raise ValueError("per_second_ms and burst_ms must be at least 1")
+        self.per_second_ms = per_second_ms
+        self.burst_ms = burst_ms
+        #: principal -> (balance in ms at ``stamp``, stamp); least recently charged first.
+        self._balances: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    @property
+    def capacity_ms(self) -> float:
+        return float(self.burst_ms)
+
+    @property
+    def tracked(self) -> int:
+        return len(self._balances)
+
+    def _balance(self, principal: str, now_ms: int) -> float:
+        entry = self._balances.get(principal)
+        if entry is None:
+            return self.capacity_ms
+        balance, stamp = entry
+        earned = max(0, now_ms - stamp) * self.per_second_ms / 1000
+        return min(self.capacity_ms, balance + earned)
+
+    def wait_ms(self, principal: str, now_ms: int) -> int:
+        """0 when ``principal`` may have a rule evaluated now; else ms until it may."""
+        self._evict(now_ms)
+        balance = self._balance(principal, now_ms)
+        if balance > 0:
+            return 0
+        return max(1, math.ceil((-balance + 0.001) * 1000 / self.per_second_ms))
+
+    def charge(self, principal: str, cpu_ms: float, now_ms: int) -> None:
+        """Take ``cpu_ms`` (what an evaluation used) from ``principal``'s balance."""
+        balance = self._balance(principal, now_ms) - cpu_ms
+        self._balances[principal] = (balance, now_ms)
+        self._balances.move_to_end(principal)
+        self._evict(now_ms)
+
+    def _evict(self, now_ms: int) -> None:
+        balances = self._balances
+        while balances:
+            principal = next(iter(balances))
+            if self._balance(principal, now_ms) < self.capacity_ms:
+                return
+            del balances[principal]

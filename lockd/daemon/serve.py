@@ -28,7 +28,7 @@ from lockd.daemon.listener import (
     bind_socket,
     running_daemon,
 )
-from lockd.daemon.ratelimit import RateLimiter
+from lockd.daemon.ratelimit import RateLimiter, RuleCpuBudget
 from lockd.daemon.remote import RemoteService
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.daemon.runrecord import RunRecord, record_path
@@ -138,6 +138,8 @@ def build(
         max_pending_per_connection=settings.max_pending_per_connection,
         remote=backend,
         break_grace_ms=round(settings.break_grace * 1000),
+        rule_cpu=RuleCpuBudget(settings.rule_cpu_ms_per_second),
+        max_pending_per_user=settings.max_pending_per_user,
     )
     service.commit()  # leases that ran out while the daemon was down
     if backend is not None:

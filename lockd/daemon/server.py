@@ -62,10 +62,11 @@ from typing import Any
 
 import trio
 
-from lockd.daemon import fdlimit, sockio, systemd
+from lockd.daemon import fdlimit, sockio, systemd, unidentified
 from lockd.daemon.backends import RemoteHold
 from lockd.daemon.engine import Lease, Parked, Waiter
 from lockd.daemon.events import LossEvent, PendingBreak
+from lockd.daemon.memory import TrimAfterDrop
 from lockd.daemon.protocol import (
     Acquire,
     Cancel,
@@ -99,7 +100,7 @@ from lockd.identity import (
     peer_credentials,
     process_name,
 )
-from lockd.logfmt import kv
+from lockd.logfmt import LogThrottle, kv
 
 log = logging.getLogger("lockd.daemon.server")
 
@@ -240,6 +241,9 @@ class LockServer:
         #: breaks waiting for their told holders to stop (woken at shutdown).
         self._breaks: set[PendingBreak] = set()
         self._warnings = fdlimit.ThrottledWarnings(log)
+        #: internal errors are logged once per principal per interval, with counts.
+        self._error_log = LogThrottle()
+        self._memory = TrimAfterDrop("connections", 8)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -549,16 +553,28 @@ class LockServer:
             self._release_uid(uid)
 
     async def _serve_counted(self, sock: stdsocket.socket) -> None:
+        #: bytes read before the caller was identified, not yet served.
+        early = b""
         try:
             caller = self._resolve(sock)
         except IdentityUnavailable as exc:
-            # Never guess who it is (an admin would become a member): refuse.
-            self._open_connections -= 1
+            # Never guess who it is (an admin would become a member): its
+            # requests are answered BACKEND_UNAVAILABLE until a lookup works.
             self.service.stats.count("connectionsRefused")
             reason = "no_file_descriptors" if exc.errno in fdlimit.OUT_OF_FDS else "no_identity"
             self._warnings.warn("connection_refused", reason, error=exc.strerror or exc)
-            sock.close()
-            return
+            identified = await unidentified.serve_until_identified(
+                sock,
+                self._resolve,
+                exc,
+                max_line_bytes=self.limits.max_line_bytes,
+                partial_line_timeout=self.limits.partial_line_timeout,
+            )
+            if identified is None:
+                self._open_connections -= 1
+                sockio.close(sock)
+                return
+            caller, early = identified
         except OSError as exc:
             self._open_connections -= 1
             log.warning(kv(event="peer_unknown", error=exc))
@@ -569,6 +585,7 @@ class LockServer:
             self._conn_ids, sock, caller, busy=sockio.BusyPoll(self.limits.busy_poll_ns)
         )
         self.connections[conn.id] = conn
+        self._memory.observe(len(self.connections))
         self.service.stats.count("connectionsAccepted")
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -582,7 +599,7 @@ class LockServer:
                 conn.writer = writer = sockio.ReplyWriter(
                     sock, nursery.start_soon, self._release_undelivered
                 )
-                await self._read_loop(conn, nursery)
+                await self._read_loop(conn, nursery, early)
                 # Answer what was read before the end (the peer may only
                 # have shut down its sending side).
                 self._flush()
@@ -598,6 +615,7 @@ class LockServer:
                 self._readable.unregister(sock)
             self._open_connections -= 1
             del self.connections[conn.id]
+            self._memory.observe(len(self.connections))  # a flood gone: memory back
             try:
                 # A stop is not the client leaving: its releaseOnClose leases
                 # stay committed as plain TTL leases, as across a crash.
@@ -610,26 +628,31 @@ class LockServer:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(kv(event="disconnected", conn=conn.id))
 
-    async def _read_loop(self, conn: Connection, nursery: trio.Nursery) -> None:
+    async def _read_loop(self, conn: Connection, nursery: trio.Nursery, early: bytes = b"") -> None:
         splitter = LineSplitter(self.limits.max_line_bytes)
         try:
-            await self._read_lines(conn, nursery, splitter)
+            await self._read_lines(conn, nursery, splitter, early)
         finally:
             self._buffered -= splitter.pending
 
     async def _read_lines(
-        self, conn: Connection, nursery: trio.Nursery, splitter: LineSplitter
+        self, conn: Connection, nursery: trio.Nursery, splitter: LineSplitter, early: bytes = b""
     ) -> None:
         """Read and answer lines; a partial line is bounded in time and in total bytes."""
         limits = self.limits
         inline = 0
+        #: trio time the first byte of the incomplete line came.
+        line_started = 0.0
         while True:
             data: bytes | None = None
             try:
-                if splitter.pending:
-                    # Half a request: the rest must come soon, or the bytes
-                    # (and the slot) go back. Idle between lines is fine.
-                    with trio.move_on_after(limits.partial_line_timeout):
+                if early:  # read before the caller could be identified
+                    data, early = early, b""
+                elif splitter.pending:
+                    # Half a request: the rest must come soon after its first
+                    # byte, or the bytes (and the slot) go back; a byte now
+                    # and then does not extend it. Idle between lines is fine.
+                    with trio.move_on_at(line_started + limits.partial_line_timeout):
                         data = await sockio.recv_some(conn.sock)
                     if data is None:
                         await self._close_stalled(conn, "partial_line_timeout")
@@ -648,7 +671,11 @@ class LockServer:
             before = splitter.pending
             lines = splitter.feed(data)
             self._buffered += splitter.pending - before
+            if splitter.pending and (lines or not before):
+                line_started = trio.current_time()  # a new incomplete line began
             for line in lines:
+                if not line or line.isspace():
+                    continue  # a blank line is no request: it costs its read, no reply
                 if conn.remote_busy is not None:
                     # One request in flight to a remote backend per connection:
                     # a client pipelining thousands of lines must not make the
@@ -662,12 +689,22 @@ class LockServer:
                     # queued before it go out first).
                     self._batch_point(conn)
                     await remote
+                elif self.service.costly_rule_ran():
+                    # A rule took milliseconds: the other connections go
+                    # before this one's next line (issue 21).
+                    self._batch_point(conn)
+                    await trio.lowlevel.checkpoint()
             self._batch_point(conn)
             writer = conn.writer
             if writer is not None and writer.backlogged:
                 # The peer does not read its replies: read none of its
                 # requests until it does, so what it costs us stays bounded.
                 await writer.wait_drained()
+            pause_ms = self.service.rule_cpu_pause_ms(conn.caller)
+            if pause_ms:
+                # Its rules used its share of the daemon: it waits behind
+                # the others (its connections are not read) until it is back.
+                await trio.sleep(pause_ms / 1000)
             if self._buffered > limits.max_buffered_bytes and splitter.pending:
                 await self._close_stalled(conn, "max_buffered_bytes")
                 return
@@ -972,7 +1009,11 @@ class LockServer:
     def _reply_internal(self, conn: Connection, request: Request | None) -> None:
         """A bug: log the traceback, answer INTERNAL; connection and daemon live on."""
         self.service.stats.count("internalErrors")
-        log.exception(kv(event="internal_error", op=getattr(request, "op", None)))
+        # One caller that can trigger a bug must not fill the log with tracebacks.
+        suppressed = self._error_log.admit(conn.caller.principal)
+        if suppressed is not None:
+            op = getattr(request, "op", None)
+            log.exception(kv(event="internal_error", op=op, suppressed=suppressed))
         rid = request.id if request is not None else None
         self._queue(conn, rid, encode_error(rid, "INTERNAL", "internal error; see the log"))
 
@@ -1114,10 +1155,12 @@ class LockServer:
                 if not waits:
                     conn.waits.pop(req.id, None)
                 conn.waiting -= 1
+                self.service.wait_ended(conn.caller)
                 self._observe(req.op, started)
                 self._reschedule()
 
         conn.waiting += 1
+        self.service.wait_started(conn.caller)
         nursery.start_soon(run)
 
     def _cancel(self, conn: Connection, target: RequestId) -> bool:

@@ -55,6 +55,7 @@ from lockd.daemon.engine import (
     Waiter,
 )
 from lockd.daemon.events import EXPIRED, RETAKE, LossEvent, LossWatch, PendingBreak
+from lockd.daemon.memory import TrimAfterDrop
 from lockd.daemon.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -75,12 +76,13 @@ from lockd.daemon.stats import StatsRecorder
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.daemon.waiterview import QueuedWaiter, concerns, waiter_list
 from lockd.identity import Caller
-from lockd.logfmt import kv
+from lockd.logfmt import LogThrottle, kv
 from lockd.rules.policy import PASS_ROLES
 from lockd.timefmt import format_epoch_ms
 
 if TYPE_CHECKING:
     from lockd.daemon.backends import LockBackend, RemoteBackend
+    from lockd.daemon.ratelimit import RuleCpuBudget
 
 log = logging.getLogger("lockd.daemon.service")
 
@@ -88,6 +90,10 @@ log = logging.getLogger("lockd.daemon.service")
 DEFAULT_MAX_PENDING_PER_CONNECTION = 1024
 #: how long a break waits for a holder listening for events to stop (SPEC 12).
 DEFAULT_BREAK_GRACE_MS = 5000
+#: blocking acquires one principal may have waiting at once, all its connections together.
+DEFAULT_MAX_PENDING_PER_USER = 1024
+#: the ``retryAfterMs`` hint of a refusal over ``max_pending_per_user``.
+PENDING_RETRY_HINT_MS = 1000
 
 
 class Decision(Protocol):
@@ -96,6 +102,11 @@ class Decision(Protocol):
 
     @property
     def reason(self) -> str: ...
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds a rule evaluation behind this decision used (0 when none ran)."""
+        ...
 
 
 class PolicyLike(Protocol):
@@ -139,6 +150,31 @@ class WaitForRoom:
     delay_ms: int
     #: boot-clock ms when the acquire's ``timeoutMs`` runs out.
     deadline: int
+    #: False while its caller's rule CPU was spent: the rules still have to pass.
+    authorized: bool = True
+
+
+#: a rule evaluation that costs this much CPU (seconds) lets other connections go first.
+COSTLY_RULE_S = 0.001
+#: ops whose rule a member's request may have evaluated (SPEC 5).
+_RULE_GATED = frozenset({"acquire", "tryAcquire", "renew"})
+
+
+class RuleCpuSpent(ProtocolError):
+    """A member's rule evaluations used up its share of the daemon's CPU for now."""
+
+    def __init__(self, retry_after_ms: int, per_second_ms: int) -> None:
+        super().__init__(
+            "RATE_LIMITED",
+            f"rule evaluations for this caller used their share of the daemon; "
+            f"retry in {retry_after_ms} ms",
+            details={
+                "retryAfterMs": retry_after_ms,
+                "limit": per_second_ms,
+                "reason": "rule_cpu",
+            },
+        )
+        self.retry_after_ms = retry_after_ms
 
 
 #: what :meth:`LockService.acquire` and :meth:`LockService.acquire_after_wait` return.
@@ -211,6 +247,8 @@ class LockService:
         max_pending_per_connection: int = DEFAULT_MAX_PENDING_PER_CONNECTION,
         remote: RemoteBackend | None = None,
         break_grace_ms: int = DEFAULT_BREAK_GRACE_MS,
+        rule_cpu: RuleCpuBudget | None = None,
+        max_pending_per_user: int = DEFAULT_MAX_PENDING_PER_USER,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -219,6 +257,18 @@ class LockService:
         self.clock = clock
         self.stats = stats or StatsRecorder()
         self.max_pending_per_connection = max_pending_per_connection
+        #: each member's share of rule-evaluation CPU (None: unbounded).
+        self.rule_cpu = rule_cpu
+        self._costly_rule_ran = False
+        self.max_pending_per_user = max_pending_per_user
+        #: blocking acquires waiting now, by principal (owners not counted).
+        self._pending_by_principal: dict[str, int] = {}
+        #: every blocking acquire waiting now (owners' too), for the trim below.
+        self._pending_total = 0
+        #: memory goes back to the system once a flood of waits is over.
+        self.memory = TrimAfterDrop("waits", 1024)
+        #: denials are logged at most once per principal per interval, with counts.
+        self._denial_log = LogThrottle()
         #: the backend behind the service, fixed here (backends/__init__.py):
         #: the embedded engine and store, or with ``remote`` (etcd) a remote
         #: backend, which holds the lock state (the engine and store stay
@@ -511,12 +561,34 @@ class LockService:
         mode: str = EXCLUSIVE,
         limit: int = 1,
     ) -> None:
-        decision = self.policy.decide(caller, op, key or "", mode, limit)
+        rule_cpu = self.rule_cpu
+        if rule_cpu is not None and caller.role == "member" and op in _RULE_GATED:
+            now = self.clock.boot_ms()
+            wait = rule_cpu.wait_ms(caller.principal, now)
+            if wait:
+                self.stats.count("rateLimited")
+                raise RuleCpuSpent(wait, rule_cpu.per_second_ms)
+            decision = self.policy.decide(caller, op, key or "", mode, limit)
+            if decision.cpu_s:
+                rule_cpu.charge(caller.principal, decision.cpu_s * 1000, now)
+                if decision.cpu_s >= COSTLY_RULE_S:
+                    self._costly_rule_ran = True
+        else:
+            decision = self.policy.decide(caller, op, key or "", mode, limit)
         if not decision.allowed:
             self.stats.count("denials")
-            log.info(
-                kv(event="denied", op=op, key=key, principal=caller.principal, why=decision.reason)
-            )
+            suppressed = self._denial_log.admit(caller.principal)
+            if suppressed is not None:
+                log.info(
+                    kv(
+                        event="denied",
+                        op=op,
+                        key=key,
+                        principal=caller.principal,
+                        why=decision.reason,
+                        suppressed=suppressed,
+                    )
+                )
             raise _denied(op, key, caller)
 
     # ------------------------------------------------------------ results
@@ -585,7 +657,15 @@ class LockService:
             raise self._read_failed(req.op, exc) from None
 
     def _acquire(self, caller: Caller, conn: int, req: Acquire, *, pending: int) -> AcquireStep:
-        self.check_acquire(caller, req, pending=pending)
+        try:
+            self.check_acquire(caller, req, pending=pending)
+        except RuleCpuSpent as spent:
+            if req.timeout_ms is None:
+                raise
+            # A blocking acquire waits for its caller's share, like for rate-limit room.
+            self._check_pending(caller, req, pending)
+            now = self.clock.boot_ms()
+            return self._wait_for_rules(req, now, now + req.timeout_ms, spent.retry_after_ms)
         now = self._now()
         if self.store is not None:
             self.store.check_grants(now)  # none after an accepted data loss, for a while
@@ -596,9 +676,38 @@ class LockService:
             return self._acquire_in_engine(caller, conn, req, now, None)
         return self._acquire_within(caller, conn, req, now, now + req.timeout_ms)
 
+    def costly_rule_ran(self) -> bool:
+        """Whether a rule evaluation of ``COSTLY_RULE_S`` or more ran since the last call."""
+        ran, self._costly_rule_ran = self._costly_rule_ran, False
+        return ran
+
+    def rule_cpu_pause_ms(self, caller: Caller) -> int:
+        """How long to read no more of ``caller``'s requests: 0 unless its rule share is spent."""
+        rule_cpu = self.rule_cpu
+        if rule_cpu is None or caller.role != "member":
+            return 0
+        return rule_cpu.wait_ms(caller.principal, self.clock.boot_ms())
+
+    def _wait_for_rules(self, req: Acquire, now: int, deadline: int, wait_ms: int) -> WaitForRoom:
+        if now >= deadline:
+            raise timed_out(req)
+        return WaitForRoom(min(wait_ms, deadline - now), deadline, authorized=False)
+
     def check_acquire(self, caller: Caller, req: Acquire, *, pending: int) -> None:
-        """What every acquire passes first: the rules, then the connection's pending limit."""
-        self.authorize(caller, "acquire", req.key, mode=req.mode, limit=req.limit)
+        """What every acquire passes first: the rules, then the connection's pending limit.
+
+        A denied attempt counts against the caller's rate limit like any other
+        (issue 21): refusals must not be a free way to keep the daemon busy.
+        """
+        try:
+            self.authorize(caller, "acquire", req.key, mode=req.mode, limit=req.limit)
+        except ProtocolError as exc:
+            if exc.code == "LOCK_ACCESS_DENIED":
+                self.take_attempt(caller, self.clock.boot_ms())
+            raise
+        self._check_pending(caller, req, pending)
+
+    def _check_pending(self, caller: Caller, req: Acquire, pending: int) -> None:
         limit = self.max_pending_per_connection
         if req.timeout_ms and pending >= limit:
             raise ProtocolError(
@@ -606,12 +715,58 @@ class LockService:
                 f"{limit} requests are already waiting on this connection",
                 details={"field": None, "limit": limit},
             )
+        # Per principal, over all its connections: one member with 64
+        # connections x 1024 waits held 65,536 waiters (367 MB). RATE_LIMITED
+        # (429) as for too many connections: retry once some of them ended.
+        per_user = self.max_pending_per_user
+        if req.timeout_ms and self._pending_by_principal.get(caller.principal, 0) >= per_user:
+            self.stats.count("rateLimited")
+            raise ProtocolError(
+                "RATE_LIMITED",
+                f"{caller.principal} has {per_user} acquires waiting already "
+                f"(max_pending_per_user); retry once some have ended",
+                details={
+                    "retryAfterMs": PENDING_RETRY_HINT_MS,
+                    "limit": per_user,
+                    "reason": "max_pending_per_user",
+                },
+            )
+
+    def wait_started(self, caller: Caller) -> None:
+        """A blocking acquire of ``caller`` waits in a task now (the server says so)."""
+        self._pending_total += 1
+        self.memory.observe(self._pending_total)
+        if caller.role != "owner":
+            principal = caller.principal
+            self._pending_by_principal[principal] = self._pending_by_principal.get(principal, 0) + 1
+
+    def wait_ended(self, caller: Caller) -> None:
+        """That wait is over (answered, cancelled, or its connection gone)."""
+        self._pending_total -= 1
+        self.memory.observe(self._pending_total)
+        if caller.role != "owner":
+            principal = caller.principal
+            left = self._pending_by_principal.get(principal, 0) - 1
+            if left > 0:
+                self._pending_by_principal[principal] = left
+            else:
+                self._pending_by_principal.pop(principal, None)
 
     def acquire_after_wait(
         self, caller: Caller, conn: int, req: Acquire, room: WaitForRoom
     ) -> AcquireStep:
         """The next step of a blocking acquire that waited for rate-limit room."""
         try:
+            if not room.authorized:  # it waited for its rule CPU: the rules come first
+                try:
+                    self.authorize(caller, "acquire", req.key, mode=req.mode, limit=req.limit)
+                except RuleCpuSpent as spent:
+                    now = self.clock.boot_ms()
+                    return self._wait_for_rules(req, now, room.deadline, spent.retry_after_ms)
+                except ProtocolError as exc:
+                    if exc.code == "LOCK_ACCESS_DENIED":
+                        self.take_attempt(caller, self.clock.boot_ms())
+                    raise
             return self._acquire_within(caller, conn, req, self._now(), room.deadline)
         except StorageUnavailable as exc:
             raise self._read_failed(req.op, exc) from None

@@ -70,7 +70,7 @@ class BusyPoll:
     Polling costs a CPU the whole budget when nothing comes, so it adapts:
     a miss makes the connection skip its next 1, 3, 7, ... 63 chances
     (doubling per miss in a row); a hit starts again from nothing, and
-    only bytes that end a request line count as one. A
+    only bytes that end a request line count as one (blank lines do not). A
     connection whose client pauses between requests (``lockd run``
     renewing, a cron job) is polled rarely; one that streams is polled
     every time. It stops at once, without counting a miss, when another
@@ -108,9 +108,10 @@ class BusyPoll:
         while True:
             data = recv_ready(sock)
             if data is not None:
-                if data and b"\n" not in data:
-                    # No whole request: a client trickling bytes must not
-                    # keep the daemon polling for it.
+                if data and (b"\n" not in data or data.isspace()):
+                    # No whole request: a client trickling bytes, or sending
+                    # blank lines (which are no requests), must not keep the
+                    # daemon polling for it.
                     self._missed()
                 else:
                     self.misses = 0

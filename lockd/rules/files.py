@@ -24,9 +24,10 @@ Why it is built this way:
   read up to :data:`MAX_RULE_FILE_BYTES`; anything else is a load error
   naming the file.
 - **Nobody else may write the policy.** For the daemon (``trusted_owners``
-  given), a ``rule-sets/`` folder or rule file that another user owns or can
-  write is a load error: a member who can delete the policy opens the
-  namespace. ``lockd rules check`` reads any file it is pointed at.
+  given), a ``rule-sets/`` folder, a folder above it (up to ``/``) or a rule
+  file that another user owns or can write is a load error: a member who can
+  delete or rename the policy opens the namespace. ``lockd rules check``
+  reads any file it is pointed at.
 """
 
 from __future__ import annotations
@@ -95,12 +96,58 @@ def _foreign_writer(st: os.stat_result, trusted_owners: frozenset[int]) -> str |
     return None
 
 
+def _foreign_ancestor(rule_sets_dir: Path, trusted_owners: frozenset[int]) -> str | None:
+    """The first folder (or symlink) above ``rule_sets_dir`` another user could change.
+
+    Whoever can write any folder on the way to ``/`` can rename the folder
+    below it and put another ``rule-sets/`` (or none: the open default) in
+    its place, so each one is checked as the rule files are, on the path as
+    given and on the path its symlinks lead to: owned by a trusted user, not
+    writable by group or others -- unless the sticky bit is set (``/tmp``),
+    which keeps others from renaming what they do not own. A symlink must be
+    owned by a trusted user. Folders that do not exist change nothing: with
+    no ``rule-sets/``, the open default is in force anyway.
+    """
+    absolute = Path(os.path.abspath(rule_sets_dir))
+    seen: set[Path] = set()
+    for start in (absolute, Path(os.path.realpath(absolute))):
+        for folder in start.parents:
+            if folder in seen:
+                continue
+            seen.add(folder)
+            try:
+                st = os.lstat(folder)
+            except OSError:
+                continue
+            if st.st_uid not in trusted_owners:
+                kind = "symlink" if stat.S_ISLNK(st.st_mode) else "folder"
+                return (
+                    f"the {kind} {folder} above it belongs to uid {st.st_uid}, "
+                    "not to the daemon's user or root"
+                )
+            if stat.S_ISLNK(st.st_mode) or st.st_mode & stat.S_ISVTX:
+                continue
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                mode = stat.S_IMODE(st.st_mode)
+                return f"the folder {folder} above it is writable by other users (mode {mode:04o})"
+    return None
+
+
 def rule_files(rule_sets_dir: Path, *, trusted_owners: frozenset[int] | None = None) -> list[Path]:
     """``*.toml`` files, sorted; hidden files and editor leftovers do not count.
 
-    With ``trusted_owners``, a folder someone else owns or can write is an error.
+    With ``trusted_owners``, a folder someone else owns or can write is an
+    error: ``rule_sets_dir`` itself and every folder above it.
     """
     if trusted_owners is not None:
+        problem = _foreign_ancestor(rule_sets_dir, trusted_owners)
+        if problem is not None:
+            raise RuleSetError(
+                str(rule_sets_dir),
+                None,
+                None,
+                f"{problem}: anyone who can write it sets the policy",
+            )
         try:
             problem = _foreign_writer(rule_sets_dir.stat(), trusted_owners)
         except OSError:

@@ -49,9 +49,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,9 @@ class Decision:
 
     allowed: bool
     reason: str
+    #: CPU seconds the rule evaluation behind it used (0: none ran, e.g. a cached verdict);
+    #: not part of the verdict, so not compared.
+    cpu_s: float = field(default=0.0, compare=False)
 
 
 def _table(source: RuleSource, doc: Mapping[str, Any], key: str, path: tuple[str, ...]) -> Any:
@@ -293,11 +297,14 @@ class Policy:
         if verdict is not None:
             self._verdicts.move_to_end(cache_key)
             return verdict
+        # CPU time, not wall time: what the evaluation cost the daemon, which
+        # the daemon charges to the caller (its verdict does not depend on it).
+        started = time.thread_time()
         verdict = self._evaluate(rule, caller, key, mode, limit)
         self._verdicts[cache_key] = verdict
         if len(self._verdicts) > VERDICT_CACHE_SIZE:
             self._verdicts.popitem(last=False)
-        return verdict
+        return Decision(verdict.allowed, verdict.reason, time.thread_time() - started)
 
     def _evaluate(
         self, rule: CompiledRule, caller: Caller, key: str, mode: str, limit: int
