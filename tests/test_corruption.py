@@ -43,9 +43,7 @@ from .helpers_users import wait_for
 WAL_HEADER = 32
 FRAME = 24 + 1024
 
-slow = pytest.mark.skipif(
-    not os.environ.get("LOCKD_SLOW"), reason="wide sweep: set LOCKD_SLOW=1"
-)
+slow = pytest.mark.skipif(not os.environ.get("LOCKD_SLOW"), reason="wide sweep: set LOCKD_SLOW=1")
 
 
 @dataclass
