@@ -55,12 +55,14 @@ from sortedcontainers import SortedList
 
 from lockd import core
 from lockd.core import EXCLUSIVE, SHARED, Refused
+from lockd.core.deadlock import blockers, find_cycle
 from lockd.daemon.cold import ColdLeases
 from lockd.daemon.leases import (
     MAX_LISTED_HOLDERS,
     AcquireResult,
     Busy,
     Changes,
+    Deadlock,
     KeyStatus,
     Lease,
     ListPage,
@@ -79,6 +81,7 @@ __all__ = [
     "AcquireResult",
     "Busy",
     "Changes",
+    "Deadlock",
     "KeyStatus",
     "Lease",
     "LeaseLoader",
@@ -483,11 +486,43 @@ class LockEngine:
             assert wait_ms is not None
             if wait_ms <= 0:
                 return TimedOut()
+            cycle = self._cycle_closed_by(state, claim)
+            if cycle is not None:
+                return Deadlock(cycle)
             claim.id, claim.deadline = next(self._waiter_ids), now + wait_ms
             claim.since = now
             self._enqueue(state, claim)
             return Parked(claim)
         return self._grant(now, state, claim)
+
+    def _cycle_closed_by(self, state: _KeyState, claim: Waiter) -> list[str] | None:
+        """The keys of the cycle of waits ``claim`` would close by parking, or None.
+
+        Runs only when a blocking acquire is about to park; the graph and
+        its bound are :mod:`lockd.core.deadlock`'s.
+        """
+        first = self._blockers(state, claim, state.q_last)
+        if not first:
+            return None
+        return find_cycle(claim.conn, claim.key, first, self._waits_of)
+
+    def _blockers(self, state: _KeyState, claim: Waiter, last_ahead: Waiter | None) -> set[int]:
+        """The connections ``claim`` waits for: its key's holders, the queue to ``last_ahead``."""
+        holders = [(lease.mode, lease.taken_by) for lease in self._holders(state)]
+        ahead: list[tuple[str, int | None]] = []
+        waiter = last_ahead
+        while waiter is not None:
+            ahead.append((waiter.mode, waiter.conn))
+            waiter = waiter.prev
+        return blockers(claim.mode, claim.limit, holders, ahead, conn=claim.conn)
+
+    def _waits_of(self, conn: int) -> Iterator[tuple[str, set[int]]]:
+        """Each parked waiter of ``conn``: its key and the connections it waits for."""
+        for waiter_id in self._conn_waiters.get(conn, ()):
+            waiter = self._waiters[waiter_id]
+            state = self._keys.get(waiter.key)
+            if state is not None:
+                yield waiter.key, self._blockers(state, waiter, waiter.prev)
 
     def renew(self, now: int, key: str, handle: str, ttl_ms: int) -> Lease | None:
         """Extend the lease if ``handle`` still holds ``key``; None means lost."""
@@ -691,7 +726,7 @@ class LockEngine:
 
     def _new_lease(self, now: int, claim: Waiter, slot: int) -> Lease:
         self._fence += 1
-        return Lease(
+        lease = Lease(
             claim.key,
             self._new_handle(),
             self._fence,
@@ -706,6 +741,8 @@ class LockEngine:
             claim.pid,
             claim.process,
         )
+        lease.taken_by = claim.conn
+        return lease
 
     def _grant_fresh(self, now: int, claim: Waiter) -> Lease:
         """The common case, a key nobody holds: one new state, one undo entry."""
