@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lockd.core import EXCLUSIVE, SHARED
-from lockd.core.deadlock import blockers, find_cycle
+from lockd.core.deadlock import Budget, blockers, find_cycle
 
 X, S = EXCLUSIVE, SHARED
 
@@ -139,3 +139,17 @@ def _reaches_zero(waits: dict[int, list[tuple[str, set[int]]]], first: set[int])
                 return True
             stack.extend(p for p in parties if p != conn)
     return False
+
+
+def test_the_step_budget_bounds_every_read_and_only_hides_edges() -> None:
+    queue = [(X, c) for c in range(2, 1002)]
+    budget = Budget(10)
+    found = blockers(X, 1, [(X, 1)], queue, conn=5000, budget=budget)
+    assert found == {1, *range(2, 11)} and budget.spent  # a subset, read in 10 steps
+    # a semaphore read in part draws no edge: the unread slots may be anyone's.
+    assert blockers(X, 5, [(X, 1)] * 5, [], conn=2, budget=Budget(3)) == set()
+    assert blockers(X, 5, [(X, 1)] * 5, [], conn=2, budget=Budget(5)) == {1}
+    # once spent, the search gives up instead of walking on.
+    chain = {c: [(f"k{c + 1}", {c + 1})] for c in range(2, 60)}
+    chain[60] = [("back", {1})]
+    assert find_cycle(1, "k1", {2}, graph(chain), budget=Budget(0)) is None

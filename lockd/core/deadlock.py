@@ -30,12 +30,17 @@ needs no soft edges to rearrange). :func:`blockers` says which, per key:
 
 :func:`find_cycle` runs only when a blocking acquire is about to park
 (never on the uncontended path) and visits at most ``max_visited``
-connections; past that bound it reports no cycle (the wait then ends by its
-timeout, as before). Nothing here does I/O or keeps state.
+connections and reads at most ``MAX_STEPS`` holders and waiters in all (a
+:class:`Budget` shared by every :func:`blockers` of one check): a long
+plain queue costs one bounded walk per park, not a walk per waiter. Past
+either bound it reports what it has found, or no cycle (the wait then ends
+by its timeout, as before); edges left unread only hide cycles, never make
+one up. Nothing here does I/O or keeps state.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -44,6 +49,22 @@ from lockd.core.admission import EXCLUSIVE
 
 #: connections :func:`find_cycle` visits at most before it gives up.
 MAX_VISITED: Final = 10_000
+#: holders and waiters one check reads at most, over all its keys.
+MAX_STEPS: Final = 256
+
+
+class Budget:
+    """How many more holders and waiters one check may read."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, steps: int = MAX_STEPS) -> None:
+        self.left = steps
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0
+
 
 #: one party on a key: its mode and its connection (None when unknown).
 Party = tuple[str, int | None]
@@ -61,23 +82,32 @@ def blockers(
     ahead: Iterable[Party],
     *,
     conn: int,
+    budget: Budget | None = None,
 ) -> set[int]:
     """The connections a waiter of ``conn`` on one key has hard edges to.
 
     ``holders`` are the key's holders, ``ahead`` the waiters queued before
     this one (its position if it parks now: the whole queue), each as
-    (mode, connection). The rules are the module's.
+    (mode, connection); both are read lazily, one step of ``budget`` each,
+    and no further once it is spent (a semaphore read in part draws no
+    edge). The rules are the module's.
     """
+    budget = budget if budget is not None else Budget()
+    parties = itertools.chain(holders, ahead)
     if limit > 1:
-        parties = {party_conn for _, party_conn in holders}
-        parties.update(party_conn for _, party_conn in ahead)
-        if len(parties) == 1:
-            (only,) = parties
-            if only is not None and only != conn:
-                return {only}
-        return set()
+        conns: set[int | None] = set()
+        for _, party_conn in parties:
+            if budget.spent or (party_conn not in conns and conns):
+                return set()
+            budget.left -= 1
+            conns.add(party_conn)
+        (only,) = conns or {None}
+        return {only} if only is not None and only != conn else set()
     found: set[int] = set()
-    for party_mode, party_conn in (*holders, *ahead):
+    for party_mode, party_conn in parties:
+        if budget.spent:
+            break
+        budget.left -= 1
         if party_conn is not None and party_conn != conn and conflicts(mode, party_mode):
             found.add(party_conn)
     return found
@@ -90,11 +120,13 @@ def find_cycle(
     waits_of: Callable[[int], Iterable[tuple[str, Iterable[int]]]],
     *,
     max_visited: int = MAX_VISITED,
+    budget: Budget | None = None,
 ) -> list[str] | None:
     """The keys of the cycle a new wait of ``conn`` on ``key`` would close, or None.
 
     ``first`` are the new waiter's :func:`blockers`; ``waits_of(c)`` gives,
-    for every parked waiter of connection ``c``, its key and its blockers.
+    for every parked waiter of connection ``c``, its key and its blockers
+    (computed with ``budget``, which ends the search once spent).
     The answer starts with ``key`` and follows the waits in order back to
     ``conn``: ``[key, k2, ...]`` means ``conn`` waits on ``key`` for a
     connection that waits on ``k2`` for ... a connection ``conn`` blocks.
@@ -108,7 +140,7 @@ def find_cycle(
             came_from[party] = (conn, key)
             frontier.append(party)
     while frontier:
-        if len(came_from) > max_visited:
+        if len(came_from) > max_visited or (budget is not None and budget.spent):
             return None
         waiting = frontier.popleft()
         for waited_key, parties in waits_of(waiting):

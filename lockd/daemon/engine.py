@@ -55,7 +55,7 @@ from sortedcontainers import SortedList
 
 from lockd import core
 from lockd.core import EXCLUSIVE, SHARED, Refused
-from lockd.core.deadlock import blockers, find_cycle
+from lockd.core.deadlock import Budget, blockers, find_cycle
 from lockd.daemon.cold import ColdLeases
 from lockd.daemon.leases import (
     MAX_LISTED_HOLDERS,
@@ -499,30 +499,44 @@ class LockEngine:
         """The keys of the cycle of waits ``claim`` would close by parking, or None.
 
         Runs only when a blocking acquire is about to park; the graph and
-        its bound are :mod:`lockd.core.deadlock`'s.
+        its bounds are :mod:`lockd.core.deadlock`'s.
         """
-        first = self._blockers(state, claim, state.q_last)
+        if len(self._conn_waiters) == (claim.conn in self._conn_waiters):
+            return None  # no other connection waits: nobody can wait for this one
+        budget = Budget()
+        first = self._blockers(state, claim, state.q_last, budget)
         if not first:
             return None
-        return find_cycle(claim.conn, claim.key, first, self._waits_of)
 
-    def _blockers(self, state: _KeyState, claim: Waiter, last_ahead: Waiter | None) -> set[int]:
+        def waits_of(conn: int) -> Iterator[tuple[str, set[int]]]:
+            for waiter_id in self._conn_waiters.get(conn, ()):
+                waiter = self._waiters[waiter_id]
+                waited = self._keys.get(waiter.key)
+                if waited is not None:
+                    yield waiter.key, self._blockers(waited, waiter, waiter.prev, budget)
+
+        return find_cycle(claim.conn, claim.key, first, waits_of, budget=budget)
+
+    def _blockers(
+        self, state: _KeyState, claim: Waiter, last_ahead: Waiter | None, budget: Budget
+    ) -> set[int]:
         """The connections ``claim`` waits for: its key's holders, the queue to ``last_ahead``."""
-        holders = [(lease.mode, lease.taken_by) for lease in self._holders(state)]
-        ahead: list[tuple[str, int | None]] = []
-        waiter = last_ahead
-        while waiter is not None:
-            ahead.append((waiter.mode, waiter.conn))
-            waiter = waiter.prev
-        return blockers(claim.mode, claim.limit, holders, ahead, conn=claim.conn)
+        holders = ((lease.mode, lease.taken_by) for lease in self._holders(state))
+        return blockers(
+            claim.mode,
+            claim.limit,
+            holders,
+            self._queue_back(last_ahead),
+            conn=claim.conn,
+            budget=budget,
+        )
 
-    def _waits_of(self, conn: int) -> Iterator[tuple[str, set[int]]]:
-        """Each parked waiter of ``conn``: its key and the connections it waits for."""
-        for waiter_id in self._conn_waiters.get(conn, ()):
-            waiter = self._waiters[waiter_id]
-            state = self._keys.get(waiter.key)
-            if state is not None:
-                yield waiter.key, self._blockers(state, waiter, waiter.prev)
+    @staticmethod
+    def _queue_back(waiter: Waiter | None) -> Iterator[tuple[str, int | None]]:
+        """Mode and connection of ``waiter`` and every waiter before it, nearest first."""
+        while waiter is not None:
+            yield waiter.mode, waiter.conn
+            waiter = waiter.prev
 
     def renew(self, now: int, key: str, handle: str, ttl_ms: int) -> Lease | None:
         """Extend the lease if ``handle`` still holds ``key``; None means lost."""
