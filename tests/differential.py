@@ -182,7 +182,12 @@ class EngineRun:
         seen = Seen()
         engine, now = self.engine, self.now
         if isinstance(op, Acquire):
-            principal, conn = CLIENTS[op.client]
+            principal, _ = CLIENTS[op.client]
+            # Each request on a connection of its own: the engine alone looks
+            # for cycles of waits between connections (docs/protocol.md,
+            # "Errors"; tests/test_engine_properties.py checks that against
+            # a model), and a fresh connection never closes one.
+            conn = 1_000_000 + req
             answer = engine.acquire(
                 now,
                 op.key,

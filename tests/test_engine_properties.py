@@ -46,6 +46,7 @@ from lockd.daemon.engine import (
     SHARED,
     Busy,
     Changes,
+    Deadlock,
     Lease,
     LockEngine,
     Parked,
@@ -98,6 +99,33 @@ class Model:
 
     def key_limit(self, key: str) -> int | None:
         return self.holders[key][0].limit if self.holders[key] else None
+
+    def waits_for(
+        self, key: str, mode: str, limit: int, conn: int, ahead: list[Waiter]
+    ) -> set[int]:
+        """The connections a waiter waits for (docs/contract.md §12), written out again here."""
+        holders = [(h.mode, h.taken_by) for h in self.holders[key]]
+        parties = holders + [(w.mode, w.conn) for w in ahead]
+        if limit > 1:
+            conns = {c for _, c in parties}
+            return conns if len(conns) == 1 and None not in conns and conn not in conns else set()
+        return {
+            c for other, c in parties if c is not None and c != conn and EXCLUSIVE in (mode, other)
+        }
+
+    def closes_cycle(self, key: str, mode: str, limit: int, conn: int) -> bool:
+        """Would a new waiter of ``conn`` on ``key`` reach ``conn`` again? A plain closure."""
+        edges: dict[int, set[int]] = {}
+        for k in KEYS:
+            for i, w in enumerate(self.queue[k]):
+                found = self.waits_for(k, w.mode, w.limit, w.conn, self.queue[k][:i])
+                edges.setdefault(w.conn, set()).update(found)
+        reached = self.waits_for(key, mode, limit, conn, self.queue[key])
+        while True:
+            more = set().union(*(edges.get(c, set()) for c in reached)) - reached
+            if not more:
+                return conn in reached
+            reached |= more
 
 
 def snapshot(engine: LockEngine) -> Any:
@@ -208,6 +236,7 @@ class EngineMachine(RuleBasedStateMachine):
             queue.pop(0)
             bound = waiter.conn if waiter.release_on_close else None
             self._granted(waiter.lease, waiter.key, bound)
+            assert waiter.lease.taken_by == waiter.conn
         for key in KEYS:
             if not self.m.holders[key]:
                 assert not self.m.queue[key], f"{key} is free but has waiters"
@@ -299,6 +328,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert (result.mode, result.limit) == (mode, limit)
             self._settle([])
             self._granted(result, key, conn if roc else None)
+            assert result.taken_by == conn
             if own is not None:
                 assert result.fence > own.fence
                 assert m.queue[key] == queued, "a re-take must not disturb the queue"
@@ -307,8 +337,11 @@ class EngineMachine(RuleBasedStateMachine):
             assert isinstance(result, Busy) and result.holder is m.holders[key][0]
         elif wait_ms <= 0:
             assert isinstance(result, TimedOut)
+        elif m.closes_cycle(key, mode, limit, conn):
+            assert isinstance(result, Deadlock) and result.cycle[0] == key, result
+            assert snapshot(self.engine) == before, "a refused request changed something"
         else:
-            assert isinstance(result, Parked)
+            assert isinstance(result, Parked), result
             assert result.waiter.deadline == m.now + wait_ms
             m.queue[key].append(result.waiter)
         self._settle([])

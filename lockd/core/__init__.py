@@ -6,7 +6,9 @@ copy of the rules (docs/architecture.md, "The decision core"):
 - :mod:`lockd.core.admission`: a request against a key's holders and queue
   -- refused, a re-take, granted now, parked, or busy (docs/contract.md §1, §10);
 - :mod:`lockd.core.queue`: after holders or waiters leave, which waiters
-  the key is handed to, head first, without overtaking.
+  the key is handed to, head first, without overtaking;
+- :mod:`lockd.core.deadlock`: would a parking acquire close a cycle of
+  waits between connections (docs/contract.md §12; the engine asks it).
 
 The embedded engine (``lockd.daemon.engine``) applies them to its
 in-memory state; the etcd backend applies them to the records it read, and

@@ -56,6 +56,7 @@ from sortedcontainers import SortedList
 
 from lockd import core
 from lockd.core import EXCLUSIVE, SHARED, Refused
+from lockd.core.deadlock import Budget, blockers, find_cycle
 from lockd.daemon.cold import ColdLeases
 from lockd.daemon.demoted import ColdKeys
 from lockd.daemon.leases import (
@@ -63,6 +64,7 @@ from lockd.daemon.leases import (
     AcquireResult,
     Busy,
     Changes,
+    Deadlock,
     KeyStatus,
     Lease,
     ListPage,
@@ -81,6 +83,7 @@ __all__ = [
     "AcquireResult",
     "Busy",
     "Changes",
+    "Deadlock",
     "KeyStatus",
     "Lease",
     "LeaseLoader",
@@ -582,11 +585,57 @@ class LockEngine:
             assert wait_ms is not None
             if wait_ms <= 0:
                 return TimedOut()
+            cycle = self._cycle_closed_by(state, claim)
+            if cycle is not None:
+                return Deadlock(cycle)
             claim.id, claim.deadline = next(self._waiter_ids), now + wait_ms
             claim.since = now
             self._enqueue(state, claim)
             return Parked(claim)
         return self._grant(now, state, claim)
+
+    def _cycle_closed_by(self, state: _KeyState, claim: Waiter) -> list[str] | None:
+        """The keys of the cycle of waits ``claim`` would close by parking, or None.
+
+        Runs only when a blocking acquire is about to park; the graph and
+        its bounds are :mod:`lockd.core.deadlock`'s.
+        """
+        if len(self._conn_waiters) == (claim.conn in self._conn_waiters):
+            return None  # no other connection waits: nobody can wait for this one
+        budget = Budget()
+        first = self._blockers(state, claim, state.q_last, budget)
+        if not first:
+            return None
+
+        def waits_of(conn: int) -> Iterator[tuple[str, set[int]]]:
+            for waiter_id in self._conn_waiters.get(conn, ()):
+                waiter = self._waiters[waiter_id]
+                waited = self._keys.get(waiter.key)
+                if waited is not None:
+                    yield waiter.key, self._blockers(waited, waiter, waiter.prev, budget)
+
+        return find_cycle(claim.conn, claim.key, first, waits_of, budget=budget)
+
+    def _blockers(
+        self, state: _KeyState, claim: Waiter, last_ahead: Waiter | None, budget: Budget
+    ) -> set[int]:
+        """The connections ``claim`` waits for: its key's holders, the queue to ``last_ahead``."""
+        holders = ((lease.mode, lease.taken_by) for lease in self._holders(state))
+        return blockers(
+            claim.mode,
+            claim.limit,
+            holders,
+            self._queue_back(last_ahead),
+            conn=claim.conn,
+            budget=budget,
+        )
+
+    @staticmethod
+    def _queue_back(waiter: Waiter | None) -> Iterator[tuple[str, int | None]]:
+        """Mode and connection of ``waiter`` and every waiter before it, nearest first."""
+        while waiter is not None:
+            yield waiter.mode, waiter.conn
+            waiter = waiter.prev
 
     def renew(self, now: int, key: str, handle: str, ttl_ms: int) -> Lease | None:
         """Extend the lease if ``handle`` still holds ``key``; None means lost."""
@@ -881,7 +930,7 @@ class LockEngine:
 
     def _new_lease(self, now: int, claim: Waiter, slot: int) -> Lease:
         self._fence += 1
-        return Lease(
+        lease = Lease(
             claim.key,
             self._new_handle(),
             self._fence,
@@ -896,6 +945,8 @@ class LockEngine:
             claim.pid,
             claim.process,
         )
+        lease.taken_by = claim.conn
+        return lease
 
     def _grant_fresh(self, now: int, claim: Waiter) -> Lease:
         """The common case, a key nobody holds: one new state, one undo entry."""

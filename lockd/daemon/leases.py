@@ -20,6 +20,7 @@ __all__ = [
     "AcquireResult",
     "Busy",
     "Changes",
+    "Deadlock",
     "KeyStatus",
     "Lease",
     "ListPage",
@@ -47,7 +48,9 @@ class Lease:
     overwrites one row. ``pid`` and ``process`` are the holder's process as
     the daemon saw it. ``prev``/``next`` link the key's holders in grant
     order. ``conn`` is the connection the lease is bound to
-    (``releaseOnClose``), or None.
+    (``releaseOnClose``), or None; ``taken_by`` the connection that took it,
+    bound or not (None once the daemon restarted), which the deadlock check
+    reads (:mod:`lockd.core.deadlock`).
     """
 
     __slots__ = (
@@ -65,6 +68,7 @@ class Lease:
         "principal",
         "process",
         "slot",
+        "taken_by",
         "ttl_ms",
     )
 
@@ -92,6 +96,7 @@ class Lease:
             conn,
         )
         self.mode, self.limit, self.slot, self.pid, self.process = mode, limit, slot, pid, process
+        self.taken_by: int | None = None
         self.prev: Lease | None = None
         self.next: Lease | None = None
 
@@ -241,7 +246,18 @@ class TimedOut:
     """A blocking acquire with nothing left of its timeout found the key taken."""
 
 
-AcquireResult = Lease | Busy | Parked | TimedOut | Refused
+@dataclass(frozen=True)
+class Deadlock:
+    """A blocking acquire that would close a cycle of waits: refused, not queued.
+
+    ``cycle`` lists the keys of the cycle in order, the requested key first
+    (:func:`lockd.core.deadlock.find_cycle`).
+    """
+
+    cycle: list[str]
+
+
+AcquireResult = Lease | Busy | Parked | TimedOut | Deadlock | Refused
 
 
 @dataclass(frozen=True)

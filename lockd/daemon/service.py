@@ -46,6 +46,7 @@ from lockd.daemon.engine import (
     EXCLUSIVE,
     EXPIRY_CHUNK,
     Busy,
+    Deadlock,
     KeyStatus,
     Lease,
     LockEngine,
@@ -867,7 +868,28 @@ class LockService:
         if isinstance(result, TimedOut):
             self.stats.count("timeouts")
             raise timed_out(req)
+        if isinstance(result, Deadlock):
+            raise self._deadlock(caller, conn, req, result.cycle)
         return result
+
+    @staticmethod
+    def _deadlock(caller: Caller, conn: int, req: Acquire, cycle: list[str]) -> ProtocolError:
+        """DEADLOCK for the acquire that would close ``cycle`` (docs/contract.md §12), logged."""
+        log.warning(
+            kv(
+                event="deadlock",
+                key=req.key,
+                principal=caller.principal,
+                conn=conn,
+                cycle=" -> ".join([*cycle, cycle[0]]),
+            )
+        )
+        path = " -> ".join(repr(key) for key in [*cycle, cycle[0]])
+        return ProtocolError(
+            "DEADLOCK",
+            f"waiting for {req.key!r} would close a cycle of waits: {path}",
+            details={"cycle": cycle},
+        )
 
     # ------------------------------------------------------ the other ops
 
