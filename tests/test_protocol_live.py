@@ -52,6 +52,7 @@ STATUS_FIELDS = {
     "limit",
     "holderCount",
     "holders",
+    "waiterList",  # docs/contract.md §12.2: the queue, in order (waiters stays the count)
 }
 HOLDER_FIELDS = {"heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process"}
 MAX_LINE = 65536

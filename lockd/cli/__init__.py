@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -124,7 +124,12 @@ def serve(
     from lockd.daemon.serve import StartupError, run
 
     try:
+        # The folders come from the environment, not from a file the operator
+        # wrote: an unsafe one stops the start (exit 1); it is no config mistake.
         paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
+    except ConfigError as exc:
+        _cannot_start(exc, json_output, config=False)
+    try:
         endpoints = tuple(url.strip() for url in etcd.split(",")) if etcd is not None else ()
         code = run(
             paths,
@@ -133,18 +138,24 @@ def serve(
             etcd=endpoints,
         )
     except (StartupError, ConfigError) as exc:
-        # A config mistake (lockd.toml, the files it names) exits 2, as a
-        # usage error; anything else that stops a start exits 1. Under --json
-        # the code is USAGE either way (details.reason says which).
-        config = isinstance(exc, ConfigError)
-        message = f"cannot start: {'config: ' if config else ''}{' '.join(str(exc).split())}"
-        if json_output:
-            details = {"reason": "bad_config" if config else "startup_failed"}
-            click.echo(error_document(USAGE, message, details), err=True)
-        else:
-            click.echo(f"lockd: {message}", err=True)
-        sys.exit(EXIT_USAGE if config else 1)
+        _cannot_start(exc, json_output, config=isinstance(exc, ConfigError))
     sys.exit(code)
+
+
+def _cannot_start(exc: Exception, json_output: bool, *, config: bool) -> NoReturn:
+    """Say why ``serve`` stops in one line and exit.
+
+    A config mistake (lockd.toml, the files it names) exits 2, as a usage
+    error; anything else that stops a start exits 1. Under --json the code is
+    USAGE either way (details.reason says which).
+    """
+    message = f"cannot start: {'config: ' if config else ''}{' '.join(str(exc).split())}"
+    if json_output:
+        details = {"reason": "bad_config" if config else "startup_failed"}
+        click.echo(error_document(USAGE, message, details), err=True)
+    else:
+        click.echo(f"lockd: {message}", err=True)
+    sys.exit(EXIT_USAGE if config else 1)
 
 
 # --------------------------------------------------------------------------- whoami
