@@ -259,6 +259,7 @@ def test_every_op_result_has_the_spec_fields(conn: RawConn, backend: Backend) ->
         "limit": None,
         "holderCount": 0,
         "holders": [],
+        "waiterList": [],
         **dict.fromkeys(node),
     }
     assert conn.result({"id": 11, "op": "break", "key": key, "reason": "test"}) == {"broken": False}
