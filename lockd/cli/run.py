@@ -162,7 +162,15 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
     type=Duration(min_ms=0),
     default="10s",
     show_default=True,
-    help="With --on-lost term: time between SIGTERM and SIGKILL.",
+    help="With --on-lost term, --kill-descendants or a signal to lockd run: time between "
+    "SIGTERM and SIGKILL for what COMMAND left running.",
+)
+@click.option(
+    "--kill-descendants",
+    is_flag=True,
+    help="When COMMAND exits, end what it left running in the background (SIGTERM, "
+    "SIGKILL after --grace). Default, as flock(1): KEY stays held until the last of "
+    "them exits.",
 )
 @click.option(
     "--conflict-exit-code",
@@ -203,6 +211,7 @@ def run(
     limit: int,
     on_lost: str,
     grace_ms: int,
+    kill_descendants: bool,
     conflict_exit_code: int,
     quiet: bool,
     socket_path: str | None,
@@ -238,6 +247,7 @@ def run(
         conflict_exit_code=conflict_exit_code,
         socket_path=socket_path,
         quiet=quiet,
+        kill_descendants=kill_descendants,
     )
     report = Reporter(json_lines=json_output)
     # Imported when run, not at start-up (threads, subprocess): other commands

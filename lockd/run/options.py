@@ -43,6 +43,9 @@ class RunOptions:
     conflict_exit_code: int = EXIT_BUSY
     socket_path: str | None = None
     quiet: bool = False  # no stderr line when the key is busy / the wait timed out
+    #: when COMMAND exits, end what it left running (SIGTERM, SIGKILL after
+    #: --grace) instead of keeping the key until the last of them exits (flock's way)
+    kill_descendants: bool = False
 
 
 class Reporter:

@@ -1,13 +1,15 @@
-"""COMMAND's processes for ``lockd run``: spawning, guarding, signalling.
+"""COMMAND's processes for ``lockd run``: starting, containing, signalling.
 
-COMMAND runs (no shell) in a session of its own, with ``PR_SET_PDEATHSIG`` so
-that it is SIGKILLed if ``lockd run`` dies, and a :class:`GroupGuard` that does
-the same to the rest of its process group; :class:`SignalForwarder` passes
-SIGINT, SIGTERM and SIGHUP on to that group.
+COMMAND is started by a guardian process (:mod:`lockd.run.guardian`, driven
+through :class:`Guardian`): a child subreaper that holds a copy of the daemon
+connection, so that nothing COMMAND starts (``setsid``, double fork, ``nohup
+... &``) outlives the key, even when ``lockd run`` is killed outright.
+:class:`SignalForwarder` passes SIGINT, SIGTERM and SIGHUP on to COMMAND's
+process group; the terminal helpers give COMMAND the terminal as a shell
+gives it to a job.
 
-Everything that sends signals runs on the main thread, which also forked
-COMMAND: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, and
-Python runs signal handlers only on the main thread anyway.
+Everything that sends signals runs on the main thread: Python runs signal
+handlers only there.
 """
 
 from __future__ import annotations
@@ -15,22 +17,31 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from lockd.run import guardian
+
 __all__ = [
     "FORWARDED_SIGNALS",
-    "GroupGuard",
+    "CommandNotStarted",
+    "Guardian",
+    "Message",
     "SignalForwarder",
+    "become_subreaper",
+    "end_descendants",
     "exit_status",
-    "group_alive",
+    "foreground_group",
     "killpg",
-    "spawn_in_own_session",
+    "set_foreground",
+    "terminal_mode",
 ]
 
 
@@ -43,12 +54,12 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _prctl: Any = None
 
 
 def _load_prctl() -> Any:
-    """libc's prctl via ctypes, loaded in the parent (never in the forked child); None if absent."""
+    """libc's prctl via ctypes; None if absent."""
     global _prctl
     if _prctl is None:
         try:
@@ -62,123 +73,199 @@ def _load_prctl() -> Any:
     return _prctl or None
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn``: SIGKILL this child when the thread that forked it dies.
+def become_subreaper() -> bool:
+    """Make orphaned descendants this process's children (Linux 3.4+); False if refused.
 
-    After setting the parent-death signal, the parent is checked once more:
-    if it died between fork and prctl, the signal will never come, so the
-    child kills itself. The kernel clears the setting when COMMAND is a
-    set-uid/set-gid or file-capability binary.
+    ``lockd run`` does it as a fallback: if its guardian is killed, what the
+    guardian had adopted comes here and is ended by :func:`end_descendants`.
     """
     prctl = _load_prctl()
-    sigkill = int(signal.SIGKILL)
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
+    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0) == 0
 
 
-def spawn_in_own_session(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``argv`` (no shell) as leader of a new session and process group.
+def end_descendants(say: Callable[[str], None]) -> None:
+    """SIGKILL and reap every descendant of this process (the guardian-died fallback)."""
+    guardian.Tree(say, command_pid=-1).end(0)
 
-    A session rather than just a process group: a background process group
-    that reads the terminal is stopped by SIGTTIN, while a process in its own
-    session has no controlling terminal and reads an inherited tty fd freely
-    (it cannot open /dev/tty, as under setsid(1)). Must be called on the main
-    thread (see the module docstring). Raises OSError when ``argv[0]`` cannot
-    be executed.
+
+# -- the terminal ---------------------------------------------------------------
+
+
+def terminal_mode() -> int:
+    """How COMMAND meets the terminal, decided from ``lockd run``'s stdin.
+
+    Stdin is our controlling terminal and we are its foreground process group:
+    COMMAND takes the terminal over (a job of its own, as a shell runs it).
+    Our controlling terminal but we run in the background: a group of its own,
+    the terminal stays (a read stops it with SIGTTIN, as it would stop us).
+    Anything else (no terminal, a file, a pipe, another terminal): a session
+    of its own, as before.
     """
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("spawn_in_own_session must run on the main thread (PDEATHSIG)")
-    return subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        start_new_session=True,
-        preexec_fn=_die_with_parent(os.getpid()),
-    )
-
-
-# The guard's whole program: wait for the pipe to close; unless lockd run
-# said "done" first, it died, so kill COMMAND's group. Kept tiny because it
-# runs as `python -I -S -c` (no site, no lockd import: ~15 ms to start).
-_GUARD_PROGRAM = """
-import os, signal, sys
-said = b""
-while True:
-    chunk = os.read(0, 64)
-    if not chunk:
-        break
-    said += chunk
-if said != b"done":
     try:
-        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+        foreground = os.tcgetpgrp(0)  # ENOTTY unless stdin is our controlling terminal
     except OSError:
-        pass
-"""
+        return guardian.NO_TERMINAL
+    if foreground == os.getpgrp():
+        return guardian.TERMINAL_FOREGROUND
+    return guardian.TERMINAL_BACKGROUND
 
 
-class GroupGuard:
-    """Kills COMMAND's whole process group if ``lockd run`` dies first.
+def set_foreground(pgid: int) -> bool:
+    """Make ``pgid`` the terminal's (stdin's) foreground group; False if that failed.
 
-    PR_SET_PDEATHSIG reaches only COMMAND's first process; its children
-    (``sh -c 'a; b'``, a worker pool) would run on without the lock once a
-    killed ``lockd run`` freed the key. The guard is a separate process in a
-    session of its own (so neither a group kill nor the terminal's SIGINT
-    takes it down) that blocks on a pipe only ``lockd run`` can write: the
-    kernel closes it however ``lockd run`` ends, and without a "done" first
-    the guard SIGKILLs the group.
+    SIGTTOU is blocked around the call: from a background group the kernel
+    would otherwise stop us for trying.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        os.tcsetpgrp(0, pgid)
+    except OSError:
+        return False
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return True
+
+
+def foreground_group() -> int | None:
+    try:
+        return os.tcgetpgrp(0)
+    except OSError:
+        return None
+
+
+# -- the guardian ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One line from the guardian (see :mod:`lockd.run.guardian`); ``gone`` at its end."""
+
+    word: str
+    rest: str = ""
+
+
+class CommandNotStarted(OSError):
+    """The guardian could not start COMMAND (``errno`` and ``strerror`` as exec said)."""
+
+
+class Guardian:
+    """``lockd run``'s side of the guardian process that starts and reaps COMMAND.
+
+    The guardian (:mod:`lockd.run.guardian`) is started here with a copy of
+    the daemon connection ``conn_fd``; its lines arrive through a reader
+    thread into :meth:`next_message`, where :meth:`post` adds ``lockd run``'s
+    own wake-ups (a signal, the renewer). Closing our end of
+    the control pipe without waiting for ``empty`` makes it kill everything.
     """
 
-    def __init__(self, pgid: int) -> None:
-        read_end, write_end = os.pipe()  # both close-on-exec
-        self._write_end: int | None = write_end
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        conn_fd: int | None,
+        mode: int,
+    ) -> None:
+        ctrl_r, ctrl_w = os.pipe()  # close-on-exec: pass_fds makes the child's copies inheritable
+        status_r, status_w = os.pipe()
+        passed = [ctrl_r, status_w] + ([conn_fd] if conn_fd is not None else [])
+        program = [
+            sys.executable,
+            "-I",
+            "-S",
+            guardian.__file__,
+            str(ctrl_r),
+            str(status_w),
+            str(conn_fd if conn_fd is not None else -1),
+            str(mode),
+            "--",
+            *argv,
+        ]
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM, str(pgid)],
-                stdin=read_end,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            self._proc = subprocess.Popen(program, env=dict(env), pass_fds=passed, process_group=0)
+        except BaseException:
+            for fd in (ctrl_w, status_r):
+                os.close(fd)
+            raise
         finally:
-            os.close(read_end)
+            os.close(ctrl_r)
+            os.close(status_w)
+        self._ctrl: int | None = ctrl_w
+        self._status = os.fdopen(status_r, "rb", buffering=0)
+        self._messages: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.command_pid = 0
+        self.finished = False  # "empty" (or the guardian's end) was seen
 
-    def dismiss(self) -> None:
-        """COMMAND ended while we held the lease: leave its group alone."""
-        if self._write_end is not None:
+    def start(self) -> int:
+        """Wait for COMMAND to start; its pid. Raises :class:`CommandNotStarted`."""
+        first = self._read_line()
+        word, _, rest = first.partition(" ")
+        if word == "error":
+            code, _, text = rest.partition(" ")
+            self.close()
+            raise CommandNotStarted(int(code), text)
+        if word != "pid":
+            self.close()
+            raise RuntimeError(f"the guardian of COMMAND ended before starting it ({first!r})")
+        self.command_pid = int(rest)
+        reader = threading.Thread(target=self._read_all, name="lockd-run-guardian", daemon=True)
+        reader.start()
+        return self.command_pid
+
+    def next_message(self, timeout: float | None) -> Message | None:
+        """The guardian's next line, or None after ``timeout`` seconds."""
+        try:
+            message = self._messages.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if message.word in ("empty", "gone"):
+            self.finished = True
+        return message
+
+    def post(self, message: Message) -> None:
+        """Queue a message of our own (a signal handler waking the main loop)."""
+        self._messages.put(message)
+
+    def end_all(self, grace_ms: int) -> None:
+        """Ask for every descendant to end: SIGTERM, SIGKILL after ``grace_ms`` (0: SIGKILL)."""
+        if self._ctrl is not None:
             with contextlib.suppress(OSError):
-                os.write(self._write_end, b"done")
-        self.close()
+                os.write(self._ctrl, f"kill {grace_ms}\n".encode())
 
     def close(self) -> None:
-        """Stop guarding (without "done" first, the guard kills the group)."""
-        if self._write_end is None:
-            return
-        fd, self._write_end = self._write_end, None
-        os.close(fd)
+        """Close our end; unless ``empty`` came first, the guardian kills everything. Waits."""
+        if self._ctrl is not None:
+            fd, self._ctrl = self._ctrl, None
+            os.close(fd)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=5)
+            self._proc.wait(timeout=_GUARDIAN_EXIT)
+
+    def _read_line(self) -> str:
+        line = b""
+        while not line.endswith(b"\n"):
+            byte = self._status.read(1)
+            if not byte:
+                return line.decode(errors="replace") if line else "gone"
+            line += byte
+        return line[:-1].decode(errors="replace")
+
+    def _read_all(self) -> None:
+        while True:
+            line = self._read_line()
+            word, _, rest = line.partition(" ")
+            self._messages.put(Message(word, rest))
+            if word in ("empty", "gone"):
+                self._status.close()
+                return
+
+
+#: How long close() waits for the guardian to finish killing.
+_GUARDIAN_EXIT = 30.0
 
 
 def killpg(pgid: int, sig: int) -> None:
     """Signal a process group; a group that is already gone is not an error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group is left (one we may not signal counts as alive)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SignalForwarder:
@@ -188,6 +275,9 @@ class SignalForwarder:
     exists is kept and sent once :meth:`attach` names the group. A signal that
     ``lockd run`` inherited as ignored (``nohup``) stays ignored and is not
     forwarded: COMMAND inherits the ignoring too. Handlers are restored on exit.
+    ``signalled`` records that one was forwarded (``lockd run`` was told to
+    stop: what COMMAND leaves behind is ended, not waited for), and
+    ``on_signal`` runs after each forwarding (to wake the main loop).
     """
 
     def __init__(self, signals: Sequence[int] = FORWARDED_SIGNALS) -> None:
@@ -195,6 +285,8 @@ class SignalForwarder:
         self._saved: dict[int, Any] = {}
         self._pgid: int | None = None
         self._pending: list[int] = []
+        self.signalled = False
+        self.on_signal: Callable[[int], None] | None = None
 
     def __enter__(self) -> SignalForwarder:
         for sig in self._signals:
@@ -215,10 +307,17 @@ class SignalForwarder:
         self._pgid = pgid
         pending, self._pending = self._pending, []
         for sig in pending:
-            killpg(pgid, sig)
+            self._forward(sig)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._pgid is None:
             self._pending.append(signum)
         else:
-            killpg(self._pgid, signum)
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        assert self._pgid is not None
+        self.signalled = True
+        killpg(self._pgid, signum)
+        if self.on_signal is not None:
+            self.on_signal(signum)

@@ -24,11 +24,10 @@ types live in :mod:`lockd.run.options`, COMMAND's process group in
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
-import subprocess
-import threading
 import time
 
 from lockd_client import AutoRenewer, Handle, LockClient, LockdError
@@ -38,15 +37,21 @@ from lockd.exitcodes import (
     EXIT_LOST,
     EXIT_NOT_FOUND,
 )
+from lockd.run.guardian import NO_TERMINAL, TERMINAL_FOREGROUND
 from lockd.run.lease import Grant, LeaseKeeper, take_lease
 from lockd.run.options import OnLost, Reporter, RunOptions
 from lockd.run.process import (
-    GroupGuard,
+    CommandNotStarted,
+    Guardian,
+    Message,
     SignalForwarder,
+    become_subreaper,
+    end_descendants,
     exit_status,
-    group_alive,
+    foreground_group,
     killpg,
-    spawn_in_own_session,
+    set_foreground,
+    terminal_mode,
 )
 from lockd.timefmt import format_duration_ms
 
@@ -56,8 +61,8 @@ __all__ = ["run_locked"]
 #: Time allowed for the final release.
 _RELEASE_TIMEOUT = 5.0
 _RELEASE_RETRY_WINDOW = 2.0
-#: How often a group that outlived its leader is checked during --grace.
-_GROUP_POLL = 0.05
+#: How long lockd run, failing itself, waits for the guardian to end COMMAND.
+_GUARDIAN_WAIT = 30.0
 
 
 def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
@@ -93,30 +98,35 @@ def _run_holding(
 ) -> int:
     """Run COMMAND under ``lease``, then release; return the exit status."""
     handle = lease.handle
-    proc = _start_command(client, handle, opts, report)
-    if isinstance(proc, int):
-        return proc
-    forwarder.attach(proc.pid)
-    guard = GroupGuard(proc.pid)
+    mode = terminal_mode()
+    guardian = _start_command(client, handle, opts, report, mode)
+    if isinstance(guardian, int):
+        return guardian
+    pgid = guardian.command_pid
+    forwarder.on_signal = lambda sig: guardian.post(Message("signal", str(sig)))
+    forwarder.attach(pgid)
+    own_group = os.getpgrp()
 
-    wake = threading.Event()
-    exited = threading.Event()
-    renewer = LeaseKeeper(client, lease, opts.ttl_ms, wake.set)
+    renewer = LeaseKeeper(client, lease, opts.ttl_ms, lambda: guardian.post(Message("renewer")))
     renewer.start()
-    reaper = threading.Thread(
-        target=_reap, args=(proc, exited, wake), name="lockd-run-reaper", daemon=True
-    )
-    reaper.start()
-    lost: str | None = None
+    outcome = _Outcome()
     try:
-        lost = _supervise(proc, renewer, exited, wake, opts, report)
-        guard.dismiss()
+        _supervise(guardian, renewer, opts, report, forwarder, mode, outcome)
     finally:
-        guard.close()  # after an error in lockd run itself: the group goes too
+        if mode == TERMINAL_FOREGROUND:
+            _take_terminal_back(pgid, own_group)
+        if not guardian.finished:
+            # An error in lockd run itself: everything COMMAND started goes too.
+            guardian.end_all(0)
+            while not guardian.finished and guardian.next_message(_GUARDIAN_WAIT) is not None:
+                pass
+        guardian.close()
         renewer.stop()
-    status = exit_status(proc.returncode)
+    status = exit_status(outcome.returncode if outcome.returncode is not None else -9)
+    lost = outcome.lost
     if lost is not None:
         renewer.work_stopped()  # COMMAND is gone: a break may hand the key on now
+        # Every process of COMMAND is gone by now (the guardian said "empty").
         # No release: either the daemon fenced the handle already, or it did
         # not answer in time and the lease is about to run out; in both cases
         # our exit closes the connection, which frees a lease still bound to it.
@@ -135,9 +145,16 @@ def _run_holding(
 
 
 def _start_command(
-    client: LockClient, handle: Handle, opts: RunOptions, report: Reporter
-) -> subprocess.Popen[bytes] | int:
-    """Start COMMAND with the lease in its environment; the exit status if it cannot start."""
+    client: LockClient,
+    handle: Handle,
+    opts: RunOptions,
+    report: Reporter,
+    mode: int,
+) -> Guardian | int:
+    """Start COMMAND (through its guardian) with the lease in its environment.
+
+    Returns the exit status instead if it cannot start.
+    """
     env = {
         **os.environ,
         "LOCKD_KEY": handle.key,
@@ -145,11 +162,13 @@ def _start_command(
         "LOCKD_FENCE": str(handle.fence),
         "LOCKD_SOCKET": client.socket_path,
     }
+    become_subreaper()
+    guardian = Guardian(opts.command, env, _connection_fd(client), mode)
     try:
-        return spawn_in_own_session(opts.command, env)
-    except OSError as exc:
+        guardian.start()
+    except CommandNotStarted as exc:
         _release(client, handle, report, quiet_not_holder=True)
-        missing = isinstance(exc, FileNotFoundError)
+        missing = exc.errno == errno.ENOENT
         what = "not found" if missing else f"cannot be executed ({exc.strerror or exc})"
         report(
             "COMMAND_NOT_FOUND" if missing else "COMMAND_NOT_EXECUTABLE",
@@ -157,56 +176,167 @@ def _start_command(
             command=opts.command[0],
         )
         return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
+    return guardian
 
 
-def _reap(proc: subprocess.Popen[bytes], exited: threading.Event, wake: threading.Event) -> None:
-    proc.wait()
-    exited.set()
-    wake.set()
+def _connection_fd(client: LockClient) -> int | None:
+    """The socket of the connection the hold is bound to (``releaseOnClose``).
+
+    The guardian keeps a copy so that the daemon sees the connection close
+    only after every process of COMMAND is gone. The sync client has no
+    public accessor for it; None (no copy, the key is freed when ``lockd
+    run`` dies) if its shape ever changes.
+    """
+    conn = getattr(client, "_conn", None)
+    sock = getattr(conn, "_sock", None)
+    try:
+        return int(sock.fileno()) if sock is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+class _Outcome:
+    """What the supervision saw: COMMAND's return code, and why the lease was lost."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.lost: str | None = None
 
 
 def _supervise(
-    proc: subprocess.Popen[bytes],
+    guardian: Guardian,
     renewer: AutoRenewer,
-    exited: threading.Event,
-    wake: threading.Event,
     opts: RunOptions,
     report: Reporter,
-) -> str | None:
-    """Wait for COMMAND to exit, acting on a lost lease as ``opts.on_lost`` says.
+    forwarder: SignalForwarder,
+    mode: int,
+    outcome: _Outcome,
+) -> None:
+    """Wait until nothing of COMMAND is left, acting on a lost lease as ``opts.on_lost`` says.
 
     Runs on the main thread; signal handlers (forwarding) run in between.
-    Returns why the lease was lost, or None when it held to the end.
+    When COMMAND's first process exits, what it left running keeps the key
+    (flock's way) unless ``--kill-descendants``, a lost lease or a signal to
+    ``lockd run`` says to end it.
     """
-    pgid = proc.pid
-    lost: str | None = None
-    kill_at: float | None = None  # --on-lost term: when SIGKILL follows
-    while not exited.is_set():
-        now = time.monotonic()
+    pgid = guardian.command_pid
+    ending = False
+
+    def end_all(grace_ms: int) -> None:
+        nonlocal ending
+        if not ending:
+            ending = True
+            guardian.end_all(grace_ms)
+
+    while True:
         timeout: float | None = None
-        if lost is None:
-            timeout = max(0.0, renewer.give_up_at() - now)
-        elif kill_at is not None:
-            timeout = max(0.0, kill_at - now)
-        wake.wait(timeout)
-        wake.clear()
-        if exited.is_set():
-            break
-        if lost is None:
-            lost = _lost_reason(renewer)
-            if lost is not None:
-                kill_at = _act_on_lost(pgid, lost, opts, report)
-        if kill_at is not None and time.monotonic() >= kill_at:
-            killpg(pgid, signal.SIGKILL)
-            kill_at = None
-    if kill_at is not None:
-        # The leader obeyed SIGTERM; anything left in its group gets the rest
-        # of --grace, then SIGKILL: no process of a lost lease keeps working.
-        while group_alive(pgid) and time.monotonic() < kill_at:
-            time.sleep(_GROUP_POLL)
-        if group_alive(pgid):
-            killpg(pgid, signal.SIGKILL)
-    return lost if lost is not None else _lost_reason(renewer)
+        if outcome.lost is None:
+            timeout = max(0.0, renewer.give_up_at() - time.monotonic())
+        message = guardian.next_message(timeout)
+        if message is not None:
+            if message.word in ("empty", "gone"):
+                if message.word == "gone":
+                    report.warning(
+                        "GUARDIAN_LOST",
+                        "the process guarding COMMAND ended unexpectedly; killing what is left",
+                    )
+                    end_descendants(lambda _line: None)
+                return
+            if message.word == "exit":
+                outcome.returncode = int(message.rest)
+                if mode == TERMINAL_FOREGROUND:
+                    _take_terminal_back(pgid, os.getpgrp())
+                if outcome.lost is not None or forwarder.signalled or opts.kill_descendants:
+                    end_all(opts.grace_ms if outcome.lost is None else _lost_grace(opts))
+            elif message.word == "signal" and outcome.returncode is not None:
+                end_all(opts.grace_ms)  # COMMAND is gone; what it left must go too
+            elif message.word == "stopped" and mode != NO_TERMINAL:
+                _stop_like_a_job(pgid)
+            elif message.word == "eperm":
+                pid, _, name = message.rest.partition(" ")
+                report.warning(
+                    "CANNOT_CONTAIN",
+                    f"cannot signal process {pid} ({name}) started by COMMAND (not permitted:"
+                    " set-uid?); the key stays held until it exits",
+                    pid=int(pid),
+                    process=name,
+                )
+        if outcome.lost is None:
+            outcome.lost = _lost_reason(renewer)
+            if outcome.lost is not None:
+                _report_lost(outcome.lost, opts, report)
+                if opts.on_lost is not OnLost.IGNORE:
+                    end_all(_lost_grace(opts))
+
+
+def _lost_grace(opts: RunOptions) -> int:
+    return 0 if opts.on_lost is OnLost.KILL else opts.grace_ms
+
+
+def _take_terminal_back(command_group: int, own_group: int) -> None:
+    """Give the terminal back to ``lockd run``'s group if COMMAND's side still has it."""
+    current = foreground_group()
+    if current is None or current == own_group:
+        return
+    if current == command_group or not _group_exists(current):
+        set_foreground(own_group)
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stop_like_a_job(command_group: int) -> None:
+    """COMMAND was stopped (Ctrl-Z, SIGTTIN): stop ``lockd run`` too, as a shell's job stops.
+
+    The terminal goes back to our group first, then our group gets SIGTSTP,
+    so the shell that started us sees the job stopped and takes the terminal.
+    When the shell resumes us (``fg`` makes our group the foreground again,
+    ``bg`` does not), COMMAND gets the terminal back if we have it, then
+    SIGCONT. While stopped, the lease is not renewed: a stop longer than the
+    TTL loses it. In an orphaned process group (no shell to resume us) the
+    kernel drops the SIGTSTP and COMMAND is resumed at once.
+    """
+    own_group = os.getpgrp()
+    if foreground_group() == command_group:
+        set_foreground(own_group)
+    killpg(own_group, signal.SIGTSTP)
+    if foreground_group() == own_group:
+        set_foreground(command_group)
+    killpg(command_group, signal.SIGCONT)
+
+
+def _report_lost(reason: str, opts: RunOptions, report: Reporter) -> None:
+    """Say the lease is lost and what ``--on-lost`` does about it."""
+    head = f"lease on {opts.key!r} lost ({reason})"
+    if opts.on_lost is OnLost.IGNORE:  # the failure is reported when COMMAND exits
+        report.warning(
+            "LEASE_LOST",
+            f"{head}; --on-lost ignore: COMMAND keeps running without the lock",
+            key=opts.key,
+            action="ignore",
+        )
+    elif opts.on_lost is OnLost.KILL:
+        report(
+            "LEASE_LOST",
+            f"{head}; sent SIGKILL to every process of COMMAND",
+            key=opts.key,
+            action="kill",
+        )
+    else:
+        report(
+            "LEASE_LOST",
+            f"{head}; sent SIGTERM to every process of COMMAND,"
+            f" SIGKILL in {format_duration_ms(opts.grace_ms)}",
+            key=opts.key,
+            action="term",
+        )
 
 
 def _lost_reason(renewer: AutoRenewer) -> str | None:
@@ -221,37 +351,6 @@ def _lost_reason(renewer: AutoRenewer) -> str | None:
     if time.monotonic() >= renewer.give_up_at():
         return "no successful renewal in time, the lease is about to run out"
     return None
-
-
-def _act_on_lost(pgid: int, reason: str, opts: RunOptions, report: Reporter) -> float | None:
-    """Signal the group as ``--on-lost`` says and report it; return when SIGKILL is due."""
-    head = f"lease on {opts.key!r} lost ({reason})"
-    if opts.on_lost is OnLost.IGNORE:  # the failure is reported when COMMAND exits
-        report.warning(
-            "LEASE_LOST",
-            f"{head}; --on-lost ignore: COMMAND keeps running without the lock",
-            key=opts.key,
-            action="ignore",
-        )
-        return None
-    if opts.on_lost is OnLost.KILL:
-        killpg(pgid, signal.SIGKILL)
-        report(
-            "LEASE_LOST",
-            f"{head}; sent SIGKILL to COMMAND's process group",
-            key=opts.key,
-            action="kill",
-        )
-        return None
-    killpg(pgid, signal.SIGTERM)
-    report(
-        "LEASE_LOST",
-        f"{head}; sent SIGTERM to COMMAND's process group,"
-        f" SIGKILL in {format_duration_ms(opts.grace_ms)}",
-        key=opts.key,
-        action="term",
-    )
-    return time.monotonic() + opts.grace_ms / 1000
 
 
 def _release(
