@@ -1,0 +1,185 @@
+"""``lockd run`` contains what COMMAND starts (issue 20): nothing outlives the key.
+
+COMMAND here starts a ``setsid`` grandchild (orphaned at once: its parent
+subshell exits) and a ``nohup ... &`` child, both immune to SIGTERM so that
+they last the whole ``--grace``: a second holder, waiting for the key, must
+get it only once both are gone (killed and reaped, not merely signalled).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from lockd_client import LockClient
+
+from lockd.exitcodes import EXIT_LOST
+
+from .conftest import DaemonProcess
+from .test_cli_run import (  # noqa: F401  (shared, client: fixtures)
+    RUN_EXIT,
+    client,
+    held,
+    shared,
+    start_run,
+    wait_until,
+)
+
+#: COMMAND: argv[1] is a folder. A nohup'd child and a setsid'd grandchild,
+#: both ignoring SIGTERM; their pids go to files, then "ready", then wait.
+ESCAPERS = r"""
+d=$1
+nohup sh -c 'trap "" TERM; exec sleep 600' >/dev/null 2>&1 &
+echo $! > "$d/nohup"
+( setsid sh -c 'trap "" TERM; exec sleep 600' & echo $! > "$d/setsid" )
+echo ready > "$d/ready"
+wait
+"""
+
+
+def exists(pid: int) -> bool:
+    """True while ``pid`` is in /proc at all: a zombie not yet reaped still counts."""
+    return Path(f"/proc/{pid}").exists()
+
+
+def start_escapers(
+    shared: DaemonProcess, tmp: Path, key: str, *opts: str
+) -> tuple[subprocess.Popen[str], int, int]:
+    proc = start_run(shared, *opts, key, "--", "sh", "-c", ESCAPERS, "sh", str(tmp))
+    wait_until(lambda: (tmp / "ready").exists(), 10.0, "COMMAND to start its escapers")
+    nohup = int((tmp / "nohup").read_text())
+    setsid = int((tmp / "setsid").read_text())
+    # it really leaves COMMAND's session (once setsid(1) has run)
+    wait_until(lambda: os.getsid(setsid) == setsid, 10.0, "the grandchild's setsid")
+    return proc, nohup, setsid
+
+
+@dataclass
+class Waiter:
+    """A second holder, blocked on the key; records what it saw the moment it got it."""
+
+    socket: str
+    key: str
+    pids: tuple[int, ...]
+    alive_at_grant: list[int] = field(default_factory=list)
+    granted_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+
+    def start(self, client: LockClient) -> None:
+        self._thread.start()
+        wait_until(lambda: client.status(self.key).waiters == 1, 10.0, "the second holder")
+
+    def _wait(self) -> None:
+        with LockClient(self.socket) as own:
+            handle = own.acquire(self.key, 30, 60)
+            self.granted_at = time.monotonic()
+            self.alive_at_grant = [pid for pid in self.pids if exists(pid)]
+            own.release(handle)
+
+    def join(self) -> None:
+        self._thread.join(RUN_EXIT)
+        assert self.granted_at is not None, "the second holder never got the key"
+
+
+def cleanup(*pids: int) -> None:
+    for pid in pids:
+        if exists(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kill9_of_lockd_run_frees_the_key_only_after_every_descendant_is_reaped(
+    shared: DaemonProcess, client: LockClient, tmp_path: Path
+) -> None:
+    proc, nohup, setsid = start_escapers(shared, tmp_path, "c-kill9")
+    try:
+        waiter = Waiter(shared.socket, "c-kill9", (nohup, setsid))
+        waiter.start(client)
+        proc.kill()
+        proc.wait(5)
+        waiter.join()
+        assert waiter.alive_at_grant == []
+        assert not exists(nohup) and not exists(setsid)
+    finally:
+        cleanup(nohup, setsid)
+
+
+def test_sigterm_to_lockd_run_ends_every_descendant_before_the_release(
+    shared: DaemonProcess, client: LockClient, tmp_path: Path
+) -> None:
+    proc, nohup, setsid = start_escapers(shared, tmp_path, "c-term", "--grace", "1s")
+    try:
+        waiter = Waiter(shared.socket, "c-term", (nohup, setsid))
+        waiter.start(client)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(RUN_EXIT) == 128 + signal.SIGTERM  # COMMAND's (sh's) own status
+        waiter.join()
+        assert waiter.alive_at_grant == []
+        # Both ignore SIGTERM: they lasted the grace, and the key stayed held meanwhile.
+        assert waiter.granted_at is not None and waiter.granted_at - signalled >= 0.9
+    finally:
+        cleanup(nohup, setsid)
+
+
+@pytest.mark.parametrize("on_lost", ["kill", "term"])
+def test_break_ends_every_descendant(
+    shared: DaemonProcess, client: LockClient, tmp_path: Path, on_lost: str
+) -> None:
+    """After a break, lockd run kills and reaps all of COMMAND before it exits.
+
+    The daemon frees a broken key at once today; once it waits for the
+    holder's ``stopped`` (SPEC §12), the Waiter of the tests above applies
+    here too (a second holder granted only after both pids are gone).
+    """
+    key = f"c-brk-{on_lost}"
+    proc, nohup, setsid = start_escapers(
+        shared, tmp_path, key, "--ttl", "600ms", "--on-lost", on_lost, "--grace", "300ms"
+    )
+    try:
+        assert client.break_lock(key, "test: contain").broken
+        assert proc.wait(RUN_EXIT) == EXIT_LOST
+        assert not exists(nohup) and not exists(setsid)  # reaped before lockd run exits
+    finally:
+        cleanup(nohup, setsid)
+
+
+def test_flock_default_keeps_the_key_until_background_children_exit(
+    shared: DaemonProcess, client: LockClient, tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    script = f'sleep 1.5 & echo "$$ $!" > {pids}'
+    proc = start_run(shared, "c-flock", "--", "sh", "-c", script)
+    wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 2, 10.0, "COMMAND")
+    shell, sleeper = (int(p) for p in pids.read_text().split())
+    wait_until(lambda: not exists(shell), 10.0, "COMMAND itself to exit")
+    saw_held = False
+    while exists(sleeper):
+        if held(client, "c-flock"):
+            saw_held = True
+        else:
+            assert not exists(sleeper), "the key was freed while COMMAND's child still ran"
+        time.sleep(0.02)
+    assert saw_held
+    assert proc.wait(RUN_EXIT) == 0
+    assert not held(client, "c-flock")
+
+
+def test_kill_descendants_ends_background_children_when_command_exits(
+    shared: DaemonProcess, client: LockClient, tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    proc = start_run(
+        shared, "--kill-descendants", "c-kd", "--", "sh", "-c", f"sleep 600 & echo $! > {pids}"
+    )
+    assert proc.wait(RUN_EXIT) == 0
+    sleeper = int(pids.read_text())
+    assert not exists(sleeper)
+    assert not held(client, "c-kd")
