@@ -21,15 +21,13 @@ from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
 
+from . import test_cli_run
 from .conftest import DaemonProcess
-from .test_cli_run import (  # noqa: F401  (shared, client: fixtures)
-    RUN_EXIT,
-    client,
-    held,
-    shared,
-    start_run,
-    wait_until,
-)
+from .test_cli_run import RUN_EXIT, held, start_run, wait_until
+
+# The daemon and client fixtures of test_cli_run (one daemon for the module).
+shared = test_cli_run.shared
+client = test_cli_run.client
 
 #: COMMAND: argv[1] is a folder. A nohup'd child and a setsid'd grandchild,
 #: both ignoring SIGTERM; their pids go to files, then "ready", then wait.
@@ -64,7 +62,7 @@ def start_escapers(
 class Waiter:
     """A second holder, blocked on the key; records what it saw the moment it got it."""
 
-    socket: str
+    socket: Path
     key: str
     pids: tuple[int, ...]
     alive_at_grant: list[int] = field(default_factory=list)
