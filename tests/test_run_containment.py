@@ -8,9 +8,15 @@ get it only once both are gone (killed and reaped, not merely signalled).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import select
+import shlex
 import signal
 import subprocess
+import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +29,7 @@ from lockd.exitcodes import EXIT_LOST
 
 from . import test_cli_run
 from .conftest import DaemonProcess
-from .test_cli_run import RUN_EXIT, held, start_run, wait_until
+from .test_cli_run import LOCKD_RUN, RUN_EXIT, held, start_run, wait_until
 
 # The daemon and client fixtures of test_cli_run (one daemon for the module).
 shared = test_cli_run.shared
@@ -181,3 +187,163 @@ def test_kill_descendants_ends_background_children_when_command_exits(
     sleeper = int(pids.read_text())
     assert not exists(sleeper)
     assert not held(client, "c-kd")
+
+
+# -- the terminal -------------------------------------------------------------------------
+
+#: COMMAND on a terminal: opens /dev/tty, says whether it is the foreground
+#: process group (in a group of its own, in lockd run's session), then waits
+#: for SIGINT and exits 42.
+TTY_PROBE = """
+import os, signal, time
+tty = os.open("/dev/tty", os.O_RDWR)
+facts = (
+    os.tcgetpgrp(tty) == os.getpgrp(),
+    os.getpgrp() == os.getpid(),
+    os.getsid(0) != os.getpid(),
+)
+def on_int(*_):
+    os.write(tty, b"got SIGINT\\n")
+    os._exit(42)
+signal.signal(signal.SIGINT, on_int)
+os.write(tty, ("probe fg=%s own-group=%s same-session=%s\\n" % facts).encode())
+time.sleep(60)
+"""
+
+#: After lockd run: is the terminal back with the shell's (and lockd run's) group?
+RESTORED = "import os; print('restored', os.tcgetpgrp(0) == os.getpgrp())"
+
+
+class Pty:
+    """A pseudo-terminal whose output is read until a text appears."""
+
+    def __init__(self) -> None:
+        self.master, self.slave = os.openpty()
+        self.seen = ""
+
+    def expect(self, text: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {text!r} on the terminal; it showed {self.seen!r}")
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    self.seen += os.read(self.master, 4096).decode(errors="replace")
+                except OSError:  # EIO: every slave end closed
+                    raise AssertionError(
+                        f"terminal closed before {text!r}: {self.seen!r}"
+                    ) from None
+
+    def close(self) -> None:
+        for fd in (self.master, self.slave):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def test_command_owns_the_terminal_and_ctrl_c_reaches_it(shared: DaemonProcess) -> None:
+    """A shell on a terminal runs lockd run; COMMAND gets the terminal as a shell's job would."""
+    term = Pty()
+    script = (
+        f"{shlex.join([*LOCKD_RUN, 'c-tty', '--', sys.executable, '-c', TTY_PROBE])};"
+        f' echo "status $?"; {shlex.join([sys.executable, "-c", RESTORED])}'
+    )
+
+    def controlling_terminal() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # after setsid: the pty is our terminal
+
+    shell = subprocess.Popen(
+        ["sh", "-c", script],
+        stdin=term.slave,
+        stdout=term.slave,
+        stderr=term.slave,
+        env=shared.env,
+        start_new_session=True,
+        preexec_fn=controlling_terminal,
+    )
+    try:
+        term.expect("probe fg=True own-group=True same-session=True")
+        os.write(term.master, b"\x03")  # Ctrl-C: SIGINT to the foreground group
+        term.expect("got SIGINT")
+        term.expect("status 42")
+        term.expect("restored True")
+        assert shell.wait(RUN_EXIT) == 0
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait(5)
+        term.close()
+
+
+def test_without_a_terminal_command_has_a_session_of_its_own(
+    shared: DaemonProcess, tmp_path: Path
+) -> None:
+    """Stdin not a terminal: as before, COMMAND leads a session and cannot open /dev/tty."""
+    out = tmp_path / "out"
+    probe = (
+        "import os, pathlib, sys\n"
+        "try:\n    os.open('/dev/tty', os.O_RDWR); tty = 'tty'\n"
+        "except OSError:\n    tty = 'no tty'\n"
+        "pathlib.Path(sys.argv[1]).write_text(f'{os.getsid(0) == os.getpid()} {tty}')\n"
+    )
+    proc = subprocess.run(
+        [*LOCKD_RUN, "c-notty", "--", sys.executable, "-c", probe, str(out)],
+        env=shared.env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        start_new_session=True,  # no controlling terminal, whatever pytest runs under
+        timeout=RUN_EXIT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == "True no tty"
+
+
+#: COMMAND for Ctrl-Z: says when it is resumed and whether it has the terminal again.
+TSTP_PROBE = """
+import os, signal, time
+tty = os.open("/dev/tty", os.O_RDWR)
+def on_cont(*_):
+    os.write(tty, ("resumed fg=%s\\n" % (os.tcgetpgrp(tty) == os.getpgrp())).encode())
+def on_int(*_):
+    os._exit(42)
+signal.signal(signal.SIGCONT, on_cont)
+signal.signal(signal.SIGINT, on_int)
+os.write(tty, b"tstp-probe ready=%d\\n" % (6 * 7))
+time.sleep(60)
+"""
+
+
+def test_ctrl_z_stops_the_job_and_fg_resumes_it(shared: DaemonProcess) -> None:
+    """Under an interactive shell, Ctrl-Z stops COMMAND and lockd run (the shell's job).
+
+    ``fg`` resumes lockd run, which gives COMMAND the terminal back and resumes it.
+    """
+    term = Pty()
+    shell = subprocess.Popen(
+        ["bash", "--norc", "--noprofile", "-i"],
+        stdin=term.slave,
+        stdout=term.slave,
+        stderr=term.slave,
+        env={**shared.env, "PS1": "$ ", "TERM": "dumb"},
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    run = shlex.join([*LOCKD_RUN, "c-tstp", "--", sys.executable, "-c", TSTP_PROBE])
+    try:
+        os.write(term.master, f"{run}\n".encode())
+        term.expect("tstp-probe ready=42")  # its output, not the echo of the command line
+        os.write(term.master, b"\x1a")  # Ctrl-Z
+        term.expect("Stopped")
+        os.write(term.master, b"fg\n")
+        term.expect("resumed fg=True")
+        os.write(term.master, b"\x03")
+        os.write(term.master, b"echo status $?\n")  # the status of fg: lockd run's
+        term.expect("status 42")
+        os.write(term.master, b"exit\n")
+        assert shell.wait(RUN_EXIT) == 0
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait(5)
+        term.close()
