@@ -347,3 +347,41 @@ def test_ctrl_z_stops_the_job_and_fg_resumes_it(shared: DaemonProcess) -> None:
             os.killpg(shell.pid, signal.SIGKILL)
             shell.wait(5)
         term.close()
+
+
+# -- the self-lock idiom ------------------------------------------------------------------
+
+#: The README's idiom, then a critical section that notices an overlap:
+#: mkdir fails if another copy is inside. argv[1] is a shared folder.
+SELF_LOCKING = """#!/bin/sh
+[ "$LOCKD_KEY" = c-self ] || exec lockd run --wait 30s c-self -- "$0" "$@"
+mkdir "$1/inside" 2>/dev/null || { echo overlap >> "$1/overlaps"; exit 1; }
+sleep 0.3
+rmdir "$1/inside"
+echo "$LOCKD_KEY" >> "$1/runs"
+"""
+
+
+def test_self_lock_idiom_nested_in_another_run_runs_one_copy_at_a_time(
+    shared: DaemonProcess, tmp_path: Path
+) -> None:
+    """Each copy starts inside a ``lockd run`` of another key (LOCKD_HANDLE already set)."""
+    script = tmp_path / "import.sh"
+    script.write_text(SELF_LOCKING)
+    script.chmod(0o755)
+    env = {**shared.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    copies = [
+        subprocess.Popen(
+            [*LOCKD_RUN, f"c-outer-{n}", "--", str(script), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(3)
+    ]
+    for copy in copies:
+        _, err = copy.communicate(timeout=RUN_EXIT * 2)
+        assert copy.returncode == 0, err
+    assert not (tmp_path / "overlaps").exists()
+    assert (tmp_path / "runs").read_text().split() == ["c-self"] * 3

@@ -105,9 +105,16 @@ _EPILOG = (
     exit_codes_help(_EXIT_CODES)
     + """\b
 COMMAND's environment gets LOCKD_KEY, LOCKD_HANDLE, LOCKD_FENCE and
-LOCKD_SOCKET. It runs in a session (and process group) of its own, with no
-controlling terminal; SIGINT, SIGTERM and SIGHUP sent to lockd run are passed
-on to that group, and COMMAND is SIGKILLed if lockd run itself dies.
+LOCKD_SOCKET. On a terminal it is a job of its own that gets the terminal
+(Ctrl-C, Ctrl-Z, /dev/tty work); otherwise it runs in a session of its own.
+SIGINT, SIGTERM and SIGHUP sent to lockd run are passed on to its process
+group. Nothing COMMAND starts (setsid, nohup, double fork) outlives the key:
+if lockd run dies, every descendant is killed and reaped before KEY is
+freed; children COMMAND leaves in the background keep KEY held until they
+exit, as under flock(1) (--kill-descendants ends them instead).
+\b
+A script that locks itself (compare the key; LOCKD_HANDLE may be another run's):
+  [ "$LOCKD_KEY" = nightly-import ] || exec lockd run nightly-import -- "$0" "$@"
 \b
 Example (cron, never overlapping itself; a busy key is a quiet success):
   */5 * * * * lockd run -q --conflict-exit-code 0 nightly-import -- /usr/local/bin/import.sh
@@ -221,8 +228,9 @@ def run(
 
     Takes KEY (at once, or waiting up to --wait), runs COMMAND without a
     shell, renews the lease in the background, releases KEY when COMMAND
-    exits and exits with COMMAND's status. If lockd run is killed, KEY is
-    freed at once and COMMAND is killed too. If the lease is lost while
+    exits (and whatever it left running has exited) and exits with COMMAND's
+    status. If lockd run is killed, everything COMMAND started is killed and
+    reaped, then KEY is freed. If the lease is lost while
     COMMAND runs, lockd run acts (--on-lost) before the lease runs out,
     says so on stderr and exits 6.
     """

@@ -5,16 +5,19 @@ differences a lease forces on us: the lease runs out unless renewed, and it can
 be taken away (broken by an admin, re-taken by the same owner). A run:
 
 1. takes the key (:func:`lockd.run.lease.take_lease`);
-2. starts COMMAND in a session of its own, with ``LOCKD_KEY``, ``LOCKD_HANDLE``,
-   ``LOCKD_FENCE`` and ``LOCKD_SOCKET`` in its environment, guarded so that it
-   dies with ``lockd run`` and receives its SIGINT, SIGTERM and SIGHUP
-   (:mod:`lockd.run.process`);
+2. starts COMMAND through its guardian (:mod:`lockd.run.guardian`), with
+   ``LOCKD_KEY``, ``LOCKD_HANDLE``, ``LOCKD_FENCE`` and ``LOCKD_SOCKET`` in
+   its environment: on a terminal as a job of its own that gets the
+   terminal, otherwise in a session of its own; SIGINT, SIGTERM and SIGHUP
+   are passed on to its process group (:mod:`lockd.run.process`);
 3. renews the lease from the client's :class:`~lockd_client.AutoRenewer`
    thread (every third of the TTL, a safety margin before the end); when the
-   lease is lost, the main thread acts on COMMAND's whole process group
-   before the lease expires (``--on-lost``);
-4. releases the key when COMMAND exits and returns COMMAND's status the way a
-   shell reports it (128+N for death by signal N).
+   lease is lost, the guardian ends every process of COMMAND before the
+   lease expires (``--on-lost``);
+4. waits until nothing of COMMAND is left (flock's rule for what it leaves
+   in the background, unless ``--kill-descendants``), releases the key and
+   returns COMMAND's status the way a shell reports it (128+N for death by
+   signal N).
 
 This module is that sequence and the supervision loop; the option and report
 types live in :mod:`lockd.run.options`, COMMAND's process group in
