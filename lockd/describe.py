@@ -10,7 +10,7 @@ from lockd_client import Holder, LockStatus
 
 from lockd.textsafe import visible
 
-__all__ = ["HOLDER_COLUMNS", "holder_cells", "mode_text", "who_holds"]
+__all__ = ["HOLDER_COLUMNS", "holder_cells", "mode_text", "pid_cell", "who_holds"]
 
 #: The columns of one holder in ``locks list`` and ``locks status``.
 HOLDER_COLUMNS = ("HELD BY", "OWNER", "PID", "PROCESS", "FENCE")
@@ -32,7 +32,7 @@ def _one(holder: Holder) -> str:
         extra.append(f"owner {visible(holder.owner)}")
     if holder.pid is not None:
         process = f" {visible(holder.process)}" if holder.process else ""
-        extra.append(f"pid {holder.pid}{process}")
+        extra.append(f"pid {pid_cell(holder)}{process}")
     if holder.node:
         extra.append(f"node {visible(holder.node)}")
     name = visible(holder.held_by or "?")
@@ -54,4 +54,15 @@ def who_holds(status: LockStatus, most: int = 3) -> str:
 
 def holder_cells(holder: Holder) -> tuple[object, ...]:
     """One holder's cells under :data:`HOLDER_COLUMNS`."""
-    return (holder.held_by, holder.owner, holder.pid, holder.process, holder.fence)
+    return (holder.held_by, holder.owner, pid_cell(holder), holder.process, holder.fence)
+
+
+def pid_cell(entry: Holder | LockStatus) -> object:
+    """The PID cell: ``4242``, or ``4242 (gone)`` once the daemon sees it has exited.
+
+    ``alive`` (SPEC §12) is read from the daemon's JSON: null (cannot know)
+    shows the bare pid.
+    """
+    if entry.pid is not None and entry.raw.get("alive") is False:
+        return f"{entry.pid} (gone)"
+    return entry.pid

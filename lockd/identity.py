@@ -353,3 +353,86 @@ def process_name(pid: int) -> str | None:
             return f.read().rstrip("\n") or None
     except OSError:
         return None
+
+
+# -- the holder's process (SPEC §12 "Holder and waiter entries") ------------------
+
+#: How many parent links a claimed holder pid is followed up to find the peer.
+_MAX_ANCESTRY = 64
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot); None if it does not run (or is a zombie).
+
+    Together with the pid it names one process for good: a pid reused by a
+    later process has a later start.
+    """
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    try:
+        state, start = fields[0], int(fields[19])  # fields 3 and 22 of proc(5), counted from 1
+    except (IndexError, ValueError):
+        return None
+    return None if state in ("Z", "X") else start
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` (/proc/PID/stat), None if it is gone."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[1]) if fields is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
+def process_uid(pid: int) -> int | None:
+    """The uid owning /proc/PID (the process's effective uid), None if it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def verified_holder_pid(
+    peer_pid: int,
+    peer_uid: int,
+    claimed: int | None,
+    *,
+    parent_of: Callable[[int], int | None] = parent_pid,
+    uid_of: Callable[[int], int | None] = process_uid,
+) -> int:
+    """The pid to record as a hold's holder: ``claimed`` if the daemon can vouch for it.
+
+    A client may name the process that will use the hold (``lockd run``:
+    COMMAND; ``lockd locks acquire``: the shell that called it). The claim is
+    believed only when the kernel backs it: the process runs as the peer's
+    uid and is the peer itself, the peer's parent, or a descendant of the
+    peer. Anything else (another user's process, an unrelated pid, one that
+    is gone) falls back to the peer's own pid: never an error, never a
+    holder the daemon cannot see.
+    """
+    if claimed is None or claimed == peer_pid:
+        return peer_pid
+    if uid_of(claimed) != peer_uid:
+        return peer_pid
+    if parent_of(peer_pid) == claimed:
+        return claimed
+    pid: int | None = claimed
+    for _ in range(_MAX_ANCESTRY):
+        pid = parent_of(pid) if pid is not None else None
+        if pid is None or pid <= 1:
+            break
+        if pid == peer_pid:
+            return claimed
+    return peer_pid

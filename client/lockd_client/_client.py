@@ -176,6 +176,7 @@ class LockClient:
         *,
         shared: bool = False,
         limit: int = 1,
+        pid: int | None = None,
     ) -> Handle:
         """Wait up to ``timeout`` seconds for ``key``; hold it for ``ttl`` seconds.
 
@@ -189,6 +190,9 @@ class LockClient:
         ``shared=True`` takes a shared (reader) hold; ``limit=N`` (1-1000)
         makes the key a semaphore of N exclusive slots (SPEC §10).
         ``ttl`` defaults to 60 s; without ``timeout`` the wait has no limit.
+        ``pid`` names the process that will use the hold, shown by status
+        instead of this one's; the daemon records it only when that process
+        is this one's parent or descendant, as the same user (SPEC §12).
         """
         self._raise_unreported()
         if timeout is None:
@@ -203,10 +207,11 @@ class LockClient:
                         release_on_close,
                         shared=shared,
                         limit=limit,
+                        pid=pid,
                     )
                 except LockTimeoutError:
                     continue
-        base = grant_args(key, ttl, owner, release_on_close, shared, limit)
+        base = grant_args(key, ttl, owner, release_on_close, shared, limit, pid)
         timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
         attempts = 0
@@ -237,13 +242,14 @@ class LockClient:
         *,
         shared: bool = False,
         limit: int = 1,
+        pid: int | None = None,
     ) -> Handle | None:
         """One attempt at ``key``: the Handle, or ``None`` when it is not free for us.
 
-        ``release_on_close``, ``shared`` and ``limit`` as for :meth:`acquire`.
+        ``release_on_close``, ``shared``, ``limit`` and ``pid`` as for :meth:`acquire`.
         """
         self._raise_unreported()
-        args = grant_args(key, ttl, owner, release_on_close, shared, limit)
+        args = grant_args(key, ttl, owner, release_on_close, shared, limit, pid)
         result = self._call("tryAcquire", args, self.request_timeout, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
 

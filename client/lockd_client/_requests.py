@@ -64,11 +64,13 @@ def grant_args(
     release_on_close: bool,
     shared: bool = False,
     limit: int = 1,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     """Arguments of ``acquire``/``tryAcquire`` (without ``timeoutMs``).
 
     ``mode`` and ``limit`` are only sent when they differ from the defaults
-    (exclusive, 1), so a plain mutex request stays as small as before.
+    (exclusive, 1), so a plain mutex request stays as small as before;
+    ``pid`` only when given (the process that will use the hold).
     """
     args: dict[str, Any] = {
         "key": check_key(key),
@@ -82,6 +84,12 @@ def grant_args(
         args["releaseOnClose"] = True
     if shared is not False and check_bool(shared, "shared"):
         args["mode"] = "shared"
+    if pid is not None:
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise TypeError(f"pid must be an int, got {type(pid).__name__}")
+        if pid < 1:
+            raise ValueError(f"pid must be positive, got {pid}")
+        args["pid"] = pid
     if type(limit) is int and limit == 1:
         return args
     if isinstance(limit, bool) or not isinstance(limit, int):

@@ -23,6 +23,7 @@ internals). What a script can rely on (SPEC §9):
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -54,7 +55,7 @@ from lockd.cli.common import (
     socket_option,
     warn,
 )
-from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, who_holds
+from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, pid_cell, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
 from lockd.textsafe import visible
 from lockd.timefmt import format_duration_ms
@@ -126,7 +127,16 @@ def _busy(client: LockClient, key: str, *, shared: bool = False) -> tuple[str, d
 
 
 #: What the busy error's ``details.holder`` repeats from ``status``.
-_HOLDER_FIELDS = ("heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process")
+_HOLDER_FIELDS = (
+    "heldBy",
+    "owner",
+    "fence",
+    "leaseExpiresAt",
+    "expiresInMs",
+    "pid",
+    "process",
+    "alive",
+)
 
 
 LIST_COLUMNS = ("KEY", "MODE", *HOLDER_COLUMNS, "EXPIRES IN", "WAITERS")
@@ -257,7 +267,7 @@ def _holder_rows(status: LockStatus) -> list[tuple[object, ...]]:
                 mode_text(status),
                 status.held_by,
                 status.owner,
-                status.pid,
+                pid_cell(status),
                 status.process,
                 status.fence,
                 format_relative(status.expires_in_ms),
@@ -311,7 +321,7 @@ def status(key: str, socket_path: str | None, as_json: bool) -> None:
                 ("Mode", mode_text(st)),
                 ("Held by", st.held_by),
                 ("Owner", st.owner),
-                ("Pid", st.pid),
+                ("Pid", pid_cell(st)),
                 ("Process", st.process),
                 *([("Node", st.node)] if st.node else []),
                 ("Fence", st.fence),
@@ -402,10 +412,13 @@ def acquire(
     Busy (or --wait timed out): exit 1. A wait that meets a daemon restart
     waits on in the new daemon's queue, for what is left of --wait.
     """
+    # The holder status shows is the process that will use the handle, the
+    # shell (or script) that called us, not this command about to exit.
+    user = os.getppid()
     with open_client(socket_path) as client:
         if wait is None:
             handle = client.try_acquire(
-                key, ttl=ttl / 1000, owner=owner, shared=shared, limit=limit
+                key, ttl=ttl / 1000, owner=owner, shared=shared, limit=limit, pid=user
             )
         else:
             from lockd.waitline import WaitLine
@@ -421,6 +434,7 @@ def acquire(
                         owner=owner,
                         shared=shared,
                         limit=limit,
+                        pid=user,
                     )
             except LockTimeoutError as exc:
                 text, details = _busy(client, key, shared=shared)

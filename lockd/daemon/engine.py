@@ -539,6 +539,7 @@ class LockEngine:
         limit: int = 1,
         pid: int | None = None,
         process: str | None = None,
+        pid_start: int | None = None,
     ) -> AcquireResult:
         """Take ``key`` now, re-take one's own hold, or (with ``wait_ms``) queue.
 
@@ -572,6 +573,7 @@ class LockEngine:
         claim = Waiter(
             0, key, principal, owner, ttl_ms, conn, release_on_close, 0, mode, limit, pid, process
         )
+        claim.pid_start = pid_start  # kept apart from the line above: fewer merge conflicts
         if state is None:
             return self._grant_fresh(now, claim)  # GRANT: a free key
         # A request changes only its own key: keep the key's state whole once.
@@ -944,6 +946,7 @@ class LockEngine:
             slot,
             claim.pid,
             claim.process,
+            claim.pid_start,
         )
         lease.taken_by = claim.conn
         return lease

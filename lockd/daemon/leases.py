@@ -64,6 +64,7 @@ class Lease:
         "next",
         "owner",
         "pid",
+        "pid_start",
         "prev",
         "principal",
         "process",
@@ -87,6 +88,7 @@ class Lease:
         slot: int = 0,
         pid: int | None = None,
         process: str | None = None,
+        pid_start: int | None = None,
     ) -> None:
         self.key, self.handle, self.fence, self.owner = key, handle, fence, owner
         self.principal, self.ttl_ms, self.expires_at, self.conn = (
@@ -97,6 +99,9 @@ class Lease:
         )
         self.mode, self.limit, self.slot, self.pid, self.process = mode, limit, slot, pid, process
         self.taken_by: int | None = None
+        #: when ``pid`` started (identity.process_start): tells it from a reused
+        #: pid; None when unknown (a lease loaded from the store).
+        self.pid_start = pid_start
         self.prev: Lease | None = None
         self.next: Lease | None = None
 
@@ -134,6 +139,7 @@ class Waiter:
         "next",
         "owner",
         "pid",
+        "pid_start",
         "prev",
         "principal",
         "process",
@@ -157,6 +163,7 @@ class Waiter:
         limit: int = 1,
         pid: int | None = None,
         process: str | None = None,
+        pid_start: int | None = None,
     ) -> None:
         self.id, self.key, self.principal, self.owner = id, key, principal, owner
         self.ttl_ms, self.conn, self.release_on_close = ttl_ms, conn, release_on_close
@@ -169,6 +176,7 @@ class Waiter:
         )
         #: when it parked (boot ms; 0 until then): status's ``waiterList.since``.
         self.since = 0
+        self.pid_start = pid_start
         self.lease: Lease | None = None
         self.timed_out = False
         self.cancelled = False

@@ -32,6 +32,8 @@ from lockd.daemon.holds import EXCLUSIVE, MAX_LIMIT, MODES, SHARED
 PROTOCOL_VERSION = 1
 #: a ``list`` page without ``limit`` (SPEC 3); at most contract.MAX_LIST_LIMIT.
 DEFAULT_LIST_LIMIT = 1_000
+#: the highest pid Linux can hand out (PID_MAX_LIMIT, 2**22): bounds ``pid``.
+MAX_PID = 4_194_304
 
 RequestId = int | str
 
@@ -90,6 +92,9 @@ class Acquire(Request):
     mode: str = "exclusive"
     #: more than 1: a counting semaphore of that many exclusive slots.
     limit: int = 1
+    #: the process that will use the hold, as the client names it (SPEC §12);
+    #: recorded only if the daemon can verify it (identity.verified_holder_pid).
+    pid: int | None = None
 
 
 @dataclass(slots=True)
@@ -153,11 +158,11 @@ _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "hello": (frozenset(), frozenset({"events"})),
     "acquire": (
         frozenset({"key", "ttlMs", "timeoutMs"}),
-        frozenset({"owner", "releaseOnClose", "mode", "limit"}),
+        frozenset({"owner", "releaseOnClose", "mode", "limit", "pid"}),
     ),
     "tryAcquire": (
         frozenset({"key", "ttlMs"}),
-        frozenset({"owner", "releaseOnClose", "mode", "limit"}),
+        frozenset({"owner", "releaseOnClose", "mode", "limit", "pid"}),
     ),
     "renew": (frozenset({"key", "handle", "ttlMs"}), frozenset()),
     "release": (frozenset({"key", "handle"}), frozenset()),
@@ -368,7 +373,8 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
         slots = _int(f["limit"], "limit", 1, MAX_LIMIT) if "limit" in f else 1
         if mode == SHARED and slots > 1:
             raise invalid("limit", "a shared hold takes no limit above 1")
-        return Acquire(rid, op, key, ttl, timeout, owner, roc, mode, slots)
+        pid = _int(f["pid"], "pid", 1, MAX_PID) if "pid" in f else None
+        return Acquire(rid, op, key, ttl, timeout, owner, roc, mode, slots, pid)
     if op == "renew":
         return Renew(
             rid,

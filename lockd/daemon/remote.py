@@ -21,6 +21,7 @@ another host's daemon, and an expiry, are learnt at ``renew`` as before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import trio
 from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
 from lockd.daemon.events import RETAKE, SESSION, Watched
+from lockd.daemon.holder import holder_process
 from lockd.daemon.leases import Lease
 from lockd.daemon.protocol import (
     Acquire,
@@ -200,6 +202,9 @@ class RemoteService:
     ) -> RemoteReply:
         service = self.service
         service.check_acquire(caller, req, pending=pending)
+        if req.pid is not None:  # the hold records the process that will use it (SPEC §12)
+            holder = holder_process(caller, req.pid)
+            caller = dataclasses.replace(caller, pid=holder.pid or 0, process=holder.process)
         now = service.clock.boot_ms()
         if req.timeout_ms is None:
             retry_after = service.take_attempt(caller, now)
@@ -335,6 +340,9 @@ class RemoteService:
             "expiresInMs": max(0, hold.expires_at - now),
             "pid": hold.pid,
             "process": hold.process,
+            # no start time is recorded with an etcd hold (and the holder may
+            # run on another host): the daemon cannot tell (SPEC §12)
+            "alive": None,
             "node": hold.node,
         }
 
@@ -366,5 +374,6 @@ HOLDER_FIELDS = (
     "expiresInMs",
     "pid",
     "process",
+    "alive",
     "node",
 )

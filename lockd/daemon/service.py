@@ -56,6 +56,7 @@ from lockd.daemon.engine import (
     Waiter,
 )
 from lockd.daemon.events import EXPIRED, RETAKE, LossEvent, LossWatch, PendingBreak
+from lockd.daemon.holder import holder_fields, holder_process
 from lockd.daemon.memory import TrimAfterDrop
 from lockd.daemon.protocol import (
     PROTOCOL_VERSION,
@@ -182,7 +183,16 @@ class RuleCpuSpent(ProtocolError):
 AcquireStep = Reply | WaitForRoom | Parked
 
 
-_HOLDER_FIELDS = ("heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process")
+_HOLDER_FIELDS = (
+    "heldBy",
+    "owner",
+    "fence",
+    "leaseExpiresAt",
+    "expiresInMs",
+    "pid",
+    "process",
+    "alive",
+)
 
 
 def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
@@ -615,8 +625,7 @@ class LockService:
             "fence": lease.fence,
             "leaseExpiresAt": self._wall(lease.expires_at),
             "expiresInMs": max(0, lease.expires_at - self.clock.boot_ms()),
-            "pid": lease.pid,
-            "process": lease.process,
+            **holder_fields(lease.pid, lease.process, lease.pid_start),
         }
 
     def status_view(self, st: KeyStatus) -> dict[str, Any]:
@@ -834,6 +843,7 @@ class LockService:
     def _acquire_in_engine(
         self, caller: Caller, conn: int, req: Acquire, now: int, wait_ms: int | None
     ) -> AcquireStep:
+        holder = holder_process(caller, req.pid)
         result = self.engine.acquire(
             now,
             req.key,
@@ -845,8 +855,9 @@ class LockService:
             wait_ms=wait_ms,
             mode=req.mode,
             limit=req.limit,
-            pid=caller.pid,
-            process=caller.process,
+            pid=holder.pid,
+            process=holder.process,
+            pid_start=holder.start,
         )
         if isinstance(result, Lease) and req.owner is not None and len(self.losses):
             self._note_retake(caller, result)  # told once the commit below is done
