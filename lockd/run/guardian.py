@@ -39,10 +39,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import select
 import signal
-import subprocess
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -182,57 +183,133 @@ class Tree:
             time.sleep(KILL_POLL)
 
 
-def start_command(
-    argv: list[str], mode: int, status_w: int, inherited: dict[int, object]
-) -> subprocess.Popen[bytes] | None:
-    """Start COMMAND; report ``pid`` or ``error`` on the status pipe.
+class Command:
+    """COMMAND's process, forked before the key is taken and exec'd once it is.
 
-    ``mode``: NO_TERMINAL (a session of its own), TERMINAL_FOREGROUND (a
-    process group of its own, made the terminal's foreground group) or
-    TERMINAL_BACKGROUND (a process group of its own; ``lockd run`` itself
-    was in the background, so the terminal stays where it is).
-    ``inherited`` are the dispositions the guardian found for the signals it
-    ignores: COMMAND gets them back (a SIGHUP ignored under nohup stays so).
+    Forking first gives ``lockd run`` the pid COMMAND will have, to name it
+    as the hold's process in the acquire (SPEC §12): the daemon verifies it
+    (a descendant of ``lockd run``) and records it with its start time, which
+    exec does not change. Until :meth:`go` the child waits on a pipe; if the
+    guardian goes away first, it is killed (PR_SET_PDEATHSIG).
     """
-    parent = os.getpid()
-    take_terminal = mode == TERMINAL_FOREGROUND
 
-    def preexec() -> None:
-        # In the child, before exec: die with the guardian; then either a
-        # session of its own (no terminal, as before) or a process group of
-        # its own in this session, made the terminal's foreground group. The
-        # child is in a background group when it calls tcsetpgrp: SIGTTOU is
-        # ignored around the call, then back to default for COMMAND.
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-        for sig, disposition in inherited.items():
-            signal.signal(sig, disposition)  # type: ignore[arg-type]
+    def __init__(self, argv: list[str], mode: int, inherited: dict[int, object]) -> None:
+        go_r, self._go_w = os.pipe()
+        self._err_r, err_w = os.pipe()  # close-on-exec: stays empty when exec succeeds
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 127
+            try:
+                os.close(self._go_w)
+                os.close(self._err_r)
+                prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                if os.getppid() != parent:
+                    os._exit(code)
+                signal.set_wakeup_fd(-1)
+                env = read_all(go_r)
+                if not env:
+                    os._exit(code)  # no key for COMMAND: end without running it
+                self._exec(argv, mode, inherited, json.loads(env), err_w)
+            except BaseException as exc:  # the child must never return into the guardian's code
+                err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOEXEC
+                text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                with contextlib.suppress(OSError):
+                    os.write(err_w, f"{err} {text}".encode())
+            os._exit(code)
+        os.close(go_r)
+        os.close(err_w)
+        self.pid = pid
+
+    @staticmethod
+    def _exec(
+        argv: list[str], mode: int, inherited: dict[int, object], env: dict[str, str], err_w: int
+    ) -> None:
+        """In the child: meet the terminal as ``mode`` says, then exec COMMAND.
+
+        NO_TERMINAL: a session of its own (no controlling terminal).
+        TERMINAL_FOREGROUND: a process group of its own in this session, made
+        the terminal's foreground group (SIGTTOU ignored around the call: the
+        child is in a background group when it makes it). TERMINAL_BACKGROUND:
+        a group of its own, the terminal stays where it is (``lockd run`` was
+        started in the background).
+        """
         if mode == NO_TERMINAL:
             os.setsid()
-            return
-        os.setpgid(0, 0)
-        if not take_terminal:
-            return
-        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-        with contextlib.suppress(OSError):
-            os.tcsetpgrp(0, os.getpgrp())
-        signal.signal(signal.SIGTTOU, inherited.get(signal.SIGTTOU, signal.SIG_DFL))  # type: ignore[arg-type]
+        else:
+            os.setpgid(0, 0)
+        if mode == TERMINAL_FOREGROUND:
+            signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+            with contextlib.suppress(OSError):
+                os.tcsetpgrp(0, os.getpgrp())
+        for sig, disposition in inherited.items():  # a SIGHUP ignored under nohup stays so
+            signal.signal(sig, disposition)  # type: ignore[arg-type]
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # what Python changed at start-up
+            signal.signal(sig, signal.SIG_DFL)
+        os.execvpe(argv[0], argv, env)
 
-    try:
-        proc = subprocess.Popen(argv, preexec_fn=preexec, restore_signals=True)
-    except OSError as exc:
-        code = exc.errno or errno.ENOEXEC
-        os.write(status_w, f"error {code} {exc.strerror or exc}\n".encode())
-        return None
-    os.write(status_w, f"pid {proc.pid}\n".encode())
-    return proc
+    def go(self, env: dict[str, str]) -> tuple[int, str] | None:
+        """Let the child exec COMMAND with ``env``; (errno, text) if exec failed."""
+        with contextlib.suppress(OSError):
+            os.write(self._go_w, json.dumps(env).encode())
+        os.close(self._go_w)
+        said = read_all(self._err_r).decode(errors="replace")
+        os.close(self._err_r)
+        if not said:
+            return None
+        code, _, text = said.partition(" ")
+        return (int(code) if code.isdigit() else errno.ENOEXEC), text
+
+    def cancel(self) -> None:
+        """No key: the child ends without running COMMAND."""
+        os.close(self._go_w)
+        os.close(self._err_r)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 65536):
+        data += chunk
+    return data
+
+
+class Control:
+    """Lines from ``lockd run`` on the control socket, and the descriptors sent with them."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.fds: list[int] = []  # kept open, never used: the daemon connection's copy
+        self._pending = b""
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def read(self) -> list[str]:
+        """What one read brings (whole lines); sets ``closed`` at end of file."""
+        data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+        self.fds.extend(fds)
+        if not data:
+            self.closed = True
+            return []
+        self._pending += data
+        *lines, self._pending = self._pending.split(b"\n")
+        return [line.decode() for line in lines]
 
 
 def main(args: list[str]) -> int:
-    """``guardian.py CTRL_FD STATUS_FD CONN_FD MODE -- COMMAND...``."""
-    ctrl_r, status_w, _conn_fd, mode = (int(a) for a in args[:4])
-    argv = args[5:]
+    """``guardian.py CTRL_FD STATUS_FD MODE -- COMMAND...``.
+
+    Says ``ready PID`` (COMMAND's pid-to-be) at once, then waits for ``go
+    ENV_JSON`` from ``lockd run`` (sent with the daemon connection's
+    descriptor once the key is taken) to start COMMAND; end of file before
+    that means no key: the waiting child ends without running COMMAND.
+    """
+    ctrl_fd, status_w, mode = (int(a) for a in args[:3])
+    argv = args[4:]
     inherited: dict[int, object] = {}
     for sig in IGNORED:
         inherited[sig] = signal.signal(sig, signal.SIG_IGN)
@@ -247,33 +324,44 @@ def main(args: list[str]) -> int:
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
 
-    proc = start_command(argv, mode, status_w, inherited)
-    if proc is None:
+    command = Command(argv, mode, inherited)
+    ctrl = Control(ctrl_fd)
+    say(f"ready {command.pid}")
+    lines: list[str] = []
+    while not lines and not ctrl.closed:
+        lines = ctrl.read()
+    word, _, env = lines[0].partition(" ") if lines else ("", "", "")
+    if word != "go":
+        command.cancel()
         return 0
-    tree = Tree(say, proc.pid)
-    pending = b""
+    failed = command.go(json.loads(env))
+    if failed is not None:
+        say(f"error {failed[0]} {failed[1]}")
+        Tree(say, command.pid).end(0)
+        return 0
+    say(f"pid {command.pid}")
+    tree = Tree(say, command.pid)
+    lines = lines[1:]
     while True:
+        for line in lines:
+            word, _, rest = line.partition(" ")
+            if word == "kill":
+                tree.end(int(rest or 0))
+                say("empty")
+                return 0
+        lines = []
         if tree.reap():
             say("empty")
             return 0
-        ready, _, _ = select.select([ctrl_r, wake_r], [], [])
+        ready, _, _ = select.select([ctrl.fileno(), wake_r], [], [])
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):
                     pass
-        if ctrl_r not in ready:
-            continue
-        chunk = os.read(ctrl_r, 512)
-        if not chunk:  # lockd run died: nothing of COMMAND may outlive its key
-            tree.end(0)
-            return 0
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            word, _, rest = line.decode().partition(" ")
-            if word == "kill":
-                tree.end(int(rest or 0))
-                say("empty")
+        if ctrl.fileno() in ready:
+            lines = ctrl.read()
+            if ctrl.closed:  # lockd run died: nothing of COMMAND may outlive its key
+                tree.end(0)
                 return 0
 
 

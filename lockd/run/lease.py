@@ -88,6 +88,7 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
                 release_on_close=True,
                 shared=opts.shared,
                 limit=opts.limit,
+                pid=opts.holder_pid,
             )
         else:
             # On a terminal, one live line while waiting (lockd.waitline).
@@ -101,6 +102,7 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
                     release_on_close=True,
                     shared=opts.shared,
                     limit=opts.limit,
+                    pid=opts.holder_pid,
                 )
     except LockTimeoutError:
         wait = format_duration_ms(opts.wait_ms or 0)

@@ -46,6 +46,9 @@ class RunOptions:
     #: when COMMAND exits, end what it left running (SIGTERM, SIGKILL after
     #: --grace) instead of keeping the key until the last of them exits (flock's way)
     kill_descendants: bool = False
+    #: the process that will use the hold (COMMAND's pid-to-be), named in the
+    #: acquire so that status shows it (SPEC §12); None: this process
+    holder_pid: int | None = None
 
 
 class Reporter:

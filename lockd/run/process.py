@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -151,52 +153,63 @@ class CommandNotStarted(OSError):
 class Guardian:
     """``lockd run``'s side of the guardian process that starts and reaps COMMAND.
 
-    The guardian (:mod:`lockd.run.guardian`) is started here with a copy of
-    the daemon connection ``conn_fd``; its lines arrive through a reader
-    thread into :meth:`next_message`, where :meth:`post` adds ``lockd run``'s
-    own wake-ups (a signal, the renewer). Closing our end of
-    the control pipe without waiting for ``empty`` makes it kill everything.
+    The guardian (:mod:`lockd.run.guardian`) is started before the key is
+    taken: it forks the process that will become COMMAND at once, so that
+    :attr:`command_pid` can be named in the acquire (SPEC §12). :meth:`go`
+    sends it COMMAND's environment and a copy of the daemon connection once
+    the key is ours. Its lines then arrive through a reader thread into
+    :meth:`next_message`, where :meth:`post` adds ``lockd run``'s own
+    wake-ups (a signal, the renewer). Closing our end of the control socket
+    without waiting for ``empty`` makes it kill everything (or, before
+    :meth:`go`, end the waiting child without running COMMAND).
     """
 
-    def __init__(
-        self,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        conn_fd: int | None,
-        mode: int,
-    ) -> None:
-        ctrl_r, ctrl_w = os.pipe()  # close-on-exec: pass_fds makes the child's copies inheritable
-        status_r, status_w = os.pipe()
-        passed = [ctrl_r, status_w] + ([conn_fd] if conn_fd is not None else [])
+    def __init__(self, argv: Sequence[str], mode: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        status_r, status_w = os.pipe()  # close-on-exec: pass_fds makes the child's copy inheritable
         program = [
             sys.executable,
             "-I",
             "-S",
             guardian.__file__,
-            str(ctrl_r),
+            str(theirs.fileno()),
             str(status_w),
-            str(conn_fd if conn_fd is not None else -1),
             str(mode),
             "--",
             *argv,
         ]
         try:
-            self._proc = subprocess.Popen(program, env=dict(env), pass_fds=passed, process_group=0)
+            self._proc = subprocess.Popen(
+                program, pass_fds=(theirs.fileno(), status_w), process_group=0
+            )
         except BaseException:
-            for fd in (ctrl_w, status_r):
-                os.close(fd)
+            ours.close()
+            os.close(status_r)
             raise
         finally:
-            os.close(ctrl_r)
+            theirs.close()
             os.close(status_w)
-        self._ctrl: int | None = ctrl_w
+        self._ctrl: socket.socket | None = ours
         self._status = os.fdopen(status_r, "rb", buffering=0)
         self._messages: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self.command_pid = 0
         self.finished = False  # "empty" (or the guardian's end) was seen
+        first = self._read_line()
+        word, _, rest = first.partition(" ")
+        if word != "ready":
+            self.close()
+            raise RuntimeError(f"the guardian of COMMAND did not start ({first!r})")
+        #: COMMAND's pid (forked already, exec'd by go()).
+        self.command_pid = int(rest)
 
-    def start(self) -> int:
-        """Wait for COMMAND to start; its pid. Raises :class:`CommandNotStarted`."""
+    def go(self, env: Mapping[str, str], conn_fd: int | None) -> None:
+        """Start COMMAND with ``env``; the guardian keeps a copy of ``conn_fd``.
+
+        Raises :class:`CommandNotStarted` when exec failed.
+        """
+        assert self._ctrl is not None
+        body = json.dumps(dict(env)).encode() + b"\n"
+        socket.send_fds(self._ctrl, [b"go "], [conn_fd] if conn_fd is not None else [])
+        self._ctrl.sendall(body)
         first = self._read_line()
         word, _, rest = first.partition(" ")
         if word == "error":
@@ -206,10 +219,8 @@ class Guardian:
         if word != "pid":
             self.close()
             raise RuntimeError(f"the guardian of COMMAND ended before starting it ({first!r})")
-        self.command_pid = int(rest)
         reader = threading.Thread(target=self._read_all, name="lockd-run-guardian", daemon=True)
         reader.start()
-        return self.command_pid
 
     def next_message(self, timeout: float | None) -> Message | None:
         """The guardian's next line, or None after ``timeout`` seconds."""
@@ -229,13 +240,13 @@ class Guardian:
         """Ask for every descendant to end: SIGTERM, SIGKILL after ``grace_ms`` (0: SIGKILL)."""
         if self._ctrl is not None:
             with contextlib.suppress(OSError):
-                os.write(self._ctrl, f"kill {grace_ms}\n".encode())
+                self._ctrl.sendall(f"kill {grace_ms}\n".encode())
 
     def close(self) -> None:
         """Close our end; unless ``empty`` came first, the guardian kills everything. Waits."""
         if self._ctrl is not None:
-            fd, self._ctrl = self._ctrl, None
-            os.close(fd)
+            ctrl, self._ctrl = self._ctrl, None
+            ctrl.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=_GUARDIAN_EXIT)
 

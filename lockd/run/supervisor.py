@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import replace
 
 from lockd_client import AutoRenewer, Handle, LockClient, LockdError
 
@@ -82,13 +83,21 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
     # Python's last-resort handler must not add its own lines to stderr.
     logging.getLogger("lockd_client").addHandler(logging.NullHandler())
     client = LockClient(opts.socket_path)
+    mode = terminal_mode()
+    # Before the key: COMMAND's process is forked (not run) so that the
+    # acquire can name its pid as the holder's (SPEC §12).
+    guardian = Guardian(opts.command, mode)
     try:
-        got = take_lease(client, opts, report)
+        got = take_lease(client, replace(opts, holder_pid=guardian.command_pid), report)
         if isinstance(got, int):
             return got
         with SignalForwarder() as forwarder:
-            return _run_holding(client, got, opts, report, forwarder)
+            return _run_holding(client, got, opts, report, forwarder, guardian, mode)
     finally:
+        # The guardian first: it holds the key (a copy of the connection)
+        # until every process of COMMAND is gone; closing the client shuts
+        # the connection down for every copy.
+        guardian.close()
         client.close()
 
 
@@ -98,13 +107,14 @@ def _run_holding(
     opts: RunOptions,
     report: Reporter,
     forwarder: SignalForwarder,
+    guardian: Guardian,
+    mode: int,
 ) -> int:
     """Run COMMAND under ``lease``, then release; return the exit status."""
     handle = lease.handle
-    mode = terminal_mode()
-    guardian = _start_command(client, handle, opts, report, mode)
-    if isinstance(guardian, int):
-        return guardian
+    started = _start_command(client, handle, opts, report, guardian)
+    if started is not None:
+        return started
     pgid = guardian.command_pid
     forwarder.on_signal = lambda sig: guardian.post(Message("signal", str(sig)))
     forwarder.attach(pgid)
@@ -152,11 +162,11 @@ def _start_command(
     handle: Handle,
     opts: RunOptions,
     report: Reporter,
-    mode: int,
-) -> Guardian | int:
+    guardian: Guardian,
+) -> int | None:
     """Start COMMAND (through its guardian) with the lease in its environment.
 
-    Returns the exit status instead if it cannot start.
+    Returns None once it runs, or the exit status if it cannot start.
     """
     env = {
         **os.environ,
@@ -166,9 +176,8 @@ def _start_command(
         "LOCKD_SOCKET": client.socket_path,
     }
     become_subreaper()
-    guardian = Guardian(opts.command, env, _connection_fd(client), mode)
     try:
-        guardian.start()
+        guardian.go(env, _connection_fd(client))
     except CommandNotStarted as exc:
         _release(client, handle, report, quiet_not_holder=True)
         missing = exc.errno == errno.ENOENT
@@ -179,7 +188,7 @@ def _start_command(
             command=opts.command[0],
         )
         return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
-    return guardian
+    return None
 
 
 def _connection_fd(client: LockClient) -> int | None:
