@@ -26,6 +26,7 @@ import pytest
 from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
+from lockd.run import guardian
 
 from . import test_cli_run
 from .conftest import DaemonProcess
@@ -385,3 +386,35 @@ def test_self_lock_idiom_nested_in_another_run_runs_one_copy_at_a_time(
         assert copy.returncode == 0, err
     assert not (tmp_path / "overlaps").exists()
     assert (tmp_path / "runs").read_text().split() == ["c-self"] * 3
+
+
+# -- the guardian's parts -----------------------------------------------------------------
+
+
+def test_descendants_are_found_through_parent_links() -> None:
+    child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        wait_until(lambda: len(guardian.descendants(child.pid)) == 1, 10.0, "the grandchild")
+        (grandchild,) = guardian.descendants(child.pid)
+        assert {child.pid, grandchild} <= set(guardian.descendants(os.getpid()))
+    finally:
+        for pid in (*guardian.descendants(child.pid), child.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        child.wait(5)
+
+
+def test_a_process_that_cannot_be_signalled_is_reported_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A set-uid descendant: kill() answers EPERM; lockd run hears of it once (and warns)."""
+
+    def refuse(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    said: list[str] = []
+    tree = guardian.Tree(said.append, command_pid=-1)
+    monkeypatch.setattr(guardian.os, "kill", refuse)
+    tree.signal_all(signal.SIGTERM, [4242])
+    tree.signal_all(signal.SIGKILL, [4242])
+    assert said == [f"eperm 4242 {guardian.process_name(4242)}"]

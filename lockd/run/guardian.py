@@ -1,33 +1,37 @@
 """The guardian of ``lockd run``: the reaper of everything COMMAND starts.
 
 ``lockd run`` starts this file as a program of its own (``python -I -S
-guardian.py``: stdlib only, no lockd import, no threads inherited) right after
-it took the key. The guardian
+guardian.py``: stdlib only, no lockd import, no threads inherited) before it
+asks for the key. The guardian
 
 - marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every
   process COMMAND starts, ``setsid`` or double-forked, is re-parented to it
   when its own parent dies and stays in the tree it can walk;
-- starts COMMAND (no shell): in a session of its own without a terminal, or,
-  when ``lockd run`` owns the terminal, in a process group of its own that it
-  makes the terminal's foreground group (same session, like a shell's job);
-- holds a duplicate of ``lockd run``'s daemon connection and never uses it:
-  the daemon frees a ``releaseOnClose`` hold only when the last copy closes,
-  so if ``lockd run`` is killed (even ``kill -9``) the key stays held until
-  the guardian has killed and reaped every descendant and exited;
-- talks with ``lockd run`` over two pipes, one line per message.
+- forks COMMAND's process at once (so that ``lockd run`` can name its pid in
+  the acquire) and lets it exec COMMAND (no shell) once the key is taken: in
+  a session of its own without a terminal, or, when ``lockd run`` owns the
+  terminal, in a process group of its own that it makes the terminal's
+  foreground group (same session, like a shell's job);
+- receives a duplicate of ``lockd run``'s daemon connection with the ``go``
+  and never uses it: the daemon frees a ``releaseOnClose`` hold only when
+  the last copy closes, so if ``lockd run`` is killed (even ``kill -9``) the
+  key stays held until the guardian has killed and reaped every descendant
+  and exited.
 
-From ``lockd run`` (control pipe): ``kill GRACE_MS`` (SIGTERM every
-descendant, SIGKILL what is left after GRACE_MS; 0 = SIGKILL at once).
-``lockd run`` always waits for ``empty``, so end of file on the control pipe
-means ``lockd run`` died: every descendant is SIGKILLed and reaped, then the
-guardian exits.
+It talks with ``lockd run`` one line per message. From ``lockd run`` (the
+control socket): ``go ENV_JSON`` (start COMMAND with that environment; the
+connection's descriptor rides along, SCM_RIGHTS), then ``kill GRACE_MS``
+(SIGTERM every descendant, SIGKILL what is left after GRACE_MS; 0 = SIGKILL
+at once). ``lockd run`` always waits for ``empty``, so end of file on the
+control socket means ``lockd run`` died (or, before ``go``, did not get the
+key): every descendant is SIGKILLed and reaped, then the guardian exits.
 
-To ``lockd run`` (status pipe): ``pid N`` (COMMAND started), ``error ERRNO
-TEXT`` (COMMAND could not be started), ``stopped SIG`` / ``continued``
-(COMMAND's first process stopped or resumed: job control), ``exit RC``
-(COMMAND's first process ended; RC as ``Popen.returncode``), ``eperm PID
-NAME`` (a descendant could not be signalled), ``empty`` (no descendant is
-left: the last message).
+To ``lockd run`` (the status pipe): ``ready PID`` (COMMAND's pid-to-be),
+``pid PID`` (COMMAND runs) or ``error ERRNO TEXT`` (it could not be exec'd),
+``stopped SIG`` / ``continued`` (COMMAND's first process stopped or resumed:
+job control), ``exit RC`` (it ended; RC as ``Popen.returncode``), ``eperm
+PID NAME`` (a descendant could not be signalled), ``empty`` (no descendant
+is left: the last message).
 
 Descendants are found by walking ``/proc/*/stat`` parent links from the
 guardian; as subreaper it is sure that none is left when ``waitpid`` says it
