@@ -295,6 +295,8 @@ class Control:
     def read(self) -> list[str]:
         """What one read brings (whole lines); sets ``closed`` at end of file."""
         data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+        for fd in fds:
+            os.set_inheritable(fd, False)
         self.fds.extend(fds)
         if not data:
             self.closed = True
@@ -314,6 +316,8 @@ def main(args: list[str]) -> int:
     """
     ctrl_fd, status_w, mode = (int(a) for a in args[:3])
     argv = args[4:]
+    for fd in (ctrl_fd, status_w):  # inherited through pass_fds: not for COMMAND
+        os.set_inheritable(fd, False)
     inherited: dict[int, object] = {}
     for sig in IGNORED:
         inherited[sig] = signal.signal(sig, signal.SIG_IGN)
