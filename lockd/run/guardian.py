@@ -58,6 +58,8 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 #: How often the tree is walked again while killing it.
 KILL_POLL = 0.005
+#: ... and while only processes that cannot be signalled are left.
+REFUSED_POLL = 0.2
 #: Signals the guardian must not die of: the terminal's (it is in a group of
 #: its own, but a terminal hang-up or a signal to the whole job may reach it).
 IGNORED = (
@@ -184,7 +186,10 @@ class Tree:
                 fresh = [pid for pid in pids if pid not in termed]
                 termed.update(fresh)
                 self.signal_all(signal.SIGTERM, fresh)
-            time.sleep(KILL_POLL)
+            # Only processes we may not signal are left: no need to walk /proc
+            # every few ms while waiting for them.
+            stuck = bool(pids) and self._refused.issuperset(pids)
+            time.sleep(REFUSED_POLL if stuck else KILL_POLL)
 
 
 class Command:

@@ -258,8 +258,10 @@ def _supervise(
                 outcome.returncode = int(message.rest)
                 if mode == TERMINAL_FOREGROUND:
                     _take_terminal_back(pgid, os.getpgrp())
-                if outcome.lost is not None or forwarder.signalled or opts.kill_descendants:
-                    end_all(opts.grace_ms if outcome.lost is None else _lost_grace(opts))
+                # After a loss (term or kill) the end is under way already;
+                # with --on-lost ignore, what COMMAND left is waited for.
+                if forwarder.signalled or opts.kill_descendants:
+                    end_all(opts.grace_ms)
             elif message.word == "signal" and outcome.returncode is not None:
                 end_all(opts.grace_ms)  # COMMAND is gone; what it left must go too
             elif message.word == "stopped" and mode != NO_TERMINAL:
@@ -269,7 +271,7 @@ def _supervise(
                 report.warning(
                     "CANNOT_CONTAIN",
                     f"cannot signal process {pid} ({name}) started by COMMAND (not permitted:"
-                    " set-uid?); the key stays held until it exits",
+                    " set-uid?); lockd run waits for it to exit before it lets the key go",
                     pid=int(pid),
                     process=name,
                 )
