@@ -79,6 +79,9 @@ class Caller:
     #: the process name (/proc/PID/comm) when the connection was accepted;
     #: shown with the holder's pid in status, as lslocks does for flock.
     process: str | None = None
+    #: when that process started (:func:`process_start`), read with the name:
+    #: recorded with its holds so that status can say whether it still runs.
+    start: int | None = None
 
     @property
     def principal(self) -> str:
@@ -374,7 +377,7 @@ def process_start(pid: int) -> int | None:
         state, start = fields[0], int(fields[19])  # fields 3 and 22 of proc(5), counted from 1
     except (IndexError, ValueError):
         return None
-    return None if state in ("Z", "X") else start
+    return None if state in (b"Z", b"X") else start
 
 
 def parent_pid(pid: int) -> int | None:
@@ -394,14 +397,23 @@ def process_uid(pid: int) -> int | None:
         return None
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces).
+
+    Read with os.open/os.read (no text layer): status and list read it for
+    every holder they show.
+    """
     try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            stat = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    return stat.rsplit(")", 1)[-1].split()
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return stat[stat.rfind(b")") + 1 :].split()
 
 
 def verified_holder_pid(

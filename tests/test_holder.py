@@ -8,6 +8,7 @@ process, not a later one with the same pid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from lockd_client import LockClient
 
 from lockd.daemon.protocol import MAX_PID, Acquire, ProtocolError, parse_request
 from lockd.identity import verified_holder_pid
+from lockd.run import guardian
 
 from .conftest import LOCKD, DaemonProcess
 from .test_cli_run import LOCKD_RUN, RUN_EXIT, wait_until
@@ -139,24 +141,23 @@ def test_a_claim_the_daemon_cannot_verify_records_the_peer(daemon: DaemonProcess
         assert st.pid == os.getpid() and st.raw["alive"] is True
 
 
-def test_lockd_run_names_command_with_its_name_and_alive(
-    daemon: DaemonProcess, tmp_path: Path
-) -> None:
-    """Not ``lockd`` (the wrapper): COMMAND, by its pid and its name after exec."""
-    ready = tmp_path / "ready"
+def test_lockd_run_names_command_with_its_name_and_alive(daemon: DaemonProcess) -> None:
+    """Not ``lockd`` (the wrapper): COMMAND, by its pid and name."""
     run = subprocess.Popen(
-        [*LOCKD_RUN, "by-run", "--", "sh", "-c", f"echo $$ > {ready}; exec sleep 60"],
-        env=daemon.env,
-        stderr=subprocess.PIPE,
+        [*LOCKD_RUN, "by-run", "--", "sleep", "60"], env=daemon.env, stderr=subprocess.PIPE
     )
+
+    def command() -> int | None:
+        for pid in guardian.descendants(run.pid):
+            if guardian.process_name(pid) == "sleep" and Path(f"/proc/{pid}/exe").exists():
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/exe").endswith("/sleep"):
+                        return pid
+        return None
+
     try:
-        wait_until(lambda: ready.exists() and ready.read_text().strip() != "", RUN_EXIT, "COMMAND")
-        command_pid = int(ready.read_text())
-        wait_until(
-            lambda: Path(f"/proc/{command_pid}/comm").read_text().strip() == "sleep",
-            RUN_EXIT,
-            "the exec of sleep",
-        )
+        wait_until(lambda: command() is not None, RUN_EXIT, "COMMAND to run")
+        command_pid = command()
         st = status(daemon, "by-run")
         assert st["pid"] == command_pid != run.pid
         assert st["process"] == "sleep" and st["alive"] is True

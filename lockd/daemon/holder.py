@@ -4,7 +4,8 @@ A hold records the pid of the process that uses it, its name and when it
 started. The pid is the peer's own unless the client named another one that
 the daemon can vouch for (:func:`lockd.identity.verified_holder_pid`):
 ``lockd run`` names COMMAND, ``lockd locks acquire`` the shell that called
-it. The start time tells the recorded process from a later one that reuses
+it. The name is read at the grant (``lockd run``'s COMMAND carries its
+name before it is exec'd). The start time tells the recorded process from a later one that reuses
 its pid, so ``alive`` is only true for the very process that took the hold.
 """
 
@@ -27,12 +28,19 @@ class HolderProcess:
 
 
 def holder_process(caller: Caller, claimed: int | None) -> HolderProcess:
-    """Who will hold: ``claimed`` if verified, else the peer. Read from /proc now."""
+    """Who will hold: ``claimed`` if verified, else the peer.
+
+    The peer's name and start were read once, when its connection was
+    accepted; only a claimed pid costs reads of /proc here.
+    """
     if caller.pid <= 0:  # the peer is in a pid namespace the daemon cannot see into
         return HolderProcess(None, caller.process, None)
+    if claimed is None or claimed == caller.pid:
+        return HolderProcess(caller.pid, caller.process, caller.start)
     pid = verified_holder_pid(caller.pid, caller.uid, claimed)
-    name = caller.process if pid == caller.pid else process_name(pid)
-    return HolderProcess(pid, name, process_start(pid))
+    if pid == caller.pid:
+        return HolderProcess(caller.pid, caller.process, caller.start)
+    return HolderProcess(pid, process_name(pid), process_start(pid))
 
 
 def holder_fields(pid: int | None, process: str | None, start: int | None) -> dict[str, Any]:
@@ -41,12 +49,7 @@ def holder_fields(pid: int | None, process: str | None, start: int | None) -> di
     ``alive`` is true while ``pid`` runs with the recorded start time, false
     once it does not, and None when the daemon cannot know (no start time
     recorded: a hold loaded from the store after a restart, or a peer in
-    another pid namespace). A live holder's ``process`` is its current name:
-    ``lockd run`` names COMMAND's pid before COMMAND is exec'd.
+    another pid namespace). One read of /proc/PID/stat per holder shown.
     """
-    if pid is None or start is None:
-        return {"pid": pid, "process": process, "alive": None}
-    alive = process_start(pid) == start
-    if alive:
-        process = process_name(pid) or process
+    alive = None if pid is None or start is None else process_start(pid) == start
     return {"pid": pid, "process": process, "alive": alive}

@@ -99,6 +99,7 @@ from lockd.identity import (
     identify,
     peer_credentials,
     process_name,
+    process_start,
 )
 from lockd.logfmt import LogThrottle, kv
 
@@ -251,7 +252,9 @@ class LockServer:
         caller = identify(sock, self.identity)
         # The process name is read here, once per connection, so that status
         # can show who holds a key (SPEC 3) without a /proc read per grant.
-        return dataclasses.replace(caller, process=process_name(caller.pid))
+        return dataclasses.replace(
+            caller, process=process_name(caller.pid), start=process_start(caller.pid)
+        )
 
     async def serve(
         self,

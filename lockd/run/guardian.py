@@ -216,6 +216,11 @@ class Command:
                 if os.getppid() != parent:
                     os._exit(code)
                 signal.set_wakeup_fd(-1)
+                # The name exec will give it, so that the daemon records it
+                # with the pid at the grant (status shows COMMAND, not python).
+                with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+                    comm.write(os.path.basename(argv[0])[:15])
+                os.write(err_w, b".")  # named: the guardian may say "ready"
                 env = read_all(go_r)
                 if not env:
                     os._exit(code)  # no key for COMMAND: end without running it
@@ -228,6 +233,7 @@ class Command:
             os._exit(code)
         os.close(go_r)
         os.close(err_w)
+        os.read(self._err_r, 1)  # "." once it has its name (nothing if it died)
         self.pid = pid
 
     @staticmethod
