@@ -60,7 +60,7 @@ def holder_cells(holder: Holder) -> tuple[object, ...]:
 def pid_cell(entry: Holder | LockStatus) -> object:
     """The PID cell: ``4242``, or ``4242 (gone)`` once the daemon sees it has exited.
 
-    ``alive`` (SPEC §12) is read from the daemon's JSON: null (cannot know)
+    ``alive`` (docs/contract.md §12.2) is read from the daemon's JSON: null (cannot know)
     shows the bare pid.
     """
     if entry.pid is not None and entry.raw.get("alive") is False:

@@ -358,7 +358,7 @@ def process_name(pid: int) -> str | None:
         return None
 
 
-# -- the holder's process (SPEC §12 "Holder and waiter entries") ------------------
+# -- the holder's process (docs/contract.md §12.2) ------------------
 
 #: How many parent links a claimed holder pid is followed up to find the peer.
 _MAX_ANCESTRY = 64

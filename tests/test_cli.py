@@ -371,7 +371,7 @@ def test_list_is_an_aligned_table(shared: DaemonProcess) -> None:
     rows = {re.split(r"\s{2,}", line)[0]: re.split(r"\s{2,}", line) for line in lines[1:]}
     assert rows["app:alpha"][1] == "exclusive" and rows["app:alpha"][3] == "run-1"
     # The CLI ran in this process; the holder shown is the process that will
-    # use the handle, the CLI's caller (SPEC §12): here pytest's parent.
+    # use the handle, the CLI's caller (docs/contract.md §12.2): here pytest's parent.
     assert rows["app:alpha"][4] == str(os.getppid())
     assert rows["app:alpha"][7].startswith("in 4m")
     assert rows["app:b"][3] == "-" and rows["app:b"][8] == "0"  # no owner; no waiters

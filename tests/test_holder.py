@@ -1,4 +1,4 @@
-"""The holder's process in status and list (SPEC §12): the real holder, and whether it lives.
+"""The holder's process in status and list (docs/contract.md §12.2): who, and is it alive.
 
 A client may name the process that uses its hold (``pid`` on acquire); the
 daemon believes it only for the peer's parent or a descendant of the same

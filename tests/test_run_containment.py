@@ -141,7 +141,7 @@ def test_break_ends_every_descendant(
     """After a break, lockd run kills and reaps all of COMMAND before it exits.
 
     The daemon frees a broken key at once today; once it waits for the
-    holder's ``stopped`` (SPEC §12), the Waiter of the tests above applies
+    holder's ``stopped`` (docs/contract.md §12.1), the Waiter of the tests above applies
     here too (a second holder granted only after both pids are gone).
     """
     key = f"c-brk-{on_lost}"

@@ -192,7 +192,7 @@ class LockClient:
         ``ttl`` defaults to 60 s; without ``timeout`` the wait has no limit.
         ``pid`` names the process that will use the hold, shown by status
         instead of this one's; the daemon records it only when that process
-        is this one's parent or descendant, as the same user (SPEC §12).
+        is this one's parent or descendant, as the same user (docs/contract.md §12.2).
         """
         self._raise_unreported()
         if timeout is None:

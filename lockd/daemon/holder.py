@@ -1,4 +1,4 @@
-"""The process behind a hold, as ``status`` and ``list`` show it (SPEC §12).
+"""The process behind a hold, as ``status`` and ``list`` show it (docs/contract.md §12.2).
 
 A hold records the pid of the process that uses it, its name and when it
 started. The pid is the peer's own unless the client named another one that

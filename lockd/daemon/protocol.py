@@ -92,7 +92,7 @@ class Acquire(Request):
     mode: str = "exclusive"
     #: more than 1: a counting semaphore of that many exclusive slots.
     limit: int = 1
-    #: the process that will use the hold, as the client names it (SPEC §12);
+    #: the process that will use the hold, as the client names it (docs/contract.md §12.2);
     #: recorded only if the daemon can verify it (identity.verified_holder_pid).
     pid: int | None = None
 

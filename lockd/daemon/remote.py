@@ -202,7 +202,8 @@ class RemoteService:
     ) -> RemoteReply:
         service = self.service
         service.check_acquire(caller, req, pending=pending)
-        if req.pid is not None:  # the hold records the process that will use it (SPEC §12)
+        # The hold records the process that will use it (docs/contract.md §12.2).
+        if req.pid is not None:
             holder = holder_process(caller, req.pid)
             caller = dataclasses.replace(caller, pid=holder.pid or 0, process=holder.process)
         now = service.clock.boot_ms()
@@ -341,7 +342,7 @@ class RemoteService:
             "pid": hold.pid,
             "process": hold.process,
             # no start time is recorded with an etcd hold (and the holder may
-            # run on another host): the daemon cannot tell (SPEC §12)
+            # run on another host): the daemon cannot tell (docs/contract.md §12.2)
             "alive": None,
             "node": hold.node,
         }

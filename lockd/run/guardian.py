@@ -196,7 +196,7 @@ class Command:
     """COMMAND's process, forked before the key is taken and exec'd once it is.
 
     Forking first gives ``lockd run`` the pid COMMAND will have, to name it
-    as the hold's process in the acquire (SPEC §12): the daemon verifies it
+    as the hold's process in the acquire (docs/contract.md §12.2): the daemon verifies it
     (a descendant of ``lockd run``) and records it with its start time, which
     exec does not change. Until :meth:`go` the child waits on a pipe; if the
     guardian goes away first, it is killed (PR_SET_PDEATHSIG).

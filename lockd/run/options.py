@@ -47,7 +47,7 @@ class RunOptions:
     #: --grace) instead of keeping the key until the last of them exits (flock's way)
     kill_descendants: bool = False
     #: the process that will use the hold (COMMAND's pid-to-be), named in the
-    #: acquire so that status shows it (SPEC §12); None: this process
+    #: acquire so that status shows it (docs/contract.md §12.2); None: this process
     holder_pid: int | None = None
 
 

@@ -85,7 +85,7 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
     client = LockClient(opts.socket_path)
     mode = terminal_mode()
     # Before the key: COMMAND's process is forked (not run) so that the
-    # acquire can name its pid as the holder's (SPEC §12).
+    # acquire can name its pid as the holder's (docs/contract.md §12.2).
     guardian = Guardian(opts.command, mode)
     try:
         got = take_lease(client, replace(opts, holder_pid=guardian.command_pid), report)
