@@ -100,6 +100,7 @@ def cleanup(*pids: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.both_backends
 def test_kill9_of_lockd_run_frees_the_key_only_after_every_descendant_is_reaped(
     shared: DaemonProcess, client: LockClient, tmp_path: Path
 ) -> None:
