@@ -48,13 +48,23 @@ STATUS_FIELDS = {
     "waiters",
     "pid",
     "process",
+    "alive",
     "mode",
     "limit",
     "holderCount",
     "holders",
     "waiterList",  # docs/contract.md §12.2: the queue, in order (waiters stays the count)
 }
-HOLDER_FIELDS = {"heldBy", "owner", "fence", "leaseExpiresAt", "expiresInMs", "pid", "process"}
+HOLDER_FIELDS = {
+    "heldBy",
+    "owner",
+    "fence",
+    "leaseExpiresAt",
+    "expiresInMs",
+    "pid",
+    "process",
+    "alive",
+}
 MAX_LINE = 65536
 
 pytestmark = pytest.mark.both_backends
@@ -255,6 +265,7 @@ def test_every_op_result_has_the_spec_fields(conn: RawConn, backend: Backend) ->
         "waiters": 0,
         "pid": None,
         "process": None,
+        "alive": None,
         "mode": None,
         "limit": None,
         "holderCount": 0,
