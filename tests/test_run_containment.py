@@ -136,23 +136,28 @@ def test_sigterm_to_lockd_run_ends_every_descendant_before_the_release(
 
 
 @pytest.mark.parametrize("on_lost", ["kill", "term"])
-def test_break_ends_every_descendant(
+def test_break_hands_the_key_on_only_after_every_descendant_is_reaped(
     shared: DaemonProcess, client: LockClient, tmp_path: Path, on_lost: str
 ) -> None:
-    """After a break, lockd run kills and reaps all of COMMAND before it exits.
+    """A break of a listening holder waits for its ``stopped`` (docs/contract.md §12.1).
 
-    The daemon frees a broken key at once today; once it waits for the
-    holder's ``stopped`` (docs/contract.md §12.1), the Waiter of the tests above applies
-    here too (a second holder granted only after both pids are gone).
+    lockd run hears the break at once, ends every process of COMMAND (both
+    ignore SIGTERM: with ``term`` they last the grace), and says ``stopped``
+    only once all are reaped; the second holder is granted after that.
     """
     key = f"c-brk-{on_lost}"
     proc, nohup, setsid = start_escapers(
-        shared, tmp_path, key, "--ttl", "600ms", "--on-lost", on_lost, "--grace", "300ms"
+        shared, tmp_path, key, "--on-lost", on_lost, "--grace", "300ms"
     )
     try:
+        waiter = Waiter(shared.socket, key, (nohup, setsid))
+        waiter.start(client)
         assert client.break_lock(key, "test: contain").broken
+        waiter.join()
+        assert waiter.alive_at_grant == []
         assert proc.wait(RUN_EXIT) == EXIT_LOST
-        assert not exists(nohup) and not exists(setsid)  # reaped before lockd run exits
+        assert "test: contain" in (proc.stderr.read() if proc.stderr else "")
+        assert not exists(nohup) and not exists(setsid)
     finally:
         cleanup(nohup, setsid)
 
