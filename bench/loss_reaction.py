@@ -1,4 +1,4 @@
-"""How long a holder takes to learn that its lock is gone (SPEC §12, issue 20).
+"""How long a holder takes to learn that its lock is gone (docs/contract.md §12, issue 20).
 
     .venv/bin/python bench/loss_reaction.py            # 30 trials per cell, ~20 s
     .venv/bin/python bench/loss_reaction.py -n 100     # more trials, steadier p99

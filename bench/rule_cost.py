@@ -5,7 +5,7 @@ Run as root (it creates, and removes, a throwaway user)::
     .venv/bin/python bench/rule_cost.py [--iterations 500] [--rounds 6] [--json]
 
 Two real daemons run side by side, one with no rule set (the open default)
-and one with the SPEC §5 example rule::
+and one with the docs/contract.md §5 example rule::
 
     acquire = "record.key.startsWith('user:' + user.userId + ':')"
 
@@ -24,7 +24,7 @@ what a program sees, without the bench's own plumbing. Why this shape:
 - **Rate limit out of the way.** ``acquire_per_hour`` is set huge in both
   daemons, so both pay the same counting cost and nobody gets refused.
 
-Only ``tryAcquire`` is rule-gated; ``release`` is not (SPEC §5), so the added
+Only ``tryAcquire`` is rule-gated; ``release`` is not (docs/contract.md §5), so the added
 cost is one CEL evaluation per round trip.
 """
 
@@ -124,7 +124,7 @@ def report(result: dict[str, Any]) -> str:
         f"{result['iterations']} per configuration, {result['keys']} (µs)",
         f"{'':14}{'p50':>9}{'p90':>9}{'p99':>9}   per-round p50",
     ]
-    for name, label in (("open", "no rule set"), ("rule", "SPEC §5 rule")):
+    for name, label in (("open", "no rule set"), ("rule", "docs/contract.md §5 rule")):
         r = result[name]
         rounds = " ".join(f"{v:.0f}" for v in r["round_p50_us"])
         lines.append(f"{label:14}{r['p50_us']:9.1f}{r['p90_us']:9.1f}{r['p99_us']:9.1f}   {rounds}")

@@ -102,7 +102,7 @@ _ENDPOINT = re.compile(r"https?://[^/\s]+/?")
 
 @dataclass(frozen=True)
 class BackendSettings:
-    """The ``[backend]`` table: where the lock state lives (SPEC 11).
+    """The ``[backend]`` table: where the lock state lives (docs/contract.md §11).
 
     ``kind = "sqlite"`` (the default) keeps it in the local database; with
     ``"etcd"`` it lives in the etcd cluster at ``endpoints`` and nothing of
@@ -290,7 +290,7 @@ class Settings:
     #: parks in epoll (adaptive; 0 turns it off). See bench/README.md, "Busy-polling".
     busy_poll_us: int = 200
     #: seconds a ``break`` waits for a holder listening for events to say it
-    #: stopped (``stopped``) before the key goes to the next holder (SPEC 12).
+    #: stopped (``stopped``) before the key goes to the next holder (docs/contract.md §12).
     break_grace: float = 5.0
     #: latency samples ``stats`` keeps per op (its percentiles describe the last N requests).
     stats_window: int = 2048

@@ -1,4 +1,4 @@
-"""The numbers of the wire contract (SPEC §3) that every lockd program shares.
+"""The numbers of the wire contract (docs/contract.md §3) that every lockd program shares.
 
 The daemon's parser (:mod:`lockd.daemon.protocol`) enforces these limits; the
 commands (:mod:`lockd.cli`, ``lockd run``) check options against the same
@@ -18,7 +18,7 @@ from __future__ import annotations
 #: refused, never cut.
 MAX_TTL_MS = 86_400_000
 MAX_TIMEOUT_MS = 86_400_000
-#: A command's ``--wait forever`` (SPEC §12: a blocking acquire without
+#: A command's ``--wait forever`` (docs/contract.md §12: a blocking acquire without
 #: limit); never sent: the client sends MAX_TIMEOUT_MS and parks again.
 WAIT_FOREVER = -1
 #: Keys are 1-1024 bytes of UTF-8 without control characters.

@@ -1,5 +1,5 @@
 """How the CLI and ``lockd run`` name who holds a key, in one line or a table
-(SPEC §9, §10): principal, owner, process id and name, as lslocks does for
+(docs/contract.md §9, §10): principal, owner, process id and name, as lslocks does for
 flock; every holder of a shared key or semaphore. No click here: ``lockd
 run`` uses it too.
 """

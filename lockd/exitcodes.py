@@ -1,4 +1,4 @@
-"""Exit statuses of every ``lockd`` command (SPEC §9), in one place.
+"""Exit statuses of every ``lockd`` command (docs/contract.md §9), in one place.
 
 The numbers, what they mean (:data:`EXIT_CODE_MEANINGS`: ``lockd --help``,
 ``lockd run --help`` and README's table all say this), which client error
@@ -35,7 +35,7 @@ EXIT_RATE_LIMITED = 4
 EXIT_UNAVAILABLE = 5
 #: Lease lost or not the holder (renew/release with a stale handle).
 EXIT_LOST = 6
-#: A blocking acquire refused because it would close a cycle of waits (SPEC §12).
+#: A blocking acquire refused because it would close a cycle of waits (docs/contract.md §12).
 EXIT_DEADLOCK = 7
 #: A bug in lockd itself (sysexits' EX_SOFTWARE); never expected.
 EXIT_BUG = 70
@@ -72,7 +72,7 @@ def exit_codes_help(rows: Sequence[tuple[int | str, str]] = EXIT_CODE_MEANINGS) 
 
 
 def exit_code_for(exc: LockdError) -> int:
-    """The exit status for a client error (SPEC §9, plus the decisions below).
+    """The exit status for a client error (docs/contract.md §9, plus the decisions below).
 
     ``SHUTTING_DOWN`` and ``INTERNAL`` exit 5 like an unreachable daemon: in
     all three the daemon cannot serve the request now and a script should
@@ -95,7 +95,7 @@ def exit_code_for(exc: LockdError) -> int:
     return EXIT_UNAVAILABLE
 
 
-# -- the --json error line (SPEC §9) ---------------------------------------------------
+# -- the --json error line (docs/contract.md §9) ---------------------------------------------------
 
 #: Codes for failures the daemon has no wire code for, with their HTTP-like status.
 KEY_BUSY = "KEY_BUSY"  # one attempt found the key held (409 Conflict)
@@ -103,7 +103,7 @@ DAEMON_UNAVAILABLE = "DAEMON_UNAVAILABLE"  # cannot reach the daemon (503)
 USAGE = "USAGE"  # the command line, a local file or COMMAND is wrong (400)
 LEASE_LOST = "LEASE_LOST"  # the hold is gone: renew/release refused, lost mid-run (410 Gone)
 
-#: Status of every code a ``--json`` error line may carry: the wire codes (SPEC §3)
+#: Status of every code a ``--json`` error line may carry: the wire codes (docs/contract.md §3)
 #: and the four CLI-side ones above.
 ERROR_STATUS = {
     **contract.ERROR_STATUS,

@@ -12,7 +12,7 @@ for live processes with this session's token in ``/proc/*/environ``, kills
 them and fails the run naming them. Other test sessions running on the same
 machine at the same time have other tokens and are left alone.
 
-Both backends (SPEC §11): the ``backend`` fixture says which store a test's
+Both backends (docs/contract.md §11): the ``backend`` fixture says which store a test's
 daemons serve from. It is ``sqlite`` unless the test (or its module) is
 marked ``both_backends``: then the test runs once per backend, the etcd run
 on the session's real 3-member cluster (``tests/etcd_fixtures.py``), each

@@ -11,7 +11,7 @@ the daemon's own gateway client cannot make the fixture lie about the
 cluster's state.
 
 :class:`EtcdBackend` is the ``[backend]`` table of a lockd serving from such a
-cluster (SPEC §11); ``tests/conftest.py`` writes it into a daemon's
+cluster (docs/contract.md §11); ``tests/conftest.py`` writes it into a daemon's
 ``lockd.toml``.
 
 Standard library only, so ``bench/`` uses it too; the pytest fixtures are in

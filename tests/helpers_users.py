@@ -1,6 +1,6 @@
 """Throwaway Unix users and groups, and client code that runs as them.
 
-Access rules and rate limits are about *other* uids: SPEC §1 makes root and
+Access rules and rate limits are about *other* uids: docs/contract.md §1 makes root and
 the daemon's own uid ``owner``, so a test running as root can only play a
 member through a second process with another uid. This module gives the live
 tests (and ``bench/rule_cost.py``) what they need for that:

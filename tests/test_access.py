@@ -1,6 +1,6 @@
 """Access control end to end: real daemon, real client, real Unix users.
 
-SPEC §1 (principals, roles, services), §5 (rules, decision order, hot reload,
+docs/contract.md §1 (principals, roles, services), §5 (rules, decision order, hot reload,
 start-up refusal) and the access column of §2, checked the way a host would
 see them: the daemon runs as root (so root callers are ``owner``), members,
 admins and services are throwaway users created for the module, each client
@@ -43,10 +43,10 @@ _WHY = missing_prerequisite()
 if _WHY is not None:
     pytest.skip(_WHY, allow_module_level=True)
 
-#: SPEC §5 says a change takes effect "within about a second"; inotify reacts
+#: docs/contract.md §5 says a change takes effect "within about a second"; inotify reacts
 #: in tens of ms, the margin is for a loaded 2-core CI machine.
 RELOAD_DEADLINE = 2.0
-#: The SPEC §5 example rule.
+#: The docs/contract.md §5 example rule.
 SPEC_RULE = "record.key.startsWith('user:' + user.userId + ':')"
 #: Pieces of rule text a denial message must never quote.
 RULE_FRAGMENTS = ("startsWith", "record.key", "user.userId", "isMemberOf", "false")
@@ -317,7 +317,7 @@ def test_group_rules_see_supplementary_and_peer_groups(
     live = start()
     bob = live.agent(cast.bob)  # in the team through /etc/group only
     alice = live.agent(cast.alice)
-    # SPEC §5: a caller's groups include the gid of its socket's peer
+    # docs/contract.md §5: a caller's groups include the gid of its socket's peer
     # credentials, also when its login is not a member (sg/newgrp, setgid).
     alice_as_team = live.agent(cast.alice, gid=grp.getgrnam(cast.team_group).gr_gid)
     for expression in GROUP_RULES:
@@ -340,7 +340,7 @@ def test_stats_rules_are_for_owner_admin_and_services_list_for_all(
     assert held is not None
     for method, op in (("stats", "stats"), ("rules", "rules")):
         assert_denied(alice.error(method), op)
-    # SPEC §12: list is open to members, for their own holds and waits.
+    # docs/contract.md §12: list is open to members, for their own holds and waits.
     assert [lock["key"] for lock in alice.call("list")] == ["reports:1"]
 
     for user in (cast.admin, cast.svc):
@@ -378,7 +378,7 @@ def test_break_is_for_owners_and_admins(start: Callable[..., Live], cast: Cast) 
     assert_denied(alice.error("break_lock", "stuck-job", "mine anyway"), "break")
     bob = live.agent(cast.bob)
     assert_denied(bob.error("break_lock", "stuck-job", "let me in"), "break")
-    # SPEC §2 lists break for owner and admin only (not services).
+    # docs/contract.md §2 lists break for owner and admin only (not services).
     svc = live.agent(cast.svc)
     assert_denied(svc.error("break_lock", "stuck-job", "service cleanup"), "break")
     assert live.root.status("stuck-job").held_by == f"user:{cast.alice.name}"

@@ -1,4 +1,4 @@
-"""``cancel`` (SPEC §2, §3): withdraw one of this connection's parked acquires.
+"""``cancel`` (docs/contract.md §2, §3): withdraw one of this connection's parked acquires.
 
 Every request gets exactly one reply: the withdrawn acquire is answered
 ``CANCELLED`` (499) and the cancel itself ``{"cancelled": true}``; a cancel

@@ -1,4 +1,4 @@
-"""The ``lockd`` CLI against a real daemon: exit codes, output, errors (SPEC §9).
+"""The ``lockd`` CLI against a real daemon: exit codes, output, errors (docs/contract.md §9).
 
 Most tests drive the click commands in-process (CliRunner) against a real
 ``lockd serve``; a few run the real program in ``bash`` the way scripts use
@@ -125,7 +125,8 @@ def test_parse_duration_rejects(text: str) -> None:
         ["locks", "acquire", "k", "--ttl", "5x"],
         ["locks", "acquire", "k", "--ttl", "0"],
         ["locks", "acquire", "k", "--ttl", "25h"],
-        ["locks", "acquire", "k", "--wait", "5m1h"],  # no --ttl is fine now: 60 s (SPEC §12)
+        # no --ttl is fine now: 60 s (docs/contract.md §12)
+        ["locks", "acquire", "k", "--wait", "5m1h"],
         ["locks", "acquire", "k", "--ttl", "1s", "--wait", "soon"],
         ["locks", "renew", "k", "--handle", "h", "--ttl", "-5s"],
         ["locks", "nope"],
@@ -824,7 +825,7 @@ def test_member_is_denied(daemon_paths: DaemonProcess) -> None:
     hello = json.loads(str(results[0]["stdout"]))
     assert hello["principal"] == f"user:{user.pw_name}" and hello["role"] == "member"
     codes = [r["code"] for r in results[1:]]
-    # list: open, the member's own keys only (none yet; SPEC §12); stats, rules
+    # list: open, the member's own keys only (none yet; docs/contract.md §12); stats, rules
     # show, break: roles; acquire outside the own prefix: the rule.
     assert codes == [0] + [EXIT_DENIED] * 4 + [0], results
     assert str(results[1]["stdout"]).strip() == "no locks held"

@@ -1,7 +1,7 @@
-"""Who holds a key, in the CLI (SPEC §9, §10): PID and PROCESS columns, the mode,
+"""Who holds a key, in the CLI (docs/contract.md §9, §10): PID and PROCESS columns, the mode,
 every holder of a shared key or semaphore, and the busy message naming them.
 
-The rendering is checked against status objects in the SPEC's wire format
+The rendering is checked against status objects in docs/contract.md's wire format
 (``holders``, ``mode``, ``limit``, ``pid``, ``process``), and the PID against
 a real daemon, which records the holder's process at the grant.
 """

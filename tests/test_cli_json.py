@@ -1,4 +1,4 @@
-"""SPEC §9: one ``--json`` error shape for every command and failure, the bare-number
+"""docs/contract.md §9: one ``--json`` error shape for every command and failure, the bare-number
 warning, and the permission-denied message (real daemons, real processes)."""
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ def test_check_json(tmp_path: Path) -> None:
     bad = write(tmp_path, "bad.toml", BAD_NAME)
     err = invoke("rules", "check", str(bad), "--json")
     assert err.exit_code == 1 and err.stdout == ""
-    (line,) = err.stderr.splitlines()  # SPEC §9: one error line, the shape of every command
+    # docs/contract.md §9: one error line, the shape of every command
+    (line,) = err.stderr.splitlines()
     error = json.loads(line)["error"]
     assert (error["code"], error["status"]) == ("USAGE", 400)
     assert (error["details"]["file"], error["details"]["line"]) == (str(bad), 6)
@@ -163,7 +164,7 @@ def test_ops_not_named_by_the_rule_set_and_role_gates(tmp_path: Path) -> None:
     listing = invoke(*base, "--op", "stats")
     assert listing.exit_code == EXIT_DENIED
     assert "stats is for owners, admins and services" in listing.stdout
-    own = invoke(*base, "--op", "list")  # SPEC §12: open, a member sees its own
+    own = invoke(*base, "--op", "list")  # docs/contract.md §12: open, a member sees its own
     assert own.exit_code == 0 and "list is open to every caller" in own.stdout
     release = invoke(*base, "--op", "release", "anything")
     assert release.exit_code == 0 and "release is open" in release.stdout

@@ -461,7 +461,7 @@ time.sleep(60)
 def test_kill9_of_lockd_run_kills_the_whole_command_group(
     daemon: DaemonProcess, short_tmp: Path
 ) -> None:
-    """SPEC §9: COMMAND runs in its own process group and dies with ``lockd run``.
+    """docs/contract.md §9: COMMAND runs in its own process group and dies with ``lockd run``.
 
     The key is freed at once (releaseOnClose), so anything of COMMAND's group
     that survives works on without the lock, overlapping the next holder.
@@ -692,7 +692,7 @@ def test_daemon_restart_keeps_the_run_going(
             daemon.stop()
         daemon.start()
         if how == "kill9" and backend.is_etcd:
-            # SPEC §11: a daemon on etcd that dies takes its releaseOnClose
+            # docs/contract.md §11: a daemon on etcd that dies takes its releaseOnClose
             # holds with its session; the restart ends that session at once
             # (it can prove the old daemon dead), so lockd run loses the key.
             assert not own.status("restart").held

@@ -1,4 +1,4 @@
-"""The asyncio and trio clients against a real daemon (SPEC §8 "Async programs").
+"""The asyncio and trio clients against a real daemon (docs/contract.md §8 "Async programs").
 
 Same operations as the sync client, one pipelined connection for many tasks,
 and cancellation that never leaves a key held: the race between a grant and

@@ -1,4 +1,4 @@
-"""``lockd-client`` as its own distribution (SPEC §8): the wheel built from
+"""``lockd-client`` as its own distribution (docs/contract.md §8): the wheel built from
 ``client/``, installed into an empty venv, imports only the standard library
 and talks to a real daemon (sync and asyncio), with its type information."""
 

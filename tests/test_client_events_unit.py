@@ -1,4 +1,4 @@
-"""The clients' side of lease-loss events (SPEC §12), without a daemon.
+"""The clients' side of lease-loss events (docs/contract.md §12), without a daemon.
 
 A socket pair stands in for the daemon: what a pushed line does to the
 sync connection (filed by handle, read while nobody else reads, a waiting

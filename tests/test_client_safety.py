@@ -1,4 +1,4 @@
-"""The client's safe defaults against a real daemon (SPEC §8 "Safe by default").
+"""The client's safe defaults against a real daemon (docs/contract.md §8 "Safe by default").
 
 ``lock()`` renews and binds the hold to its connection; a hold lost inside
 the block raises :class:`LockLostError` at its end; a blocking acquire parks

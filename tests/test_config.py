@@ -1,4 +1,4 @@
-"""``lockd.toml`` and the daemon's paths (SPEC §7): strict, named errors, defaults.
+"""``lockd.toml`` and the daemon's paths (docs/contract.md §7): strict, named errors, defaults.
 
 The key lists are derived from :class:`Settings` itself, so a key added
 later is type-checked here without editing this file.

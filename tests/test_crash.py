@@ -1,4 +1,4 @@
-"""Durability across a daemon crash (SPEC §4), with kill -9 and a real database.
+"""Durability across a daemon crash (docs/contract.md §4), with kill -9 and a real database.
 
 A grant, renew or release is committed before its reply is sent, so
 whatever a client was told survives ``kill -9``: leases keep their handles,

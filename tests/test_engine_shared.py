@@ -1,4 +1,4 @@
-"""Shared holds, semaphores and failed commits in the engine (SPEC 10, fake clock)."""
+"""Shared holds, semaphores and failed commits in the engine (docs/contract.md §10, fake clock)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``lockd serve --etcd`` / ``[backend] kind = "etcd"``: a real daemon on a real cluster.
 
-What the etcd backend adds to the contract (SPEC §11): ``node`` in status,
+What the etcd backend adds to the contract (docs/contract.md §11): ``node`` in status,
 list, holders and stats, the effective ``ttlMs``, nothing written to the
 local database, ``hello`` while etcd is down and BACKEND_UNAVAILABLE for the
 rest within ``etcd_timeout``, ``cancel`` and ``releaseOnClose`` through the

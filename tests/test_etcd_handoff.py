@@ -123,7 +123,7 @@ async def test_a_shared_head_group_is_granted_in_the_release(backends: Backends)
         await until(lambda: len(results) == 3)
         readers = [r for r in results if isinstance(r, Hold)]
         assert len(readers) == 3 and {r.node for r in readers} == {"n1", "n2"}
-        # Every grant draws a fence of its own (SPEC §10): the head in the
+        # Every grant draws a fence of its own (docs/contract.md §10): the head in the
         # release's own transaction, the others each in one of their own.
         assert len({r.fence for r in readers}) == 3
         first = min(readers, key=lambda r: r.fence)

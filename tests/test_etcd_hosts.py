@@ -1,4 +1,4 @@
-"""Many hosts on one etcd cluster (SPEC §11), with real daemons and a real cluster.
+"""Many hosts on one etcd cluster (docs/contract.md §11), with real daemons and a real cluster.
 
 Two ``lockd serve`` processes with different ``node`` names share one etcd
 prefix: they stand for two hosts. Everything goes through the real client
@@ -38,7 +38,7 @@ from .etcd_cluster import EtcdBackend, EtcdCluster
 from .test_integration import PROMPT, park, wait_for, waiters
 from .test_protocol_live import RawConn, check_error
 
-#: SPEC §11: a dead host's waiters and releaseOnClose holds are gone within 10 s.
+#: docs/contract.md §11: a dead host's waiters and releaseOnClose holds are gone within 10 s.
 DEAD_HOST_BOUND = 10.0
 
 

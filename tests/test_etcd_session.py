@@ -60,7 +60,7 @@ async def test_a_dead_daemons_session_keys_go_within_the_ttl(etcd: EtcdGateway) 
         await etcd.put(key, "waiter", lease=session.lease_id)
         nursery.cancel_scope.cancel()  # the keeper stops, as when the host dies
     stopped = trio.current_time()
-    with trio.fail_after(10):  # SPEC: within 10 s
+    with trio.fail_after(10):  # docs/contract.md: within 10 s
         while (await etcd.get(key)).kvs:
             await trio.sleep(0.1)
     assert trio.current_time() - stopped >= 0.5  # it lived on until the lease ran out

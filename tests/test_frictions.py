@@ -1,4 +1,4 @@
-"""Small frictions of issue 24 (SPEC §12 "Durations and defaults"): compound
+"""Small frictions of issue 24 (docs/contract.md §12 "Durations and defaults"): compound
 durations, 60 s TTL by default, waits without limit, ``--socket`` anywhere,
 ``--`` before a key starting with ``-``, invalid UTF-8 keys, the client's
 lost-lease warning, the new error classes, key=value etcd logs and the
@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
         ("250ms", 250),
         ("2s250ms", 2_250),
         ("1.5s", 1_500),
-        ("60000", 60_000),  # a bare number stays milliseconds (SPEC §9)
+        ("60000", 60_000),  # a bare number stays milliseconds (docs/contract.md §9)
         ("1h0m0s", 3_600_000),
     ],
 )

@@ -1,4 +1,4 @@
-"""Peer credentials -> caller (SPEC §1 "Principal"), with injected lookups.
+"""Peer credentials -> caller (docs/contract.md §1 "Principal"), with injected lookups.
 
 No users, groups or cgroups are created: ``resolve_caller`` takes the
 passwd/group/cgroup lookups as arguments, and ``unit_from_cgroup`` parses

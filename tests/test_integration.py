@@ -349,7 +349,7 @@ def test_short_ttl_expires_and_status_says_so_right_after(
     status = client.status("short")
     assert status.held and status.expires_in_ms is not None and status.expires_in_ms <= ttl_ms
     # Wait out the lease itself, then one status must say free (on etcd, once
-    # etcd has ended the lease: leaseExpiresAt is the earliest end, SPEC §11).
+    # etcd has ended the lease: leaseExpiresAt is the earliest end, docs/contract.md §11).
     time.sleep(max(0.0, granted + ttl + 0.01 - time.monotonic()))
     if backend.is_etcd:  # idle: within ~0.5 s; under load it took over 3 s
         wait_for(lambda: not client.status("short").held, timeout=15, what="etcd's expiry")
@@ -632,7 +632,7 @@ def test_sigterm_answers_parked_acquires_and_keeps_leases(daemon_paths: DaemonPr
         park_raw(raw, client, "term", rid="w")
         waiter = park(client, daemon_paths.socket, "term")
         # A releaseOnClose lease whose connection is still open at the stop:
-        # the stop closes the connection, but it stays as a TTL lease (SPEC §3, §7).
+        # the stop closes the connection, but it stays as a TTL lease (docs/contract.md §3, §7).
         bound_client = LockClient(str(daemon_paths.socket))
         bound = bound_client.acquire("term:bound", ttl=60, timeout=1, release_on_close=True)
     assert daemon_paths.stop(signal.SIGTERM) == 0
@@ -646,7 +646,7 @@ def test_sigterm_answers_parked_acquires_and_keeps_leases(daemon_paths: DaemonPr
     with LockClient(str(daemon_paths.socket)) as client:
         status = client.status("term")
         assert status.held and status.fence == held.fence and status.owner == "run"
-        # The client's waiter was answered SHUTTING_DOWN and parked again (SPEC §8).
+        # The client's waiter was answered SHUTTING_DOWN and parked again (docs/contract.md §8).
         wait_for(lambda: waiters(client, "term") == 1, what="the waiter to park again")
         assert client.release(held).released
         waiter.finish()
@@ -773,7 +773,8 @@ def test_member_without_passwd_entry(daemon_paths: DaemonProcess) -> None:
         assert out["hello"]["role"] == "member" and out["hello"]["uid"] == NOBODY_UID
         for op in ("stats", "rules", "break"):
             assert out[op] == "LOCK_ACCESS_DENIED", (op, out[op])
-        assert out["list"] == "allowed"  # SPEC §12: a member lists its own holds (none yet)
+        # docs/contract.md §12: a member lists its own holds (none yet)
+        assert out["list"] == "allowed"
         assert out["status"]["held"] and out["status"]["heldBy"] == "user:root"
         assert "handle" not in out["status"]
         assert out["retake"] is False, "a member must not re-take another principal's hold"
@@ -790,6 +791,6 @@ def test_serve_json_reports_a_startup_error_as_one_json_line(
     proc = daemon_paths.serve_once("--json")
     assert proc.returncode == 2  # a config mistake is a usage error (issue 24)
     error = json.loads(proc.stderr.strip().splitlines()[-1])["error"]
-    assert (error["code"], error["status"]) == ("USAGE", 400)  # SPEC §9's one shape
+    assert (error["code"], error["status"]) == ("USAGE", 400)  # docs/contract.md §9's one shape
     assert error["details"] == {"reason": "bad_config"}
     assert "acquire_per_hour" in error["message"]

@@ -1,7 +1,7 @@
 """The daemon's log, read from a real ``lockd serve``'s stderr.
 
 Operators read it with ``journalctl -u lockd`` and grep it, so it is held to
-what ``lockd/logfmt.py`` and the SPEC promise:
+what ``lockd/logfmt.py`` and docs/contract.md promise:
 
 - one line per event, ``<time> level=<LEVEL> logger=<name> event=<what> k=v ...``,
   values quoted (``reason="stuck job"``) when they hold spaces, quotes or ``=``;

@@ -1,4 +1,4 @@
-"""Lease-loss events and the waiting break, decided by the service (SPEC 12).
+"""Lease-loss events and the waiting break, decided by the service (docs/contract.md §12).
 
 No server and no sleeping: the service runs on a fake boot clock, the test
 plays the server (``watch_grant`` when a grant reaches a listening

@@ -1,4 +1,4 @@
-"""Every Python client acts on a pushed loss at once (SPEC §12), against a real daemon.
+"""Every Python client acts on a pushed loss at once (docs/contract.md §12), against a real daemon.
 
 The holds here have a TTL of a minute, so no renewal comes within the
 test: what the clients see, they were told by the daemon. The sync client

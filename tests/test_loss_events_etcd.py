@@ -1,4 +1,4 @@
-"""Lease-loss events on the etcd backend (SPEC §11, §12): the end of the session.
+"""Lease-loss events on the etcd backend (docs/contract.md §11, §12): the end of the session.
 
 A ``releaseOnClose`` hold lives on the daemon's etcd session; when etcd
 ends that session (an outage past its TTL, here a revoke of its lease),

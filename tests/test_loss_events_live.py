@@ -1,4 +1,4 @@
-"""Lease-loss events against a real daemon (SPEC 12), on the wire.
+"""Lease-loss events against a real daemon (docs/contract.md §12), on the wire.
 
 Both backends where the etcd daemon sees the cause itself (a break or a
 re-take sent to it; its session's end: ``test_loss_events_etcd``).
@@ -46,7 +46,8 @@ def _nothing_within(conn: RawConn, seconds: float) -> None:
 @pytest.mark.both_backends
 def test_hello_says_whether_events_are_on_when_asked(daemon: DaemonProcess) -> None:
     conn = RawConn(daemon.socket)
-    assert "events" not in conn.call({"id": 1, "op": "hello"})["result"]  # the SPEC 3 fields
+    # the docs/contract.md §3 fields
+    assert "events" not in conn.call({"id": 1, "op": "hello"})["result"]
     assert conn.call({"id": 2, "op": "hello", "events": True})["result"]["events"] is True
     assert conn.call({"id": 3, "op": "hello", "events": False})["result"]["events"] is False
     bad = conn.call({"id": 4, "op": "hello", "events": "yes"})

@@ -1,4 +1,4 @@
-"""Access rules (SPEC §5): decision order, rule files, isMemberOf, reload."""
+"""Access rules (docs/contract.md §5): decision order, rule files, isMemberOf, reload."""
 
 from __future__ import annotations
 
@@ -628,7 +628,7 @@ def test_decide_cost_p50_when_remembered(tmp_path: Path) -> None:
     assert policy.decide(who, "acquire", "user:alice:job").allowed
 
 
-# --------------------------------------------------------------------------- SPEC 10
+# --------------------------------------------------------------------------- docs/contract.md §10
 
 
 def test_rules_see_record_mode_and_limit(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The wire parser and encoders (SPEC §3), without a daemon.
+"""The wire parser and encoders (docs/contract.md §3), without a daemon.
 
 Example tests pin each validation rule to the field it must name; the
 hypothesis tests check the parser's one promise that the server relies on:
@@ -290,7 +290,7 @@ def test_bad_handle_is_refused(handle: object) -> None:
 
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
 def test_non_utf8_encodings_are_refused(encoding: str) -> None:
-    """SPEC §3: UTF-8 only (json.loads on bytes would auto-detect UTF-16/32)."""
+    """docs/contract.md §3: UTF-8 only (json.loads on bytes would auto-detect UTF-16/32)."""
     exc = refused('{"id": 1, "op": "hello"}'.encode(encoding))
     assert exc.code == "INVALID_REQUEST" and exc.request_id is None
 

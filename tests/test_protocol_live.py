@@ -1,4 +1,4 @@
-"""The wire protocol (SPEC §3) against a real daemon, on raw sockets.
+"""The wire protocol (docs/contract.md §3) against a real daemon, on raw sockets.
 
 The client library would hide what these tests look at: exact result
 shapes and field names, id echo, out-of-order replies on one connection,
@@ -199,7 +199,7 @@ def conn(lockd: DaemonProcess) -> Iterator[RawConn]:
 
 def test_every_op_result_has_the_spec_fields(conn: RawConn, backend: Backend) -> None:
     key = unique()
-    # SPEC §11: with etcd, status, list entries and holders name the granting host.
+    # docs/contract.md §11: with etcd, status, list entries and holders name the granting host.
     node = {"node"} if backend.is_etcd else set()
     status_fields, holder_fields = STATUS_FIELDS | node, HOLDER_FIELDS | node
     hello = conn.result({"id": 1, "op": "hello"})

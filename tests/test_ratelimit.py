@@ -1,4 +1,4 @@
-"""Rate limit (SPEC §6): exact rolling window, exact retry-after, bounded memory."""
+"""Rate limit (docs/contract.md §6): exact rolling window, exact retry-after, bounded memory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The acquire rate limit (SPEC §6) on a real daemon, for real Unix users.
+"""The acquire rate limit (docs/contract.md §6) on a real daemon, for real Unix users.
 
 ``acquire_per_hour = 5`` in lockd.toml. Members are throwaway users whose
 clients run as separate processes (:class:`Agent`); the daemon runs as root,
@@ -170,7 +170,7 @@ def test_blocking_acquire_over_the_limit_times_out_never_rate_limited(
             ), error
             assert error.details == {"key": key, "timeoutMs": timeout_ms}
             # No room comes within the hour's window: it still waits its
-            # timeout out (SPEC 6), so a caller retrying on LOCK_TIMEOUT is paced.
+            # timeout out (docs/contract.md §6), so a caller retrying on LOCK_TIMEOUT is paced.
             assert waited >= timeout * 0.98, (key, timeout, waited)
     assert not live.root.status("free-key").held
     assert live.root.status("held-by-root").held_by == "user:root"

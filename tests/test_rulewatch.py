@@ -1,4 +1,4 @@
-"""Hot-reload trigger (SPEC §5): every kind of change in rule-sets/ is seen."""
+"""Hot-reload trigger (docs/contract.md §5): every kind of change in rule-sets/ is seen."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``lockd run`` hears its loss from the daemon (SPEC §12) and the break waits for it.
+"""``lockd run`` hears its loss from the daemon (docs/contract.md §12) and the break waits for it.
 
 The leases here last a minute: a renewal (every 20 s) cannot be what made
 ``lockd run`` act, the daemon's event did. A break of ``lockd run``'s hold

@@ -255,7 +255,7 @@ async def test_close_noticed_while_pending_limit_reached(short_tmp: Path) -> Non
         await client.send(*(acquire(i, "busy", timeoutMs=600_000) for i in (2, 3, 4)))
         assert await until(lambda: h.engine.waiter_count == 2)
         client.close()
-        # SPEC 2/3: a waiter whose connection closes leaves the queue, and a
+        # docs/contract.md §2/§3: a waiter whose connection closes leaves the queue, and a
         # releaseOnClose lease is released at once when its connection closes.
         await until(lambda: h.engine.waiter_count == 0, timeout=1.0)
         waiters, mine = h.engine.waiter_count, h.service.status("mine")["held"]
@@ -272,7 +272,7 @@ async def test_parked_acquires_do_not_block_the_connections_release(short_tmp: P
         await client.send(acquire(2, "k", timeoutMs=600_000), acquire(3, "k", timeoutMs=600_000))
         await client.send(release)
         replies = [await client.recv(timeout=1.0) for _ in range(2)]
-    # SPEC 3: a parked acquire does not block the connection's other requests.
+    # docs/contract.md §3: a parked acquire does not block the connection's other requests.
     assert sorted(r["id"] for r in replies if r is not None) == [2, 4]
 
 
@@ -323,7 +323,7 @@ async def test_failed_commit_does_not_strand_parked_waiter(short_tmp: Path) -> N
         store.armed = True
         release = await holder.call({"id": 3, "op": "release", "key": "k", "handle": handle})
         assert release["error"]["code"] == "INTERNAL"
-        # The daemon lives on (SPEC 3): the waiter must get an answer -- its
+        # The daemon lives on (docs/contract.md §3): the waiter must get an answer -- its
         # grant, an error, or at worst its LOCK_TIMEOUT after 500 ms.
         reply = await waiter.recv(timeout=1.5)
     assert reply is not None, "parked acquire never answered after a failed commit"
@@ -351,7 +351,7 @@ def test_fence_of_a_grant_broken_in_the_same_batch_survives_restart(short_tmp: P
     assert broken["fence"] == 2 and seen == [2]  # both the breaker and the waiter saw 2
     store.close()
     _, fence = Store(db, "boot-1").load()
-    # SPEC 1/4: fences strictly increase across all grants, restarts included.
+    # docs/contract.md §1/§4: fences strictly increase across all grants, restarts included.
     assert fence >= 2
 
 
@@ -702,7 +702,8 @@ async def test_a_connection_with_an_acquire_waiting_does_not_poll(
 
 
 async def test_sigterm_answers_rate_waiting_acquire_with_shutting_down(short_tmp: Path) -> None:
-    """A blocking acquire waiting for rate-limit room is a parked acquire too (SPEC 7)."""
+    """A blocking acquire waiting for rate-limit room is a parked acquire too
+    (docs/contract.md §7)."""
     async with running(short_tmp, limiter=ScriptedLimiter([60_000] * 3)) as h:
         client = await h.connect()
         await client.send(acquire(1, "k", timeoutMs=120_000))

@@ -1,5 +1,5 @@
 """Shared holds and semaphores from the client and the CLI against a real daemon
-(SPEC §10): ``shared=``/``limit=``, ``status().holders``, ``--shared`` and
+(docs/contract.md §10): ``shared=``/``limit=``, ``status().holders``, ``--shared`` and
 ``--limit N`` on ``locks acquire`` and ``run``, and how they are shown."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared holds and semaphores against a real daemon, on the wire (SPEC 10)."""
+"""Shared holds and semaphores against a real daemon, on the wire (docs/contract.md §10)."""
 
 from __future__ import annotations
 

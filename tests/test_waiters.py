@@ -1,4 +1,4 @@
-"""Who waits for whom (issue 24, SPEC §12): ``waiterList`` in status and list,
+"""Who waits for whom (issue 24, docs/contract.md §12): ``waiterList`` in status and list,
 the CLI's queue table, the live wait line, and ``lockd locks top``, on both
 backends. (Members listing their own holds and waits: tests/test_access.py.)"""
 

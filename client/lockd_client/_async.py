@@ -146,7 +146,7 @@ class Pipeline(Generic[SlotT]):
         self._abandoned: dict[int, str] = {}
         self._lines = ReplyLines()
         self.lost: ConnectionLost | None = None
-        #: losses the daemon pushed (SPEC 12), and who waits for each handle's.
+        #: losses the daemon pushed (docs/contract.md §12), and who waits for each handle's.
         self.losses = LossBook()
         self.loss_listeners: dict[str, Callable[[Loss], None]] = {}
         #: ``hello {"events": true}`` was sent on it.
@@ -183,7 +183,7 @@ class Pipeline(Generic[SlotT]):
             rid = reply.get("id")
             if not isinstance(rid, int) or isinstance(rid, bool):
                 loss = loss_from(reply) if rid is None else None
-                if loss is not None:  # pushed (SPEC 12)
+                if loss is not None:  # pushed (docs/contract.md §12)
                     self._told(loss)
                 continue  # id null: the daemon could not read one of our lines
             op = self._abandoned.pop(rid, None)

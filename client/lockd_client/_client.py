@@ -188,7 +188,7 @@ class LockClient:
         ``release_on_close=True`` binds the lease to this client's connection:
         closing the client (or the process dying) frees the key at once.
         ``shared=True`` takes a shared (reader) hold; ``limit=N`` (1-1000)
-        makes the key a semaphore of N exclusive slots (SPEC §10).
+        makes the key a semaphore of N exclusive slots (docs/contract.md §10).
         ``ttl`` defaults to 60 s; without ``timeout`` the wait has no limit.
         ``pid`` names the process that will use the hold, shown by status
         instead of this one's; the daemon records it only when that process
@@ -371,7 +371,7 @@ class LockClient:
     # -- internals ------------------------------------------------------------
 
     def stopped(self, handle: HandleRef) -> bool:
-        """Tell the daemon the work of a broken hold has stopped (SPEC §12).
+        """Tell the daemon the work of a broken hold has stopped (docs/contract.md §12).
 
         A break of a hold whose holder listens for events hands the key on
         only once the holder says so (or closes, or ``break_grace`` passes).
@@ -382,7 +382,7 @@ class LockClient:
         return bool(dict_result("stopped", result).get("stopped"))
 
     def listen_for_losses(self) -> None:
-        """Ask the daemon to push lease-loss events to this client (SPEC §12).
+        """Ask the daemon to push lease-loss events to this client (docs/contract.md §12).
 
         From now on every connection of this client starts with ``hello
         {"events": true}`` (sent ahead of the next request, not waited for:

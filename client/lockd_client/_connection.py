@@ -97,7 +97,7 @@ class Connection:
         self._fd_closed = False
         #: the message of the last error the daemon sent without a request id.
         self._refusal: str | None = None
-        #: losses the daemon pushed (SPEC 12), by handle (see ``wait_for_loss``).
+        #: losses the daemon pushed (docs/contract.md §12), by handle (see ``wait_for_loss``).
         self.losses = LossBook()
         #: ``hello {"events": true}`` was sent on it.
         self.events_asked = False
@@ -346,7 +346,7 @@ class Connection:
         rid = reply.get("id")
         if not isinstance(rid, int) or isinstance(rid, bool):
             loss = loss_from(reply) if rid is None else None
-            if loss is not None:  # pushed (SPEC 12): kept for whoever holds the handle
+            if loss is not None:  # pushed (docs/contract.md §12): kept for whoever holds the handle
                 self.losses.add(loss)
                 return
             # id null: the daemon could not read one of our requests, or it

@@ -1,6 +1,6 @@
 """Exceptions raised by :mod:`lockd_client`.
 
-Every error the daemon reports (SPEC §3 error codes) becomes an instance of
+Every error the daemon reports (docs/contract.md §3 error codes) becomes an instance of
 :class:`LockdError` or one of its subclasses; :func:`error_from_reply` does the
 mapping. :class:`DaemonUnavailableError` is raised by the client itself when it
 cannot reach the daemon.

@@ -1,4 +1,4 @@
-"""Lease-loss events pushed by the daemon (SPEC §12), as every client reads them.
+"""Lease-loss events pushed by the daemon (docs/contract.md §12), as every client reads them.
 
 A connection asks for them with ``hello {"events": true}``, sent ahead of
 its first request without waiting for the answer: an older daemon refuses

@@ -44,7 +44,7 @@ class AutoRenewer:
 
     Between renewals the thread listens on the connection the hold was
     granted on (``events_from``, by default ``client``; its connection as
-    it is when the renewer is made) for the daemon's lease-loss event (SPEC
+    it is when the renewer is made) for the daemon's lease-loss event (docs/contract.md
     §12): a break, a re-take or an expiry is reported the moment it is
     told, with ``lost_cause`` and ``loss`` set, instead of at the next
     renewal. Renewal stays the fallback: a daemon that sends no events, or
@@ -80,7 +80,7 @@ class AutoRenewer:
         self._margin = min(self._lease_ms / 10_000, _MAX_MARGIN)
         self._deadline = expires_at
         self.lost_reason: str | None = None
-        #: the daemon's word on the loss, when it pushed one (SPEC 12).
+        #: the daemon's word on the loss, when it pushed one (docs/contract.md §12).
         self.loss: Loss | None = None
         self._events: Connection | None = (events_from or client).events_connection()
         self._stop = threading.Event()
@@ -211,7 +211,7 @@ def hold(
         def lost(handle: Handle) -> None:
             assert renewer is not None
             # The next call of the client raises it, so work in the block
-            # that talks to the daemon stops there (SPEC 12).
+            # that talks to the daemon stops there (docs/contract.md §12).
             client._note_lost(_lost_error(handle, renewer))
             if on_lost is not None:
                 on_lost(handle)

@@ -43,14 +43,14 @@ __all__ = [
 #: What ``renew`` and ``release`` accept: a Handle, or a ``(key, handle_id)`` pair.
 HandleRef = Handle | tuple[str, str]
 
-#: The TTL of every acquire that names none, in seconds (SPEC §12: 60 s everywhere).
+#: The TTL of every acquire that names none, in seconds (docs/contract.md §12: 60 s everywhere).
 DEFAULT_TTL = 60.0
-#: The longest ``timeoutMs`` one wait may send, in seconds (24 h, SPEC §3). A
+#: The longest ``timeoutMs`` one wait may send, in seconds (24 h, docs/contract.md §3). A
 #: blocking acquire without a timeout sends it and parks again each time it
 #: runs out, so it waits without limit.
 UNLIMITED_WAIT = 86_400.0
 
-#: The largest semaphore (SPEC §10).
+#: The largest semaphore (docs/contract.md §10).
 MAX_LIMIT = 1000
 #: The first pause between attempts, and the longest.
 _FIRST_PAUSE = 0.05

@@ -1,4 +1,4 @@
-"""Typed results decoded from the daemon's replies (SPEC §3 "Results").
+"""Typed results decoded from the daemon's replies (docs/contract.md §3 "Results").
 
 Every result keeps the daemon's JSON object as ``raw``. Times are parsed into
 timezone-aware :class:`~datetime.datetime` objects (UTC).
@@ -164,7 +164,7 @@ class Holder:
 
 @dataclass(frozen=True)
 class Waiter:
-    """One queued request for a key (an entry of ``status().waiter_list``, SPEC §12).
+    """One queued request for a key (an entry of ``status().waiter_list``, docs/contract.md §12).
 
     ``position`` 1 is next; ``since`` is when the request came and
     ``waiting_ms`` how long it has waited; ``node`` the host it waits on
@@ -228,7 +228,7 @@ class LockStatus:
     limit: int | None = None
     holder_count: int = 0
     holders: tuple[Holder, ...] = ()
-    #: the first waiters in queue order (up to 100; SPEC §12); ``waiters`` counts all.
+    #: the first waiters in queue order (up to 100; docs/contract.md §12); ``waiters`` counts all.
     waiter_list: tuple[Waiter, ...] = ()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
@@ -269,7 +269,7 @@ class LockStatus:
 
 
 def _waiters(value: object) -> tuple[Waiter, ...]:
-    if value is None:  # a daemon before SPEC §12
+    if value is None:  # a daemon before docs/contract.md §12
         return ()
     if not isinstance(value, list):
         raise _bad(f"field 'waiterList' should be a list, got {value!r}")

@@ -1,4 +1,4 @@
-"""Argument checks and conversions done before a request is sent (SPEC §1, §3),
+"""Argument checks and conversions done before a request is sent (docs/contract.md §1, §3),
 and the JSON coding of request and reply lines.
 
 These run once per request on the client's hot path, so the common cases take

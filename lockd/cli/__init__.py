@@ -98,7 +98,7 @@ def main() -> None:
     "--etcd",
     "etcd",
     metavar="URL[,URL...]",
-    help="Keep the lock state in this etcd cluster (SPEC 11): [backend] kind etcd "
+    help="Keep the lock state in this etcd cluster (docs/contract.md §11): [backend] kind etcd "
     "with these endpoints; the other [backend] keys of lockd.toml still apply.",
 )
 def serve(

@@ -1,6 +1,6 @@
 """What every ``lockd`` command shares: exit codes, durations, errors, output.
 
-Why this module exists: the CLI is a contract for shell scripts (SPEC §9), so
+Why this module exists: the CLI is a contract for shell scripts (docs/contract.md §9), so
 the pieces a script relies on must behave the same in every command:
 
 - **Exit codes** (:data:`EXIT_CODES_HELP`, shown by ``lockd --help``) and the
@@ -116,7 +116,7 @@ def json_requested(args: Sequence[str]) -> bool:
 
 
 def json_errors() -> bool:
-    """True when failures must be reported as one JSON line (SPEC §9).
+    """True when failures must be reported as one JSON line (docs/contract.md §9).
 
     From the command line as the root group saw it, or, for a command invoked
     on its own (tests), from its parsed ``--json`` option.
@@ -155,7 +155,7 @@ def echo_error(message: str, code: str, details: dict[str, Any] | None = None) -
 
 def warn(message: str) -> None:
     """``lockd: warning: message`` on stderr; nothing under ``--json``, whose
-    stderr is kept for the one error document of a failure (SPEC §9)."""
+    stderr is kept for the one error document of a failure (docs/contract.md §9)."""
     if not json_errors():
         click.echo(f"lockd: warning: {message}", err=True)
 
@@ -305,7 +305,7 @@ class LazyGroup(click.Group):
 class LockdGroup(LazyGroup):
     """The root group: click's usage errors, from any subcommand, on one line (exit 2).
 
-    Click prints usage, a hint and the error on four lines; SPEC §9 wants one
+    Click prints usage, a hint and the error on four lines; docs/contract.md §9 wants one
     clear line on stderr (one JSON line with ``--json``, which is looked for
     here, before parsing, so that a usage error is reported in JSON too).
     Subcommands are parsed inside the root's :meth:`invoke`, so catching here
@@ -351,7 +351,7 @@ def parse_duration_ms(text: str) -> int:
 
     A compound duration names its units from the largest down, each at most
     once (``1h5m``, ``1m30s``, ``2s250ms``), as Go's and systemd's do; a bare
-    number is milliseconds (SPEC §9). Decimal arithmetic keeps what was
+    number is milliseconds (docs/contract.md §9). Decimal arithmetic keeps what was
     written: ``1.1s`` is 1100 ms, not 1101.
     """
     raw = text.strip()
@@ -424,7 +424,7 @@ def _exact(ms: int) -> str:
 
 #: A lease TTL: 1 ms to 24 h.
 TTL = Duration(min_ms=1, max_ms=MAX_TTL_MS)
-#: ``--wait forever``: a blocking acquire without limit (SPEC §12). The wire
+#: ``--wait forever``: a blocking acquire without limit (docs/contract.md §12). The wire
 #: needs ``timeoutMs``: the client sends the largest and parks again.
 FOREVER = "forever"
 #: A wait: 0 (answer at once) to 24 h, or ``forever``.
@@ -435,7 +435,7 @@ WAIT = Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS, forever=True)
 
 
 def check_key_argument(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A KEY from the command line must be UTF-8 (SPEC §1): say so, not a codec error.
+    """A KEY from the command line must be UTF-8 (docs/contract.md §1): say so, not a codec error.
 
     Python hands over bytes that are not UTF-8 as lone surrogates
     (surrogateescape); encoding the request would fail far from the cause.
@@ -459,7 +459,7 @@ def check_key_argument(ctx: click.Context, param: click.Parameter, value: str | 
 def use_socket(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     """``lockd --socket PATH COMMAND``: the root's ``--socket`` becomes ``$LOCKD_SOCKET``.
 
-    So ``--socket`` works before the subcommand as well as after it (SPEC
+    So ``--socket`` works before the subcommand as well as after it (docs/contract.md
     §12), for every command at once, ``serve`` and ``lockd run``'s COMMAND
     included; a subcommand's own ``--socket`` still wins.
     """
@@ -486,7 +486,7 @@ def _check_limit(ctx: click.Context, param: click.Parameter, value: int) -> int:
 
 
 def shared_options(func: Callable[P, R]) -> Callable[P, R]:
-    """``--shared`` and ``--limit N`` (SPEC §10); passed as ``shared`` and ``limit``."""
+    """``--shared`` and ``--limit N`` (docs/contract.md §10); passed as ``shared`` and ``limit``."""
     func = click.option(
         "--limit",
         type=click.IntRange(1, MAX_LIMIT),

@@ -1,7 +1,7 @@
 """``lockd locks ...``: list, status, acquire, renew, release, break.
 
 Thin commands over :class:`lockd_client.LockClient` (never the daemon's
-internals). What a script can rely on (SPEC §9):
+internals). What a script can rely on (docs/contract.md §9):
 
 - ``acquire`` makes ONE non-blocking attempt unless ``--wait`` is given and
   prints the handle id alone on stdout, so ``H=$(lockd locks acquire k --ttl
@@ -99,7 +99,7 @@ def _busy(client: LockClient, key: str, *, shared: bool = False) -> tuple[str, d
 
     The text to append to the message, and the error's ``details``. A shared
     request that found only shared holders was turned away by the queue (a
-    writer waits ahead, and shared requests never overtake it: SPEC §10):
+    writer waits ahead, and shared requests never overtake it: docs/contract.md §10):
     that is said, since "held by N holders (shared)" alone reads as a bug.
     """
     details: dict[str, object] = {"key": key}
@@ -202,7 +202,7 @@ def _stream_json(pages: Iterator[Page]) -> None:
     """One JSON document, all or nothing: stdout gets it only once every page came.
 
     A failure on any page (the daemon going away, access denied) leaves
-    stdout empty, as SPEC §9 promises for ``--json``; the document is built a
+    stdout empty, as docs/contract.md §9 promises for ``--json``; the document is built a
     page at a time in a spooled temporary file (in memory up to
     :data:`JSON_SPOOL_BYTES`), so a million locks never sit in memory as objects.
     """
@@ -228,7 +228,7 @@ def _stream_json(pages: Iterator[Page]) -> None:
 def _stream_table(pages: Iterator[Page], prefix: str | None) -> None:
     table: TableWriter | None = None
     # NODE (the host that granted each hold) only from a daemon that names
-    # one (the etcd backend, SPEC §11): decided on the first page with locks.
+    # one (the etcd backend, docs/contract.md §11): decided on the first page with locks.
     with_node = False
     shown = 0
     for locks, _ in pages:
@@ -334,7 +334,7 @@ def status(key: str, socket_path: str | None, as_json: bool) -> None:
         rows = [(*holder_cells(h), format_relative(h.expires_in_ms)) for h in st.holders]
         table = render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows)
         click.echo("Holders:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
-    if st.waiter_list:  # SPEC §12: who waits, in queue order
+    if st.waiter_list:  # docs/contract.md §12: who waits, in queue order
         queue_rows: list[tuple[object, ...]] = [
             (
                 w.position,

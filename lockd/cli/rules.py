@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 #: Exit code of ``rules check`` / ``rules test`` when a rule set or config is invalid.
 EXIT_INVALID = 1
 
-#: Protocol ops ``rules test --op`` accepts (SPEC §2).
+#: Protocol ops ``rules test --op`` accepts (docs/contract.md §2).
 OPS = ("acquire", "tryAcquire", "renew", "release", "status", "list", "stats", "rules", "break")
 #: Ops a KEY is needed for (the rules see ``record.key``).
 KEYED_OPS = frozenset({"acquire", "tryAcquire", "renew", "release", "status", "break"})

@@ -8,7 +8,7 @@ re-exported here), which the caller takes with :meth:`LockEngine.drain`
 after each call, commits, and only then replies. This is the h11 shape: the
 engine is a state machine, the server moves bytes and time.
 
-A key has any number of holders (SPEC 10): one exclusive holder, several
+A key has any number of holders (docs/contract.md §10): one exclusive holder, several
 shared ones, or up to ``limit`` exclusive holders of a semaphore, each with
 its own lease, handle, fence and slot. Which request fits, who goes first
 and what a re-take is are the rules of :mod:`lockd.core` (the etcd backend
@@ -210,7 +210,7 @@ class LockEngine:
     ) -> None:
         self._keys: dict[str, _KeyState] = {}
         #: the keys of ``_keys`` in order, so a ``list`` page costs
-        #: O(page + log n) instead of sorting every key (SPEC 3).
+        #: O(page + log n) instead of sorting every key (docs/contract.md §3).
         self._sorted_keys = SortedList()
         self._fence = fence
         self._new_handle = handle_factory
@@ -1087,7 +1087,7 @@ class LockEngine:
     # ---------------------------------------------------------------- waiters
 
     def _serve_queue(self, now: int, state: _KeyState, at: int | None = None) -> None:
-        """Grant the head of the queue while it fits (SPEC 10: no overtaking).
+        """Grant the head of the queue while it fits (docs/contract.md §10: no overtaking).
 
         The key freed ``at`` (default: now). A waiter whose own deadline
         came before that has timed out and is not granted: in time order

@@ -1,4 +1,4 @@
-"""Lease-loss events (SPEC 12): who listens, what was lost, which breaks wait.
+"""Lease-loss events (docs/contract.md §12): who listens, what was lost, which breaks wait.
 
 Plain bookkeeping, no I/O and no clock of its own: the service
 (:mod:`lockd.daemon.service`) tells it what the engine did and asks it
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-#: the causes of a loss (SPEC 12).
+#: the causes of a loss (docs/contract.md §12).
 BREAK = "break"
 RETAKE = "retake"
 EXPIRED = "expired"

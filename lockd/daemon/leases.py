@@ -31,7 +31,7 @@ __all__ = [
     "new_handle_id",
 ]
 
-#: holders listed per key by status and list (SPEC 10).
+#: holders listed per key by status and list (docs/contract.md §10).
 MAX_LISTED_HOLDERS = 100
 
 
@@ -226,12 +226,12 @@ class KeyStatus:
     #: the oldest holders first, at most MAX_LISTED_HOLDERS of them.
     holders: list[Lease]
     waiters: int
-    #: the first waiters in queue order, at most MAX_LISTED_WAITERS (SPEC §12).
+    #: the first waiters in queue order, at most MAX_LISTED_WAITERS (docs/contract.md §12).
     queue: list[Waiter] = field(default_factory=list)
 
     @property
     def holder(self) -> Lease | None:
-        """The oldest current grant (SPEC 10: the singular status fields)."""
+        """The oldest current grant (docs/contract.md §10: the singular status fields)."""
         return self.holders[0] if self.holders else None
 
 

@@ -30,7 +30,7 @@ from lockd.contract import (
 from lockd.daemon.holds import EXCLUSIVE, MAX_LIMIT, MODES, SHARED
 
 PROTOCOL_VERSION = 1
-#: a ``list`` page without ``limit`` (SPEC 3); at most contract.MAX_LIST_LIMIT.
+#: a ``list`` page without ``limit`` (docs/contract.md §3); at most contract.MAX_LIST_LIMIT.
 DEFAULT_LIST_LIMIT = 1_000
 #: the highest pid Linux can hand out (PID_MAX_LIMIT, 2**22): bounds ``pid``.
 MAX_PID = 4_194_304
@@ -76,7 +76,7 @@ class Request:
 
 @dataclass(slots=True)
 class Hello(Request):
-    #: the connection asks for lease-loss events (SPEC 12); None: leave it as it is.
+    #: the connection asks for lease-loss events (docs/contract.md §12); None: leave it as it is.
     events: bool | None = None
 
 
@@ -88,7 +88,7 @@ class Acquire(Request):
     timeout_ms: int | None
     owner: str | None
     release_on_close: bool
-    #: "exclusive" or "shared" (SPEC 10).
+    #: "exclusive" or "shared" (docs/contract.md §10).
     mode: str = "exclusive"
     #: more than 1: a counting semaphore of that many exclusive slots.
     limit: int = 1
@@ -138,7 +138,8 @@ class Cancel(Request):
 
 @dataclass(slots=True)
 class Stopped(Request):
-    """The holder of ``handle``, told its hold was broken, has stopped its work (SPEC 12)."""
+    """The holder of ``handle``, told its hold was broken, has stopped its work
+    (docs/contract.md §12)."""
 
     handle: str
 

@@ -1,10 +1,10 @@
-"""Acquire rate limit (SPEC §6): at most N counted attempts per rolling window.
+"""Acquire rate limit (docs/contract.md §6): at most N counted attempts per rolling window.
 
 Pure and clock-free: every call takes ``now_ms`` from the caller (the daemon
 passes its monotonic/boot clock), so tests drive time by hand.
 
 Why an exact sliding log (a deque of attempt times per principal) rather than
-fixed buckets or a two-bucket estimate: SPEC §6 promises "600 acquire attempts
+fixed buckets or a two-bucket estimate: docs/contract.md §6 promises "600 acquire attempts
 per rolling hour", i.e. never more than N in *any* window of that length. A
 fixed bucket lets 2N through around a bucket edge and a two-bucket estimate
 can over- or under-count; both would make ``retryAfterMs`` a guess. The log is

@@ -11,7 +11,7 @@ while etcd is down; everything else fails with ``BACKEND_UNAVAILABLE``
 after at most ``etcd_timeout`` (a blocking acquire keeps waiting instead,
 within its own ``timeoutMs``).
 
-Lease-loss events (SPEC 12) are told for what this daemon sees: a break
+Lease-loss events (docs/contract.md §12) are told for what this daemon sees: a break
 sent to it of a hold granted on one of its listening connections (which
 waits for that holder to stop, as on the embedded backend), a re-take
 through it, and the end of its etcd session (``cause: "session"``: the
@@ -214,7 +214,7 @@ class RemoteService:
             outcome = await self.backend.acquire(req, caller, conn, None)
         else:
             # Over the rate limit a blocking acquire waits for room, within
-            # its own timeout (SPEC 6), as the embedded path does.
+            # its own timeout (docs/contract.md §6), as the embedded path does.
             deadline = now + req.timeout_ms
             while (retry_after := service.take_attempt(caller, now)) is not None:
                 if now >= deadline:
@@ -348,7 +348,7 @@ class RemoteService:
         }
 
     def status_view(self, st: RemoteStatus) -> dict[str, Any]:
-        """SPEC 3, 10, 11: as the embedded status, plus ``node`` on each holder."""
+        """docs/contract.md §3, §10, §11: as the embedded status, plus ``node`` on each holder."""
         now = self.service.clock.wall_ms()
         holders = [self.holder_view(hold, now) for hold in st.holds[:MAX_LISTED_HOLDERS]]
         first = st.holds[0] if st.holds else None
@@ -365,7 +365,7 @@ class RemoteService:
         }
 
 
-#: holders listed per key by status and list (SPEC 10).
+#: holders listed per key by status and list (docs/contract.md §10).
 MAX_LISTED_HOLDERS = 100
 HOLDER_FIELDS = (
     "heldBy",

@@ -1,6 +1,6 @@
 """Hot reload trigger: tell the daemon when ``rule-sets/`` may have changed.
 
-SPEC §5 wants a create, edit, rename or delete in ``rule-sets/`` to take
+docs/contract.md §5 wants a create, edit, rename or delete in ``rule-sets/`` to take
 effect within about a second, and the folder itself may come and go.
 
 Why this shape:

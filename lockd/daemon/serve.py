@@ -145,7 +145,7 @@ def build(
     if backend is not None:
         remote = service.backend
         assert isinstance(remote, RemoteService)
-        backend.on_session_lost = remote.session_lost  # lease-loss events (SPEC 12)
+        backend.on_session_lost = remote.session_lost  # lease-loss events (docs/contract.md §12)
     identity = IdentityConfig(
         daemon_uid=os.getuid(),
         admin_groups=frozenset(settings.admin_groups),

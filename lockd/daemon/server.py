@@ -129,7 +129,7 @@ class Connection:
     remote_busy: trio.Event | None = None
     #: polls for the next request a moment before parking (see ``_read_now``).
     busy: sockio.BusyPoll = field(default_factory=lambda: sockio.BusyPoll(0))
-    #: asked for lease-loss events (``hello {"events": true}``, SPEC 12).
+    #: asked for lease-loss events (``hello {"events": true}``, docs/contract.md §12).
     events: bool = False
 
 
@@ -251,7 +251,7 @@ class LockServer:
     def _resolve_peer(self, sock: stdsocket.socket) -> Caller:
         caller = identify(sock, self.identity)
         # The process name is read here, once per connection, so that status
-        # can show who holds a key (SPEC 3) without a /proc read per grant.
+        # can show who holds a key (docs/contract.md §3) without a /proc read per grant.
         return dataclasses.replace(
             caller, process=process_name(caller.pid), start=process_start(caller.pid)
         )
@@ -893,7 +893,8 @@ class LockServer:
                 self._queue(conn, request.id, encode_result(request.id, result))
             elif isinstance(request, Hello):
                 result = service.answer(conn.caller, request)
-                if request.events is not None:  # asked: say whether they are on (SPEC 12)
+                # asked: say whether they are on (docs/contract.md §12)
+                if request.events is not None:
                     conn.events = request.events
                     result = {**result, "events": conn.events}
                 self._queue(conn, request.id, encode_result(request.id, result))

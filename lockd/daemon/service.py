@@ -88,9 +88,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lockd.daemon.service")
 
-#: blocking acquires one connection may have waiting at once (SPEC leaves it open).
+#: blocking acquires one connection may have waiting at once (docs/contract.md leaves it open).
 DEFAULT_MAX_PENDING_PER_CONNECTION = 1024
-#: how long a break waits for a holder listening for events to stop (SPEC 12).
+#: how long a break waits for a holder listening for events to stop (docs/contract.md §12).
 DEFAULT_BREAK_GRACE_MS = 5000
 #: blocking acquires one principal may have waiting at once, all its connections together.
 DEFAULT_MAX_PENDING_PER_USER = 1024
@@ -158,7 +158,7 @@ class WaitForRoom:
 
 #: a rule evaluation that costs this much CPU (seconds) lets other connections go first.
 COSTLY_RULE_S = 0.001
-#: ops whose rule a member's request may have evaluated (SPEC 5).
+#: ops whose rule a member's request may have evaluated (docs/contract.md §5).
 _RULE_GATED = frozenset({"acquire", "tryAcquire", "renew"})
 
 
@@ -237,7 +237,7 @@ def shutting_down() -> ProtocolError:
 
 
 def visible_locks(caller: Caller, entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What ``list`` shows ``caller`` (SPEC §12): everything to owners, admins and
+    """What ``list`` shows ``caller`` (docs/contract.md §12): everything to owners, admins and
     services; to a member only the keys it holds or waits for (a page may then
     hold fewer entries than ``limit``; ``next`` still goes on)."""
     if caller.role in PASS_ROLES:
@@ -299,7 +299,7 @@ class LockService:
         #: its waiters were woken; else the error it was rolled back for):
         #: the server sends or fails the replies of the group commit's batch.
         self.on_batch_end: Callable[[BaseException | None], None] = lambda error: None
-        #: lease-loss events (SPEC 12): the holds granted to connections
+        #: lease-loss events (docs/contract.md §12): the holds granted to connections
         #: that listen, and the breaks waiting for their holders to stop.
         self.losses = LossWatch()
         self.break_grace_ms = break_grace_ms
@@ -629,7 +629,7 @@ class LockService:
         }
 
     def status_view(self, st: KeyStatus) -> dict[str, Any]:
-        """SPEC 3 and 10: the singular fields describe the oldest grant."""
+        """docs/contract.md §3 and §10: the singular fields describe the oldest grant."""
         holders = [self.holder_view(lease) for lease in st.holders]
         oldest = holders[0] if holders else dict.fromkeys(_HOLDER_FIELDS)
         return {
@@ -645,7 +645,7 @@ class LockService:
         }
 
     def waiter_list_view(self, st: KeyStatus) -> list[dict[str, Any]]:
-        """SPEC §12 ``waiterList``: the engine's queue on the wall clock."""
+        """docs/contract.md §12 ``waiterList``: the engine's queue on the wall clock."""
         wall, boot = self.clock.wall_ms(), self.clock.boot_ms()
         queued = (
             QueuedWaiter(w.principal, w.pid, w.process, w.mode, w.limit, wall + w.since - boot)
@@ -811,7 +811,7 @@ class LockService:
 
         Over the rate limit it waits for room, and when no room comes within
         its ``timeoutMs`` it still waits the timeout out before LOCK_TIMEOUT
-        (SPEC 6): a caller that retries on LOCK_TIMEOUT is paced by its own
+        (docs/contract.md §6): a caller that retries on LOCK_TIMEOUT is paced by its own
         timeout, as it is when the key is busy, instead of spinning.
         """
         retry_after = self.take_attempt(caller, now)
@@ -826,7 +826,7 @@ class LockService:
     def take_attempt(self, caller: Caller, now: int) -> int | None:
         """Count one acquire attempt; the ms to wait for room when over limit.
 
-        Owners and services are not counted by the rate limit (SPEC 6).
+        Owners and services are not counted by the rate limit (docs/contract.md §6).
         """
         if caller.role in ("owner", "service"):
             return None
@@ -942,7 +942,7 @@ class LockService:
         }
 
     def renew(self, caller: Caller, key: str, handle: str, ttl_ms: int) -> dict[str, Any]:
-        # The rule sees the hold's own mode and limit (SPEC 10).
+        # The rule sees the hold's own mode and limit (docs/contract.md §10).
         hold = self.engine.find(key, handle)
         if hold is not None:
             self.authorize(caller, "renew", key, mode=hold.mode, limit=hold.limit)
@@ -1004,7 +1004,7 @@ class LockService:
         """``break``: the result now, or a :class:`PendingBreak` when a holder listens.
 
         A holder listening for events is told at once and keeps its hold
-        until it stops (SPEC 12); the server waits (:meth:`break_ready`) and
+        until it stops (docs/contract.md §12); the server waits (:meth:`break_ready`) and
         then calls :meth:`finish_break`. Holders that do not listen are
         released at once.
         """

@@ -105,7 +105,7 @@ def _migrate_0_to_1(db: sqlite3.Connection) -> None:
 
 
 def _migrate_1_to_2(db: sqlite3.Connection) -> None:
-    """Several holders per key (SPEC 10): rows keyed by (key, slot).
+    """Several holders per key (docs/contract.md §10): rows keyed by (key, slot).
 
     Every version-1 lease becomes the exclusive holder (slot 0, limit 1) of
     its key, with its handle, fence, owner and deadline unchanged; pid and

@@ -1,4 +1,4 @@
-"""Who waits for a key, as ``status`` and ``list`` show it (SPEC §12), on any backend.
+"""Who waits for a key, as ``status`` and ``list`` show it (docs/contract.md §12), on any backend.
 
 ``waiters`` stays the count; ``waiterList`` names up to
 :data:`MAX_LISTED_WAITERS` of them in queue order (``position`` 1 is next),
@@ -65,7 +65,7 @@ def waiter_list(waiters: Iterable[QueuedWaiter], now_ms: int) -> list[dict[str, 
 def concerns(entry: dict[str, Any], principal: str) -> bool:
     """Does this ``status``/``list`` entry show ``principal`` holding or waiting?
 
-    What a member's ``list`` keeps (SPEC §12). Judged on the listed holders
+    What a member's ``list`` keeps (docs/contract.md §12). Judged on the listed holders
     and waiters (up to 100 each).
     """
     holders = entry.get("holders") or ()

@@ -59,7 +59,7 @@ from lockd.rules.files import RuleSource
 RULE_FIELDS: Mapping[str, frozenset[str]] = {
     "user": frozenset({"userId", "role", "uid", "groups"}),
     # mode and limit: what an acquire asks for, or the hold a renew extends
-    # (SPEC 10); "exclusive" and 1 when the request names neither.
+    # (docs/contract.md §10); "exclusive" and 1 when the request names neither.
     "record": frozenset({"key", "mode", "limit"}),
 }
 _CEL_MACRO_METHODS = frozenset({"all", "exists", "exists_one", "map", "filter"})

@@ -1,6 +1,6 @@
 """Rule files on disk: finding, reading, TOML parsing, and line:column for errors.
 
-The part of SPEC §5 that knows nothing about CEL. :mod:`lockd.rules.policy` asks
+The part of docs/contract.md §5 that knows nothing about CEL. :mod:`lockd.rules.policy` asks
 this module for the ``*.toml`` files of a ``rule-sets/`` folder and their
 bytes, parses each with :func:`parse_toml`, and reports every problem as a
 :class:`RuleSetError` carrying file, line and column.

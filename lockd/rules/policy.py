@@ -1,6 +1,6 @@
 """Access rules: one lock rule set, loaded strictly, asked per request.
 
-SPEC §5 in code. A rule set lives in ``<config>/rule-sets/*.toml``::
+docs/contract.md §5 in code. A rule set lives in ``<config>/rule-sets/*.toml``::
 
     [ruleSet]
     name = "lock-policy"
@@ -31,9 +31,9 @@ Decision order (:meth:`Policy.decide`), in this order:
 1. ``hello``, ``status``, ``release``: allowed for every caller (release is
    never rule-gated; holding the handle is the proof).
 2. ``break``: owners and admins only. **Services are denied ``break``.**
-   Reading: SPEC §2's table lists ``break: owner, admin`` while it lists
+   Reading: docs/contract.md §2's table lists ``break: owner, admin`` while it lists
    ``list``/``stats``/``rules`` as ``owner, admin, services`` — the difference
-   is deliberate. SPEC §1's "rules never refuse them" is about CEL rules (the
+   is deliberate. docs/contract.md §1's "rules never refuse them" is about CEL rules (the
    ``acquire``/``renew`` gates), and ``break`` is not rule-gated but a role
    gate for human operators, whose use is logged with a reason.
 3. ``list``, ``stats``, ``rules``: owners, admins and services; members denied.
@@ -257,10 +257,10 @@ class Policy:
     def decide(
         self, caller: Caller, op: str, key: str, mode: str = "exclusive", limit: int = 1
     ) -> Decision:
-        """SPEC §5 decision order; see the module docstring.
+        """docs/contract.md §5 decision order; see the module docstring.
 
         ``mode`` and ``limit`` are what the rule sees as ``record.mode`` and
-        ``record.limit`` (SPEC 10).
+        ``record.limit`` (docs/contract.md §10).
         """
         role = caller.role
         if op in OPEN_OPS:
@@ -402,7 +402,7 @@ class PolicyManager:
     """The policy in force, its hot reloads, and the last reload error.
 
     ``reload()`` never raises for a bad rule set: the previous policy stays in
-    force (SPEC §5) and the error is kept for ``rules`` / ``lockd rules show``.
+    force (docs/contract.md §5) and the error is kept for ``rules`` / ``lockd rules show``.
     """
 
     def __init__(
@@ -495,7 +495,7 @@ class PolicyManager:
             )
 
     def rules_result(self) -> dict[str, Any]:
-        """The result of the ``rules`` op (SPEC §3)."""
+        """The result of the ``rules`` op (docs/contract.md §3)."""
         return {"policy": self._policy.info, "lastError": self.last_error}
 
     def decide(

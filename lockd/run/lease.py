@@ -1,4 +1,4 @@
-"""The lease side of ``lockd run``: taking the key and keeping it (SPEC §9, §12).
+"""The lease side of ``lockd run``: taking the key and keeping it (docs/contract.md §9, §12).
 
 The key is taken once (``tryAcquire``) or waited for (``acquire``), always
 with ``releaseOnClose`` so that a ``lockd run`` killed outright frees the key
@@ -195,7 +195,8 @@ class LeaseKeeper(AutoRenewer):
 
 
 def _report_error(report: Reporter, exc: LockdError, key: str) -> int:
-    """Say a daemon/client error in one line; its exit code is every command's (SPEC §9)."""
+    """Say a daemon/client error in one line; its exit code is every command's
+    (docs/contract.md §9)."""
     if isinstance(exc, LockAccessDeniedError):
         report(exc.code, f"access denied for key {key!r}: {exc.message}", key=key)
     elif isinstance(exc, RateLimitedError):

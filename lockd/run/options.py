@@ -1,4 +1,4 @@
-"""What ``lockd run`` was asked to do, and how it speaks (SPEC §9).
+"""What ``lockd run`` was asked to do, and how it speaks (docs/contract.md §9).
 
 The vocabulary shared by :mod:`lockd.run.lease` (taking the key) and
 :mod:`lockd.run.supervisor` (the whole run): kept apart so that neither has
@@ -56,7 +56,7 @@ class Reporter:
 
     stdout belongs to COMMAND, so nothing is ever written there. With
     ``json_lines`` a failure is ONE line ``{"error": {"code", "status",
-    "message", "details"}}`` (SPEC §9, :func:`lockd.exitcodes.error_document`),
+    "message", "details"}}`` (docs/contract.md §9, :func:`lockd.exitcodes.error_document`),
     and a notice that is not the run's failure (a release that could not be
     sent, a loss ignored while COMMAND runs on) a ``{"warning": {"code",
     "message", "details"}}`` line. run's own names for failures without a wire

@@ -1,4 +1,4 @@
-"""Run a command while holding a lease: the engine of ``lockd run`` (SPEC §9).
+"""Run a command while holding a lease: the engine of ``lockd run`` (docs/contract.md §9).
 
 ``lockd run`` replaces flock(1) for programs that should not overlap, with two
 differences a lease forces on us: the lease runs out unless renewed, and it can

@@ -12,7 +12,7 @@ need. Two implement it:
   group commit, so it awaits nothing;
 - ``lockd.daemon.remote.RemoteService`` over a :class:`RemoteBackend` that
   decides where other hosts decide too, so each answer is awaited;
-  ``etcd/`` is the one there is (SPEC §11, docs/etcd-design.md).
+  ``etcd/`` is the one there is (docs/contract.md §11, docs/etcd-design.md).
 
 The service keeps everything per host in front of both: validation,
 identity, rules, the rate limit, the reply views. A new remote backend is a

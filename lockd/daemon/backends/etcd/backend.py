@@ -1,4 +1,4 @@
-"""The etcd backend: every lock decision is one etcd transaction (SPEC §11).
+"""The etcd backend: every lock decision is one etcd transaction (docs/contract.md §11).
 
 Layout and records: ``records.py``; the queue of a key: ``waiting.py``; the
 design and why: docs/etcd-design.md. In short:
@@ -200,7 +200,8 @@ class EtcdBackend:
         return False
 
     async def _confirm(self, hold: Hold, deadline: float) -> Hold | None:
-        """Untie a tied hold before its grant is answered (SPEC: an acknowledged hold lasts
+        """Untie a tied hold before its grant is answered (docs/contract.md: an acknowledged hold
+        lasts
         its TTL whichever daemon dies when).
 
         Until then it ends with this daemon's session, like any grant that was

@@ -85,7 +85,7 @@ def blockers(waiter: Claim, holds: Iterable[Claim]) -> frozenset[bytes]:
 
 
 def decide(holds: Sequence[Claim], waiters: Sequence[Claim]) -> QueueDecision:
-    """Who is granted now and what every waiter left behind waits for (SPEC §10).
+    """Who is granted now and what every waiter left behind waits for (docs/contract.md §10).
 
     One transaction writes a key once, so the grants stop before a waiter
     whose principal and owner an earlier grant of the same decision has

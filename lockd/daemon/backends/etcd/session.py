@@ -1,6 +1,6 @@
 """The daemon's own etcd session: one lease, kept alive while the daemon lives.
 
-Waiter keys and ``releaseOnClose`` holds are attached to this lease (SPEC
+Waiter keys and ``releaseOnClose`` holds are attached to this lease (docs/contract.md
 §11). When the daemon or its host dies, nobody keeps the lease alive and etcd
 deletes every key on it within the TTL: the dead host's waiters leave the
 queues and its ``releaseOnClose`` holds end, while TTL holds (on leases of
@@ -32,7 +32,7 @@ from lockd.logfmt import kv
 log = logging.getLogger("lockd.etcd")
 
 MIN_TTL = 2  # etcd 3.4 grants no lease shorter than 2 s
-MAX_TTL = 10  # SPEC: a dead host's waiters and releaseOnClose holds go within 10 s
+MAX_TTL = 10  # docs/contract.md: a dead host's waiters and releaseOnClose holds go within 10 s
 DEFAULT_TTL = 5
 RETRY_INTERVAL = 0.25  # between keepalives while etcd does not answer
 

@@ -399,7 +399,7 @@ class KeyQueue:
                 self.wake_keys = self._wake_keys(decision)
                 return
             # One grant per transaction: every grant draws a fence of its own
-            # (its revision, SPEC §10), shared waiters granted together
+            # (its revision, docs/contract.md §10), shared waiters granted together
             # included. The next one is decided once the watch shows this one.
             result = await self._grant(directory, mine[:1], decision.replaces)
             if result is None:
@@ -559,7 +559,7 @@ class KeyQueue:
                 by_key = {w.etcd_key: w for w in directory.waiters}
                 heads: list[Waiter] = []
                 # The head alone: every grant draws a fence of its own (its
-                # revision, SPEC §10), so the waiters granted beside it
+                # revision, docs/contract.md §10), so the waiters granted beside it
                 # (shared heads, free slots) are granted by their own daemons,
                 # which the release wakes, each in a transaction of its own.
                 for claim in decision.granted[:1]:
