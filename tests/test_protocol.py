@@ -333,6 +333,7 @@ def test_error_statuses_mirror_http() -> None:
         "SHUTTING_DOWN": 503,
         "STORAGE_UNAVAILABLE": 503,
         "BACKEND_UNAVAILABLE": 503,
+        "DEADLOCK": 409,
     }
 
 

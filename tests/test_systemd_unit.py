@@ -649,8 +649,8 @@ def test_documented_install_creates_root_owned_config_folder() -> None:
     doc = (REPO / "docs" / "operations.md").read_text()
     block = doc.split("<!-- e2e: system-install -->", 1)[1].split("```", 2)[1]
     assert "install -d -m 0755 /etc/lockd/rule-sets" in block
-    # lockd depends on lockd-client, which comes from the checkout, not an index.
-    assert "/opt/lockd/bin/pip install ./client ." in block
+    # lockd ships lockd_client itself: one install from the checkout, no index.
+    assert "/opt/lockd/bin/pip install ." in block
     # Debian 12 has no /etc/sysusers.d until something creates it.
     assert "install -D -m 0644 systemd/lockd.sysusers /etc/sysusers.d/lockd.conf" in block
     # PEP 668 refuses the first on Debian 12; bookworm's pipx has no --global.
