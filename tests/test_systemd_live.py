@@ -526,7 +526,7 @@ def test_watchdog_pid_decides_who_pings(
 def test_start_failure_exits_nonzero_without_ready(
     notified: DaemonProcess, notify: NotifySocket
 ) -> None:
-    """A bad lockd.toml: exit 2 (a config mistake) with one clear line and no READY=1 (systemd marks it failed)."""
+    """A bad lockd.toml: exit 2 with one clear line and no READY=1 (systemd marks it failed)."""
     notified.write_config("acquire_per_hour = 0\n")
     notified.start(wait=False, env=clean_env(NOTIFY_SOCKET=str(notify.path)))
     assert notified.proc is not None
