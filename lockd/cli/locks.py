@@ -413,8 +413,11 @@ def acquire(
     waits on in the new daemon's queue, for what is left of --wait.
     """
     # The holder status shows is the process that will use the handle, the
-    # shell (or script) that called us, not this command about to exit.
-    user = os.getppid()
+    # shell (or script) that called us, not this command about to exit. A
+    # parent outside our pid namespace reads as 0, and 1 means the caller is
+    # gone: then the daemon records this process, as it would without a pid.
+    parent = os.getppid()
+    user = parent if parent > 1 else None
     with open_client(socket_path) as client:
         if wait is None:
             handle = client.try_acquire(
