@@ -170,3 +170,23 @@ def test_lockd_run_names_command_with_its_name_and_alive(daemon: DaemonProcess) 
     finally:
         run.terminate()
         run.wait(RUN_EXIT)
+
+
+@pytest.mark.parametrize("parent", [0, 1])
+def test_locks_acquire_with_no_visible_caller_names_itself(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, parent: int
+) -> None:
+    """getppid() is 0 when the caller is outside our pid namespace (systemd-run,
+    nspawn) and 1 when it is gone: the CLI then claims no pid and the daemon
+    records the CLI itself, instead of refusing the acquire."""
+    from click.testing import CliRunner
+
+    from lockd.cli import main
+
+    monkeypatch.setattr(os, "getppid", lambda: parent)
+    key = f"no-caller-{parent}"
+    result = CliRunner().invoke(
+        main, ["locks", "acquire", key, "--ttl", "1m"], env={"LOCKD_SOCKET": str(daemon.socket)}
+    )
+    assert result.exit_code == 0, result.output
+    assert status(daemon, key)["pid"] == os.getpid()
