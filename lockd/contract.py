@@ -42,3 +42,16 @@ ERROR_STATUS = {
     "BACKEND_UNAVAILABLE": 503,
     "DEADLOCK": 409,
 }
+
+#: the fields of one holder entry in status and list (docs/contract.md §10,
+#: §12.2); a key's singular fields repeat its oldest holder's.
+HOLDER_FIELDS = (
+    "heldBy",
+    "owner",
+    "fence",
+    "leaseExpiresAt",
+    "expiresInMs",
+    "pid",
+    "process",
+    "alive",
+)

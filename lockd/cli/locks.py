@@ -55,6 +55,7 @@ from lockd.cli.common import (
     socket_option,
     warn,
 )
+from lockd.contract import HOLDER_FIELDS
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, pid_cell, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
 from lockd.textsafe import visible
@@ -109,7 +110,7 @@ def _busy(client: LockClient, key: str, *, shared: bool = False) -> tuple[str, d
         return "", details
     if not status.held:
         return "", details
-    details["holder"] = {k: status.raw.get(k) for k in _HOLDER_FIELDS if k in status.raw}
+    details["holder"] = {k: status.raw.get(k) for k in HOLDER_FIELDS if k in status.raw}
     if status.holder_count > 1:
         details["holderCount"] = status.holder_count
         details["mode"] = status.mode
@@ -124,19 +125,6 @@ def _busy(client: LockClient, key: str, *, shared: bool = False) -> tuple[str, d
         )
         details["waiters"] = status.waiters
     return text, details
-
-
-#: What the busy error's ``details.holder`` repeats from ``status``.
-_HOLDER_FIELDS = (
-    "heldBy",
-    "owner",
-    "fence",
-    "leaseExpiresAt",
-    "expiresInMs",
-    "pid",
-    "process",
-    "alive",
-)
 
 
 LIST_COLUMNS = ("KEY", "MODE", *HOLDER_COLUMNS, "EXPIRES IN", "WAITERS")

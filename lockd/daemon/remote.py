@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from lockd.contract import HOLDER_FIELDS as SHARED_HOLDER_FIELDS
 from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
 from lockd.daemon.events import RETAKE, SESSION, Watched
@@ -367,14 +368,4 @@ class RemoteService:
 
 #: holders listed per key by status and list (docs/contract.md §10).
 MAX_LISTED_HOLDERS = 100
-HOLDER_FIELDS = (
-    "heldBy",
-    "owner",
-    "fence",
-    "leaseExpiresAt",
-    "expiresInMs",
-    "pid",
-    "process",
-    "alive",
-    "node",
-)
+HOLDER_FIELDS = (*SHARED_HOLDER_FIELDS, "node")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lockd import __version__
+from lockd.contract import HOLDER_FIELDS
 from lockd.daemon.clock import Clock
 from lockd.daemon.engine import (
     EXCLUSIVE,
@@ -181,18 +182,6 @@ class RuleCpuSpent(ProtocolError):
 
 #: what :meth:`LockService.acquire` and :meth:`LockService.acquire_after_wait` return.
 AcquireStep = Reply | WaitForRoom | Parked
-
-
-_HOLDER_FIELDS = (
-    "heldBy",
-    "owner",
-    "fence",
-    "leaseExpiresAt",
-    "expiresInMs",
-    "pid",
-    "process",
-    "alive",
-)
 
 
 def _denied(op: str, key: str | None, caller: Caller) -> ProtocolError:
@@ -631,7 +620,7 @@ class LockService:
     def status_view(self, st: KeyStatus) -> dict[str, Any]:
         """docs/contract.md §3 and §10: the singular fields describe the oldest grant."""
         holders = [self.holder_view(lease) for lease in st.holders]
-        oldest = holders[0] if holders else dict.fromkeys(_HOLDER_FIELDS)
+        oldest = holders[0] if holders else dict.fromkeys(HOLDER_FIELDS)
         return {
             "key": st.key,
             "held": bool(holders),
