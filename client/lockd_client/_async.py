@@ -340,20 +340,29 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         *,
         shared: bool = False,
         limit: int = 1,
+        pid: int | None = None,
     ) -> Handle:
         """Wait up to ``timeout`` seconds for ``key``; hold it for ``ttl`` seconds.
 
-        As :meth:`lockd_client.LockClient.acquire`. Cancelling the waiting
-        task withdraws the waiter; a grant that crossed the cancel is released.
+        As :meth:`lockd_client.LockClient.acquire` (``pid`` too: the process
+        that will use the hold). Cancelling the waiting task withdraws the
+        waiter; a grant that crossed the cancel is released.
         """
         while timeout is None:  # no limit: the longest wait the wire takes, again and again
             try:
                 return await self.acquire(
-                    key, ttl, UNLIMITED_WAIT, owner, release_on_close, shared=shared, limit=limit
+                    key,
+                    ttl,
+                    UNLIMITED_WAIT,
+                    owner,
+                    release_on_close,
+                    shared=shared,
+                    limit=limit,
+                    pid=pid,
                 )
             except LockTimeoutError:
                 continue
-        base = grant_args(key, ttl, owner, release_on_close, shared, limit)
+        base = grant_args(key, ttl, owner, release_on_close, shared, limit, pid)
         timeout_ms = acquire_timeout_ms(timeout)
         deadline = time.monotonic() + timeout_ms / 1000
 
@@ -378,9 +387,13 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         *,
         shared: bool = False,
         limit: int = 1,
+        pid: int | None = None,
     ) -> Handle | None:
-        """One attempt at ``key``: the Handle, or ``None`` when it is not free for us."""
-        args = grant_args(key, ttl, owner, release_on_close, shared, limit)
+        """One attempt at ``key``: the Handle, or ``None`` when it is not free for us.
+
+        ``pid`` as for :meth:`acquire`.
+        """
+        args = grant_args(key, ttl, owner, release_on_close, shared, limit, pid)
         result = await self._call("tryAcquire", args, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
 
