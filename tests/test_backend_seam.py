@@ -72,7 +72,9 @@ class RecordingRemote:
     ) -> tuple[list[RemoteStatus], str | None]:
         return [], None
 
-    async def break_lock(self, key: str) -> list[RemoteHold]:
+    async def break_lock(
+        self, key: str, *, by: str | None = None, reason: str | None = None
+    ) -> list[RemoteHold]:
         return []
 
     def release_undelivered(self, hold: RemoteHold) -> None:

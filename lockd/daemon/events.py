@@ -89,6 +89,10 @@ def _no_wake() -> None:
     pass
 
 
+def _no_watch(watched: Watched) -> None:
+    pass
+
+
 @dataclass(eq=False)
 class PendingBreak:
     """A break waiting for the holders it told to stop (see the module doc)."""
@@ -122,6 +126,8 @@ class LossWatch:
         #: holds told of a break and still in the engine, by handle.
         self._stopping: dict[str, Watched] = {}
         self.breaks: list[PendingBreak] = []
+        #: called with each hold newly watched (the etcd backend follows it in etcd).
+        self.on_watch: Callable[[Watched], None] = _no_watch
 
     # ------------------------------------------------------------ watching
 
@@ -134,9 +140,14 @@ class LossWatch:
         self._watched[hold.handle] = watched
         self._by_conn.setdefault(conn, set()).add(hold.handle)
         self._by_key.setdefault(hold.key, set()).add(hold.handle)
+        self.on_watch(watched)
 
     def watched(self, handle: str) -> Watched | None:
         return self._watched.get(handle)
+
+    def holds(self) -> list[Watched]:
+        """Every watched hold."""
+        return list(self._watched.values())
 
     def of_key(self, key: str) -> list[Watched]:
         """The watched holds of ``key`` (oldest grant first)."""
@@ -156,12 +167,20 @@ class LossWatch:
         _discard(self._by_key, watched.key, handle)
         return watched
 
-    def lost(self, handle: str, cause: str, at: str, *, by: str | None = None) -> LossEvent | None:
+    def lost(
+        self,
+        handle: str,
+        cause: str,
+        at: str,
+        *,
+        by: str | None = None,
+        reason: str | None = None,
+    ) -> LossEvent | None:
         """The event for a watched hold that ended (None when nobody listens for it)."""
         watched = self.forget(handle)
         if watched is None:
             return None
-        return LossEvent(watched.conn, watched.key, handle, watched.fence, cause, None, by, at)
+        return LossEvent(watched.conn, watched.key, handle, watched.fence, cause, reason, by, at)
 
     # -------------------------------------------------------------- breaks
 

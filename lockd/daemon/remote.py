@@ -11,21 +11,23 @@ while etcd is down; everything else fails with ``BACKEND_UNAVAILABLE``
 after at most ``etcd_timeout`` (a blocking acquire keeps waiting instead,
 within its own ``timeoutMs``).
 
-Lease-loss events (docs/contract.md §12) are told for what this daemon sees: a break
-sent to it of a hold granted on one of its listening connections (which
+Lease-loss events (docs/contract.md §12) are told for every hold granted on one of
+this daemon's listening connections: a break sent to this daemon (which
 waits for that holder to stop, as on the embedded backend), a re-take
 through it, and the end of its etcd session (``cause: "session"``: the
-``releaseOnClose`` holds tied to it are gone). A break or re-take sent to
-another host's daemon, and an expiry, are learnt at ``renew`` as before.
+``releaseOnClose`` holds tied to it are gone); a break or re-take through
+another host's daemon, an expiry in etcd and a session lease etcd ended
+are seen by the backend's watch of the holds (``HoldWatch``,
+:meth:`RemoteService.follow_losses`) and told the moment it sees them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -72,6 +74,8 @@ class RemoteService:
     def __init__(self, service: LockService, backend: RemoteBackend) -> None:
         self.service = service
         self.backend = backend
+        #: handles this daemon is releasing now: their deletion is no loss.
+        self._releasing: set[str] = set()
 
     @staticmethod
     def awaits(request: Request) -> bool:
@@ -147,6 +151,27 @@ class RemoteService:
             event = service.losses.lost(hold.handle, SESSION, at)
             if event is not None:
                 service.on_lost(event)
+
+    def follow_losses(self, watch: HoldWatchLike) -> None:
+        """Have ``watch`` follow, in the backend, each hold whose holder listens."""
+        losses = self.service.losses
+        watch.on_loss = self.hold_lost
+        watch.on_released = losses.forget
+        watch.is_watched = lambda handle: losses.watched(handle) is not None
+        watch.watched_holds = lambda: [(w.key, w.handle) for w in losses.holds()]
+        losses.on_watch = lambda watched: watch.follow(watched.handle, watched.fence)
+
+    def hold_lost(
+        self, key: str, handle: str, cause: str, by: str | None, reason: str | None
+    ) -> None:
+        """The backend saw a watched hold end without this daemon: tell its holder now."""
+        if handle in self._releasing:
+            return  # its own release, through this daemon: not a loss
+        service = self.service
+        event = service.losses.lost(handle, cause, service._at(), by=by, reason=reason)
+        if event is not None:
+            log.info(kv(event="hold_lost", key=key, cause=cause, by=by))
+            service.on_lost(event)
 
     async def _wait_for_listeners(self, caller: Caller, request: Break) -> list[Watched]:
         """A break of holds granted on this daemon's listening connections: tell, then wait.
@@ -274,8 +299,12 @@ class RemoteService:
                 # waits for it deletes the hold; the handle is fenced.
                 losses.hold_ended(request.handle)
                 return {"released": False, "reason": "not_holder"}
-            released = await backend.release(request.key, request.handle)
-            losses.forget(request.handle)
+            self._releasing.add(request.handle)
+            try:
+                released = await backend.release(request.key, request.handle)
+            finally:
+                self._releasing.discard(request.handle)
+                losses.forget(request.handle)
             if not released:
                 return {"released": False, "reason": "not_holder"}
             service.stats.count("releases")
@@ -311,7 +340,9 @@ class RemoteService:
         out) is gone from etcd, and still reported: as on the embedded backend.
         """
         self.service.authorize(caller, "break", request.key)
-        deleted = await self.backend.break_lock(request.key)
+        deleted = await self.backend.break_lock(
+            request.key, by=caller.principal, reason=request.reason
+        )
         losses = self.service.losses
         for hold in deleted:  # told already (see _wait_for_listeners), or not listening
             losses.forget(hold.handle)
@@ -364,6 +395,17 @@ class RemoteService:
             "holderCount": len(st.holds),
             "holders": holders,
         }
+
+
+class HoldWatchLike(Protocol):
+    """What :meth:`RemoteService.follow_losses` wires up (etcd: ``HoldWatch``)."""
+
+    on_loss: Callable[[str, str, str, str | None, str | None], None]
+    on_released: Callable[[str], object]
+    is_watched: Callable[[str], bool]
+    watched_holds: Callable[[], list[tuple[str, str]]]
+
+    def follow(self, handle: str, fence: int) -> None: ...
 
 
 #: holders listed per key by status and list (docs/contract.md §10).

@@ -146,6 +146,7 @@ def build(
         remote = service.backend
         assert isinstance(remote, RemoteService)
         backend.on_session_lost = remote.session_lost  # lease-loss events (docs/contract.md §12)
+        remote.follow_losses(backend.hold_watch)  # and those made elsewhere
     identity = IdentityConfig(
         daemon_uid=os.getuid(),
         admin_groups=frozenset(settings.admin_groups),

@@ -120,8 +120,14 @@ class RemoteBackend(Protocol):
     ) -> tuple[list[RemoteStatus], str | None]:
         """Held keys in key order from after ``after``; the key to continue after, if more."""
 
-    async def break_lock(self, key: str) -> Sequence[RemoteHold]:
-        """End every hold of ``key``; the holds ended, oldest first."""
+    async def break_lock(
+        self, key: str, *, by: str | None = None, reason: str | None = None
+    ) -> Sequence[RemoteHold]:
+        """End every hold of ``key``; the holds ended, oldest first.
+
+        ``by`` (the principal) and ``reason`` reach holders granted by other
+        daemons with their loss event (docs/contract.md §12.1).
+        """
 
     def release_undelivered(self, hold: RemoteHold) -> None:
         """A grant whose reply could not be written: release it as soon as the backend answers."""

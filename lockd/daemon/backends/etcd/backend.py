@@ -38,6 +38,8 @@ from lockd.daemon.backends.etcd.gateway import (
     EtcdUnavailable,
     LeaseNotFound,
 )
+from lockd.daemon.backends.etcd.holdloss import BREAK_RECORD, break_record
+from lockd.daemon.backends.etcd.holdwatch import HoldWatch
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease, LeasePool, Refresh
 from lockd.daemon.backends.etcd.nodeclaim import NodeTaken, claim_node
 from lockd.daemon.backends.etcd.reconcile import Reconciler
@@ -61,6 +63,7 @@ from lockd.daemon.protocol import Acquire
 from lockd.daemon.waiterview import MAX_LISTED_WAITERS
 from lockd.identity import Caller
 from lockd.logfmt import kv
+from lockd.timefmt import format_epoch_ms
 
 log = logging.getLogger("lockd.etcd")
 
@@ -122,6 +125,13 @@ class EtcdBackend:
         self._closing = False
         #: told, once a session is lost, which bound holds of this daemon went with it.
         self.on_session_lost: Callable[[list[Hold]], None] = lambda holds: None
+        #: losses of this daemon's holds made elsewhere, pushed (docs/contract.md §12.1).
+        self.hold_watch = HoldWatch(self)
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """Where the backend's background tasks run (None until :meth:`run` started)."""
+        return self._nursery
 
     # ------------------------------------------------------------ lifecycle
 
@@ -945,16 +955,30 @@ class EtcdBackend:
             return page[:limit], page[limit - 1].key
         return page, None
 
-    async def break_lock(self, key: str) -> list[Hold]:
+    async def break_lock(
+        self, key: str, *, by: str | None = None, reason: str | None = None
+    ) -> list[Hold]:
+        """Delete every hold of ``key``; with ``by``, write who and why beside it.
+
+        The break record (``<directory>x``, holdloss.py) is put in the same
+        transaction, so the daemons whose holders lost a hold see it in the
+        same watch event; it hangs on the session lease and is deleted right
+        after (the clean-up list), since the watch has seen it by then.
+        """
         directory_key = self.layout.directory(key)
-        result = await self.etcd.txn(
-            [],
-            [
-                RangeOp(directory_key, prefix=True),
-                DeleteOp(directory_key + b"h/", prefix=True),
-                DeleteOp(directory_key + b"b/", prefix=True),
-            ],
-        )
+        ops: list[Op] = [
+            RangeOp(directory_key, prefix=True),
+            DeleteOp(directory_key + b"h/", prefix=True),
+            DeleteOp(directory_key + b"b/", prefix=True),
+        ]
+        record_key = directory_key + BREAK_RECORD
+        if by is not None:
+            at = format_epoch_ms(self.clock.wall_ms())
+            value = break_record(by, reason or "", at)
+            ops.append(PutOp(record_key, value, lease=self.session_lease or 0))
+        result = await self.etcd.txn([], ops)
+        if by is not None:
+            self.delete_later(record_key)
         directory = self._directory_of(key, result.responses[0], result.header.revision)
         for hold in directory.holds:
             self.revoke_later(hold.lease)
