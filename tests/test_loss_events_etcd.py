@@ -124,12 +124,9 @@ def test_a_break_through_another_host_is_pushed_with_who_and_why(pair: Hosts) ->
 def test_a_retake_through_another_host_is_pushed_with_the_new_holder(pair: Hosts) -> None:
     holder, principal = _listening(pair.a)
     key = f"rtk-{uuid.uuid4().hex[:8]}"
-    held = holder.call(
-        {"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60000, "owner": "job-7"}
-    )["result"]
-    again = RawConn(pair.b.socket).call(
-        {"id": 2, "op": "tryAcquire", "key": key, "ttlMs": 60000, "owner": "job-7"}
-    )["result"]
+    take = {"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60000, "owner": "job-7"}
+    held = holder.call(take)["result"]
+    again = RawConn(pair.b.socket).call({**take, "id": 2})["result"]
     assert again["handle"] != held["handle"] and again["fence"] > held["fence"]
     event, _took = _event(holder)
     assert event["cause"] == "retake" and event["handle"] == held["handle"], event
