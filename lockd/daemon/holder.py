@@ -48,8 +48,8 @@ def holder_fields(pid: int | None, process: str | None, start: int | None) -> di
 
     ``alive`` is true while ``pid`` runs with the recorded start time, false
     once it does not, and None when the daemon cannot know (no start time
-    recorded: a hold loaded from the store after a restart, or a peer in
-    another pid namespace). One read of /proc/PID/stat per holder shown.
+    recorded: a row of schema 3 or older, a peer in another pid namespace,
+    an etcd hold of another node). One read of /proc/PID/stat per holder shown.
     """
     alive = None if pid is None or start is None else process_start(pid) == start
     return {"pid": pid, "process": process, "alive": alive}

@@ -100,7 +100,7 @@ class Lease:
         self.mode, self.limit, self.slot, self.pid, self.process = mode, limit, slot, pid, process
         self.taken_by: int | None = None
         #: when ``pid`` started (identity.process_start): tells it from a reused
-        #: pid; None when unknown (a lease loaded from the store).
+        #: pid; None when unknown (a row written before schema 4).
         self.pid_start = pid_start
         self.prev: Lease | None = None
         self.next: Lease | None = None

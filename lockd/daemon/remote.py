@@ -35,7 +35,7 @@ from lockd.contract import HOLDER_FIELDS as SHARED_HOLDER_FIELDS
 from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
 from lockd.daemon.events import RETAKE, SESSION, Watched
-from lockd.daemon.holder import holder_process
+from lockd.daemon.holder import holder_fields, holder_process
 from lockd.daemon.leases import Lease
 from lockd.daemon.protocol import (
     Acquire,
@@ -76,6 +76,8 @@ class RemoteService:
         self.backend = backend
         #: handles this daemon is releasing now: their deletion is no loss.
         self._releasing: set[str] = set()
+        #: where this daemon's pids mean something (``alive`` of its own holds).
+        self._pid_place: str | None = getattr(backend, "pid_place", None)
 
     @staticmethod
     def awaits(request: Request) -> bool:
@@ -231,7 +233,9 @@ class RemoteService:
         # The hold records the process that will use it (docs/contract.md §12.2).
         if req.pid is not None:
             holder = holder_process(caller, req.pid)
-            caller = dataclasses.replace(caller, pid=holder.pid or 0, process=holder.process)
+            caller = dataclasses.replace(
+                caller, pid=holder.pid or 0, process=holder.process, start=holder.start
+            )
         now = service.clock.boot_ms()
         if req.timeout_ms is None:
             retry_after = service.take_attempt(caller, now)
@@ -371,13 +375,23 @@ class RemoteService:
             "fence": hold.fence,
             "leaseExpiresAt": format_epoch_ms(hold.expires_at),
             "expiresInMs": max(0, hold.expires_at - now),
-            "pid": hold.pid,
-            "process": hold.process,
-            # no start time is recorded with an etcd hold (and the holder may
-            # run on another host): the daemon cannot tell (docs/contract.md §12.2)
-            "alive": None,
+            **self._holder_process(hold),
             "node": hold.node,
         }
+
+    def _holder_process(self, hold: RemoteHold) -> dict[str, Any]:
+        """``pid``, ``process``, ``alive``: known for holds of this node whose pids we share.
+
+        A hold granted through this daemon records its holder's start time
+        and where its pid means something (boot and pid namespace); only a
+        daemon of that node seeing the same pids can look (docs/contract.md
+        §12.2). Holds of other nodes, and records without a start time
+        (older daemons), say null.
+        """
+        start = getattr(hold, "pid_start", None)
+        place = getattr(hold, "pid_place", None)
+        mine = hold.node == self.backend.node and place and place == self._pid_place
+        return holder_fields(hold.pid, hold.process, start if mine else None)
 
     def status_view(self, st: RemoteStatus) -> dict[str, Any]:
         """docs/contract.md §3, §10, §11: as the embedded status, plus ``node`` on each holder."""

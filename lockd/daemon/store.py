@@ -68,7 +68,7 @@ from lockd.logfmt import kv
 
 log = logging.getLogger("lockd.daemon.store")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def _migrate_0_to_1(db: sqlite3.Connection) -> None:
@@ -183,11 +183,22 @@ def _migrate_2_to_3(db: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_3_to_4(db: sqlite3.Connection) -> None:
+    """The holder's start time (docs/contract.md §12.2), so ``alive`` survives a restart.
+
+    Rows written before have none (NULL: ``alive`` stays unknown for them).
+    Not part of ``chk``: a damaged start time can only make ``alive`` wrong,
+    never a lease, and leaving ``chk`` as it is keeps every row valid.
+    """
+    db.execute("ALTER TABLE leases ADD COLUMN pid_start INTEGER")
+
+
 #: MIGRATIONS[n] takes a database at user_version n to n + 1.
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _migrate_0_to_1,
     _migrate_1_to_2,
     _migrate_2_to_3,
+    _migrate_3_to_4,
 ]
 
 
@@ -728,9 +739,9 @@ class Store:
         self._db.execute(
             "INSERT OR REPLACE INTO leases "
             "(key, slot, handle, fence, owner, principal, ttl_ms, expires_at, boot_id, "
-            "mode, hold_limit, pid, process, chk) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (*values, row_checksum(*values)),
+            "mode, hold_limit, pid, process, chk, pid_start) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*values, row_checksum(*values), lease.pid_start),
         )
         return 1
 
@@ -754,7 +765,7 @@ class Store:
 #: The columns of a lease row, in the order :func:`_lease_of` reads them.
 _LEASE_COLUMNS = (
     "key, handle, fence, owner, principal, ttl_ms, expires_at, mode, hold_limit, slot, pid, "
-    "process, boot_id"
+    "process, pid_start, boot_id"
 )
 #: Rows per fetch of :meth:`Store.deadlines`.
 _ROWS_PER_BATCH = 8192
@@ -768,7 +779,7 @@ _KEYS_PER_QUERY = 500
 
 def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
     """A lease from its row; ``share`` (a dict's setdefault) keeps one copy of repeated values."""
-    key, handle, fence, owner, principal, ttl, expires, mode, limit, slot, pid, proc, _ = row
+    key, handle, fence, owner, principal, ttl, expires, mode, limit, slot, pid, proc, start, _ = row
     return Lease(
         key,
         handle,
@@ -783,6 +794,7 @@ def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
         slot,
         pid,
         None if proc is None else share(proc, proc),
+        start,
     )
 
 

@@ -41,7 +41,7 @@ from lockd.daemon.backends.etcd.gateway import (
 from lockd.daemon.backends.etcd.holdloss import BREAK_RECORD, break_record
 from lockd.daemon.backends.etcd.holdwatch import HoldWatch
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease, LeasePool, Refresh
-from lockd.daemon.backends.etcd.nodeclaim import NodeTaken, claim_node
+from lockd.daemon.backends.etcd.nodeclaim import NodeTaken, claim_node, pid_place
 from lockd.daemon.backends.etcd.reconcile import Reconciler
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
@@ -127,6 +127,8 @@ class EtcdBackend:
         self.on_session_lost: Callable[[list[Hold]], None] = lambda holds: None
         #: losses of this daemon's holds made elsewhere, pushed (docs/contract.md §12.1).
         self.hold_watch = HoldWatch(self)
+        #: where this daemon's pids mean something (holds record it, for ``alive``).
+        self.pid_place = pid_place()
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -598,6 +600,8 @@ class EtcdBackend:
             expires_at=0,
             lease=0,
             bound=req.release_on_close,
+            pid_start=caller.start if caller.pid > 0 else None,
+            pid_place=self.pid_place or None,
         )
         ttl_s = lease_seconds(req.ttl_ms)
         if timeout is None:
@@ -749,6 +753,8 @@ class EtcdBackend:
             process=template.process,
             bound=template.bound,
             since=self.clock.wall_ms(),
+            pid_start=template.pid_start,
+            pid_place=template.pid_place,
         )
         try:
             with trio.move_on_at(deadline):

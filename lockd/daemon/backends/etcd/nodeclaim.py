@@ -103,6 +103,16 @@ class Claimant:
         return f"pid {self.pid} on host {self.host}, since {since}"
 
 
+def pid_place() -> str:
+    """Where this process's pids mean something: its boot and pid namespace ("" if unknown).
+
+    A hold records it beside its holder's pid and start time, so that only a
+    daemon that sees the same pids says whether that holder is alive.
+    """
+    boot, pidns = _read("/proc/sys/kernel/random/boot_id"), _pid_namespace()
+    return f"{boot}/{pidns}" if boot and pidns else ""
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_text().strip()

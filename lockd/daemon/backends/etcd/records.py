@@ -112,6 +112,10 @@ class Hold:
     mod_revision: int = 0
     #: granted as a re-take of the caller's own hold (not stored).
     retake: bool = False
+    #: the holder process's start time and where its pid means something
+    #: (``nodeclaim.pid_place``), for ``alive``; None in older records.
+    pid_start: int | None = None
+    pid_place: str | None = None
 
     def value(self) -> bytes:
         return json.dumps(
@@ -128,6 +132,8 @@ class Hold:
                 "bound": self.bound,
                 "tied": self.tied,
                 "leaseEnd": self.lease_end,
+                "pidStart": self.pid_start,
+                "pidPlace": self.pid_place,
             },
             separators=(",", ":"),
         ).encode()
@@ -158,6 +164,8 @@ class Hold:
             lease_end=doc.get("leaseEnd", 0),
             fence=kv.create_revision,
             mod_revision=kv.mod_revision,
+            pid_start=_int_or_none(doc.get("pidStart")),
+            pid_place=_str_or_none(doc.get("pidPlace")),
         )
 
 
@@ -188,6 +196,9 @@ class Waiter:
     #: when the request came (epoch ms, the granting daemon's wall clock):
     #: status's ``waiterList.since``; None in records of older daemons.
     since: int | None = None
+    #: as :class:`Hold`'s, carried into the hold it is granted.
+    pid_start: int | None = None
+    pid_place: str | None = None
 
     def value(self) -> bytes:
         doc = {
@@ -202,6 +213,8 @@ class Waiter:
             "process": self.process,
             "bound": self.bound,
             "since": self.since,
+            "pidStart": self.pid_start,
+            "pidPlace": self.pid_place,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -223,6 +236,8 @@ class Waiter:
             process=doc.get("process"),
             bound=doc.get("bound", False),
             since=doc.get("since"),
+            pid_start=_int_or_none(doc.get("pidStart")),
+            pid_place=_str_or_none(doc.get("pidPlace")),
         )
 
     def queued(self) -> QueuedWaiter:
@@ -264,6 +279,8 @@ class Waiter:
             expires_at=0,
             lease=0,
             bound=self.bound,
+            pid_start=self.pid_start,
+            pid_place=self.pid_place,
         )
 
 
@@ -347,3 +364,12 @@ class Directory:
 
 def _mode(mode: str) -> queue.Mode:
     return SHARED if mode == SHARED else EXCLUSIVE
+
+
+def _int_or_none(value: object) -> int | None:
+    """A number another version may have left out (or written otherwise): None then."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None

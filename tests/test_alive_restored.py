@@ -1,0 +1,112 @@
+"""``alive`` wherever the daemon can know it (docs/contract.md §12.2).
+
+- A hold restored after a daemon restart: the holder's start time is in
+  the database (schema 4), so ``alive`` is known again, true while that
+  very process runs and false once it is gone.
+- The etcd backend: a hold records its holder's start time and where its
+  pid means something (boot and pid namespace); the daemon of the hold's
+  node says ``alive``, before and after its own restart; another node's
+  daemon says null (it cannot see that process).
+- Records without a start time (written by older versions) read as null.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from lockd_client import LockClient
+
+from lockd.daemon.backends.etcd.records import Hold
+from lockd.daemon.backends.etcd.wire import KeyValue
+
+from .conftest import DaemonProcess
+from .etcd_cluster import EtcdCluster
+from .test_etcd_hosts import two_hosts
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[bytes]]:
+    """A descendant of this process: one the daemon believes as a holder."""
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        yield sleeper
+    finally:
+        sleeper.kill()
+        sleeper.wait(5)
+
+
+def _holder(daemon: DaemonProcess, key: str) -> dict[str, Any]:
+    with LockClient(daemon.socket) as client:
+        raw = client.status(key).raw
+    entry = raw["holders"][0]
+    assert {f: raw[f] for f in ("pid", "process", "alive")} == {
+        f: entry[f] for f in ("pid", "process", "alive")
+    }
+    return entry
+
+
+def _take(daemon: DaemonProcess, key: str, pid: int) -> None:
+    with LockClient(daemon.socket) as client:
+        assert client.try_acquire(key, 120, pid=pid) is not None
+
+
+def test_a_restored_hold_knows_whether_its_holder_lives(
+    daemon: DaemonProcess, child: subprocess.Popen[bytes]
+) -> None:
+    _take(daemon, "restored", child.pid)
+    daemon.stop()
+    daemon.start()
+    entry = _holder(daemon, "restored")
+    assert (entry["pid"], entry["process"], entry["alive"]) == (child.pid, "sleep", True)
+    child.kill()
+    child.wait(5)
+    assert _holder(daemon, "restored")["alive"] is False
+
+
+def test_etcd_alive_on_the_holds_node_and_null_elsewhere(
+    etcd_cluster: EtcdCluster, child: subprocess.Popen[bytes]
+) -> None:
+    with two_hosts(etcd_cluster) as hosts:
+        _take(hosts.a, "mine", child.pid)
+        entry = _holder(hosts.a, "mine")
+        assert (entry["pid"], entry["process"], entry["alive"]) == (child.pid, "sleep", True)
+        assert entry["node"] == "host-a"
+        # Another host cannot see that process: it does not guess.
+        assert _holder(hosts.b, "mine")["alive"] is None
+        hosts.a.stop()
+        hosts.a.start()
+        assert _holder(hosts.a, "mine")["alive"] is True  # computed at view time, after a restart
+        child.kill()
+        child.wait(5)
+        assert _holder(hosts.a, "mine")["alive"] is False
+        assert _holder(hosts.b, "mine")["alive"] is None
+
+
+def test_an_etcd_record_without_start_time_reads_as_unknown() -> None:
+    old = {
+        "principal": "user:a",
+        "owner": None,
+        "mode": "exclusive",
+        "limit": 1,
+        "node": "n",
+        "pid": 42,
+        "process": "sh",
+        "ttlMs": 2000,
+        "expiresAt": 1,
+        "bound": False,
+    }
+    hold = Hold.parse("k", "h", KeyValue(b"/p/k/6b/h/h", json.dumps(old).encode(), 3, 3, 1, 9))
+    assert hold.pid == 42 and hold.pid_start is None and hold.pid_place is None
+    odd = {**old, "pidStart": "12", "pidPlace": 5}
+    hold = Hold.parse("k", "h", KeyValue(b"/p/k/6b/h/h", json.dumps(odd).encode(), 3, 3, 1, 9))
+    assert hold.pid_start is None and hold.pid_place is None
+    written = Hold.parse(
+        "k",
+        "h",
+        KeyValue(b"", json.dumps({**old, "pidStart": 77, "pidPlace": "b/ns"}).encode(), 3, 3, 1, 9),
+    )
+    assert Hold.parse("k", "h", KeyValue(b"", written.value(), 3, 3, 1, 9)) == written
