@@ -18,7 +18,16 @@ time from the cause of the loss to the moment the holder's code sees it:
 
 The holds otherwise last a minute, so no renewal (every 20 s) can be what
 told the holder: every number is the daemon's pushed event. Goal: p99 within
-100 ms. The etcd backend is not measured (not in this round).
+100 ms.
+
+``--etcd``: a 3-member etcd cluster and two daemons on it (``host-a``,
+``host-b``); the holder (sync client) is on ``host-a``, the ``break`` and
+the re-take are sent to ``host-b``, so ``host-a`` learns from its watch of
+the holds (docs/etcd-design.md §6a). The embedded cells of the sync client
+run first in the same run, as the baseline. Expiry on etcd is measured from
+``leaseExpiresAt`` (2 s at least); etcd's lease is granted a second longer
+and etcd checks expiries every ~0.5 s, so that cell is an upper bound made
+mostly of etcd's own timing (``--etcd-expiries`` trials, default 5, ~3 s each).
 
 ``lockd run`` (``--run N`` trials, default 10; each starts a ``lockd run``):
 ``lockd run --on-lost kill K -- sleep``, then a ``break``: the time until
@@ -35,6 +44,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,7 +113,7 @@ def sync_trial(client: LockClient, actor: Actor, cause: str, key: str) -> float:
                 raise RuntimeError("no loss seen")
         finally:
             renewer.stop()
-        return seen[0] - (sent + SHORT_TTL)
+        return seen[0] - (sent + handle.ttl_ms / 1000)  # the TTL in force (etcd: whole seconds)
     started: list[float] = []
     thread: threading.Thread | None = None
     owner = OWNER if cause == "retake" else None
@@ -194,6 +204,48 @@ def measure(socket: str, trials: int, progress: Callable[[str], None]) -> dict[s
     return results
 
 
+def measure_sync(
+    holder_socket: str, actor_socket: str, causes: dict[str, int], label: str
+) -> dict[str, list[float]]:
+    """The sync client holds on ``holder_socket``; breaks, re-takes go to ``actor_socket``."""
+    actor = Actor(actor_socket)
+    results: dict[str, list[float]] = {}
+    try:
+        with LockClient(holder_socket) as client:
+            for cause, trials in causes.items():
+                print(f"{label} {cause}", file=sys.stderr)
+                results[f"{label}/{cause}"] = [
+                    sync_trial(client, actor, cause, f"bench:{label}:{cause}:{i}")
+                    for i in range(trials)
+                ]
+    finally:
+        actor.client.close()
+    return results
+
+
+def measure_etcd(trials: int, expiries: int) -> dict[str, list[float]]:
+    """Embedded baseline, then etcd with the loss made through the other daemon."""
+    from tests.etcd_cluster import EtcdBackend, EtcdCluster, data_root
+
+    baseline = LockdDaemon()
+    with baseline.running():
+        sock = str(baseline.socket)
+        results = measure_sync(sock, sock, {"break": trials, "retake": trials}, "sync embedded")
+    root = data_root()
+    cluster = EtcdCluster(root).start()
+    try:
+        etcd = EtcdBackend(endpoints=tuple(cluster.endpoints), prefix=f"/lockd-loss/{os.getpid()}/")
+        a = LockdDaemon(label="host-a", config=etcd.as_node("host-a").toml())
+        b = LockdDaemon(label="host-b", config=etcd.as_node("host-b").toml())
+        with a.running(), b.running():
+            causes = {"break": trials, "retake": trials, "expired": expiries}
+            results.update(measure_sync(str(a.socket), str(b.socket), causes, "sync etcd a<-b"))
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
 LOCKD_RUN = [sys.executable, "-m", "lockd", "run"]
 
 
@@ -242,10 +294,18 @@ def main() -> None:
     parser.add_argument("-n", "--trials", type=int, default=30, help="trials per cell")
     parser.add_argument("--run", type=int, default=10, help="lockd run trials (0: none)")
     parser.add_argument("--json", type=Path, help="also write the raw seconds here")
+    parser.add_argument(
+        "--etcd", action="store_true", help="two daemons on etcd, loss made on the other one"
+    )
+    parser.add_argument("--etcd-expiries", type=int, default=5, help="expiry trials on etcd")
     args = parser.parse_args()
     # The clients warn of every loss; here losses are the point.
     logging.getLogger("lockd_client").addHandler(logging.NullHandler())
     logging.getLogger("lockd_client").propagate = False
+    if args.etcd:
+        results = measure_etcd(args.trials, args.etcd_expiries)
+        report(results, args.trials, args.json)
+        return
     daemon = LockdDaemon()
     with daemon.running():
         results = measure(str(daemon.socket), args.trials, lambda s: print(s, file=sys.stderr))
@@ -254,8 +314,12 @@ def main() -> None:
             trials = [run_trial(str(daemon.socket), f"bench:run:{i}") for i in range(args.run)]
             results["lockd run/break: COMMAND gone"] = [gone for gone, _ in trials]
             results["lockd run/break: answered"] = [answered for _, answered in trials]
+    report(results, args.trials, args.json)
+
+
+def report(results: dict[str, list[float]], trials: int, raw: Path | None) -> None:
     load = os.getloadavg()[0]
-    print(f"loss reaction, {args.trials} trials per cell, load {load:.1f} (ms)")
+    print(f"loss reaction, {trials} trials per cell, load {load:.1f} (ms)")
     rows = []
     for cell, values in results.items():
         client, cause = cell.split("/")
@@ -270,8 +334,8 @@ def main() -> None:
             ]
         )
     print(table(["client", "cause", "p50", "p99", "max"], rows))
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
+    if raw is not None:
+        raw.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
