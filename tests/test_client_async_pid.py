@@ -79,9 +79,9 @@ def test_a_bad_pid_is_refused_before_sending(
     async def main() -> None:
         async with AsyncLockClient(daemon.socket) as client:
             with pytest.raises(error, match="pid"):
-                await client.acquire("aio:bad", ttl=30, timeout=1, pid=bad)  # type: ignore[arg-type]
+                await client.acquire("aio:bad", ttl=30, timeout=1, pid=bad)
             with pytest.raises(error, match="pid"):
-                await client.try_acquire("aio:bad", ttl=30, pid=bad)  # type: ignore[arg-type]
+                await client.try_acquire("aio:bad", ttl=30, pid=bad)
             assert not (await client.status("aio:bad")).held
 
     asyncio.run(main())
