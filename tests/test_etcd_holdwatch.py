@@ -1,7 +1,8 @@
 """HoldWatch's stream across etcd's failures, with a scripted etcd and trio's mock clock.
 
 The real cluster tests (``test_loss_events_etcd``) show a loss pushed; here
-the stream's own duties: it starts from the first watched hold's fence, goes
+the stream's own duties: it starts from the first watched hold's fence (and
+ends with the last watched hold, to start again with the next), goes
 on from where it stopped after etcd was away, reads every watched hold again
 after compaction (a hold gone in the gap is told ``expired``), tells an
 unexplained deletion by asking for the lease, and keeps the losses of holds
@@ -20,6 +21,7 @@ import trio
 import trio.testing
 
 from lockd.daemon.backends.etcd.gateway import EtcdUnavailable, WatchCompacted
+from lockd.daemon.backends.etcd.holdloss import break_record
 from lockd.daemon.backends.etcd.holdwatch import HoldWatch
 from lockd.daemon.backends.etcd.records import Layout
 from lockd.daemon.backends.etcd.wire import (
@@ -30,7 +32,7 @@ from lockd.daemon.backends.etcd.wire import (
     WatchRequest,
     WatchResponse,
 )
-from lockd.daemon.events import EXPIRED
+from lockd.daemon.events import BREAK, EXPIRED
 
 LAYOUT = Layout("/lockd/")
 NODE = "host-a"
@@ -112,6 +114,7 @@ def _wired(backend: StubBackend, watched: set[str]) -> tuple[HoldWatch, list[tup
     watch.on_released = on_released
     watch.is_watched = lambda handle: handle in watched
     watch.watched_holds = lambda: [("k", h) for h in sorted(watched)]
+    watch.any_watched = lambda: bool(watched)
     return watch, told
 
 
@@ -190,6 +193,30 @@ def test_a_loss_seen_before_its_hold_was_watched_is_told_when_it_is() -> None:
             watch.follow("h2", fence=6)
             await trio.testing.wait_all_tasks_blocked()
             assert len(told) == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_the_stream_ends_with_the_last_watched_hold_and_starts_again_with_the_next() -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            record = break_record("user:root", "swap", "t")
+            breaking = Event(
+                "PUT", KeyValue(LAYOUT.directory("k") + b"x", record, 12, 12, 1, 0), None
+            )
+            etcd = ScriptedEtcd([[_response(deleted("k", "h1", 12, lease=7), breaking)], []])
+            backend = StubBackend(etcd, nursery)
+            watched = {"h1"}
+            watch, told = _wired(backend, watched)
+            watch.follow("h1", fence=10)
+            await trio.testing.wait_all_tasks_blocked()
+            assert told == [("k", "h1", BREAK, "user:root", "swap")]
+            assert etcd.starts == [11]
+            watched.add("h5")
+            watch.follow("h5", fence=50)
+            await trio.testing.wait_all_tasks_blocked()
+            assert etcd.starts == [11, 51]
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -161,6 +161,7 @@ class RemoteService:
         watch.on_released = losses.forget
         watch.is_watched = lambda handle: losses.watched(handle) is not None
         watch.watched_holds = lambda: [(w.key, w.handle) for w in losses.holds()]
+        watch.any_watched = lambda: len(losses) > 0
         losses.on_watch = lambda watched: watch.follow(watched.handle, watched.fence)
 
     def hold_lost(
@@ -418,6 +419,7 @@ class HoldWatchLike(Protocol):
     on_released: Callable[[str], object]
     is_watched: Callable[[str], bool]
     watched_holds: Callable[[], list[tuple[str, str]]]
+    any_watched: Callable[[], bool]
 
     def follow(self, handle: str, fence: int) -> None: ...
 

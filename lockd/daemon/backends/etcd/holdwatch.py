@@ -17,7 +17,8 @@ started. One stream costs one connection for the daemon's life and covers a
 hold from its grant's revision on; its price is that every lockd write of
 the cluster passes through it (a few hundred bytes each), dropped here
 unless it ends a hold of this node. It starts with the first listened-to
-hold: a daemon whose clients never ask for events never opens it.
+hold and ends at the first event after the last one went: a daemon whose
+clients never ask for events never opens it.
 
 The stream survives the loss of a member (the gateway resumes it elsewhere
 from the next revision), etcd being away (tried again every
@@ -71,6 +72,10 @@ def _no_holds() -> list[tuple[str, str]]:
     return []
 
 
+def _none_watched() -> bool:
+    return False
+
+
 class HoldWatch:
     """One daemon's watch of the holds it granted (see the module doc)."""
 
@@ -84,6 +89,8 @@ class HoldWatch:
         self.is_watched: Callable[[str], bool] = _nothing_watched
         #: ``(key, handle)`` of every watched hold (read again after compaction).
         self.watched_holds: Callable[[], list[tuple[str, str]]] = _no_holds
+        #: is any hold watched? (None is: the stream ends at its next event.)
+        self.any_watched: Callable[[], bool] = _none_watched
         self._started = False
         #: the revision the stream goes on from.
         self._from = 0
@@ -116,6 +123,12 @@ class HoldWatch:
                     try:
                         async for response in watch:
                             self.take(response.events)
+                            if not self.any_watched():
+                                # Nobody listens any more: the stream costs
+                                # CPU for every write of the cluster; the
+                                # next watched hold starts it again.
+                                self._started = False
+                                return
                     finally:
                         self._from = watch.next_revision or start
             except WatchCompacted as exc:
