@@ -12,19 +12,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from lockd_client import LockClient
+from lockd_client import Handle, LockClient
 
 from lockd.daemon.backends.etcd.records import Hold
 from lockd.daemon.backends.etcd.wire import KeyValue
 
 from .conftest import DaemonProcess
 from .etcd_cluster import EtcdCluster
+from .test_cli_run import wait_until
 from .test_etcd_hosts import two_hosts
 
 
@@ -110,3 +113,44 @@ def test_an_etcd_record_without_start_time_reads_as_unknown() -> None:
         KeyValue(b"", json.dumps({**old, "pidStart": 77, "pidPlace": "b/ns"}).encode(), 3, 3, 1, 9),
     )
     assert Hold.parse("k", "h", KeyValue(b"", written.value(), 3, 3, 1, 9)) == written
+
+
+def test_etcd_alive_for_a_hold_granted_from_the_queue_by_the_other_host(
+    etcd_cluster: EtcdCluster, child: subprocess.Popen[bytes]
+) -> None:
+    """The waiter record carries the start time into the hold another daemon grants.
+
+    host-b's holder got the key through host-b's queue, so host-b has a view
+    of the queue and its release grants host-a's waiter in the same
+    transaction, from the waiter's record (docs/etcd-design.md §5a).
+    """
+    with two_hosts(etcd_cluster) as hosts, contextlib.ExitStack() as stack:
+        first, second, waiting = (
+            stack.enter_context(LockClient(daemon.socket)) for daemon in (hosts.b, hosts.b, hosts.a)
+        )
+        held = first.try_acquire("queued", 120)
+        assert held is not None
+        second_grant = _in_thread(lambda: second.acquire("queued", 120, 30))
+        wait_until(lambda: first.status("queued").waiters == 1, 10, "host-b's waiter queued")
+        first.release(held)
+        handed = second_grant()
+        third_grant = _in_thread(lambda: waiting.acquire("queued", 120, 30, pid=child.pid))
+        wait_until(lambda: first.status("queued").waiters == 1, 10, "host-a's waiter queued")
+        second.release(handed)  # host-b's hand-off grants host-a's waiter
+        third_grant()
+        entry = _holder(hosts.a, "queued")
+        assert (entry["pid"], entry["alive"], entry["node"]) == (child.pid, True, "host-a")
+
+
+def _in_thread(call: Callable[[], Handle]) -> Callable[[], Handle]:
+    """Run ``call`` in a thread; the returned function waits for its result."""
+    result: list[Handle] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+
+    def join() -> Handle:
+        thread.join(30)
+        assert result, "not granted"
+        return result[0]
+
+    return join
