@@ -304,12 +304,13 @@ class RemoteService:
                 # waits for it deletes the hold; the handle is fenced.
                 losses.hold_ended(request.handle)
                 return {"released": False, "reason": "not_holder"}
+            # Its deletion, seen by the watch of the holds, is no loss.
             self._releasing.add(request.handle)
             try:
                 released = await backend.release(request.key, request.handle)
             finally:
                 self._releasing.discard(request.handle)
-                losses.forget(request.handle)
+            losses.forget(request.handle)
             if not released:
                 return {"released": False, "reason": "not_holder"}
             service.stats.count("releases")
