@@ -163,7 +163,7 @@ def test_permission_denied_on_the_socket_names_owner_and_mode(daemon: DaemonProc
     # The interpreter lives where nobody may not read: import everything as
     # root, then become nobody and run the command in the same process.
     code = (
-        "import os, sys, json, pwd, grp, click, lockd.cli, lockd_client\n"
+        "import os, sys, json, pwd, grp, click, lockd.cli.root, lockd_client\n"
         f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
         "sys.argv = ['lockd', *sys.argv[1:]]\n"
         "lockd.cli.main()\n"

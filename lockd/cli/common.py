@@ -27,80 +27,87 @@ from __future__ import annotations
 
 import functools
 import os
-import re
-from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
-from decimal import ROUND_CEILING, Decimal
+from collections.abc import Callable, Sequence
 from typing import IO, Any, NoReturn, ParamSpec, TypeVar
 
 import click
-from lockd_client import (
-    MAX_LIMIT,
-    DaemonUnavailableError,
-    InternalError,
-    InvalidRequestError,
-    LockAccessDeniedError,
-    LockClient,
-    LockdError,
-    LockTimeoutError,
-    RateLimitedError,
-    ShuttingDownError,
-    SocketPermissionError,
-)
+from lockd_client import MAX_LIMIT, LockClient, LockdError
 from lockd_client._paths import SOCKET_ENV
 
-from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS, WAIT_FOREVER
-from lockd.exitcodes import (
-    DAEMON_UNAVAILABLE,
-    ERROR_STATUS,
-    EXIT_BUG,
-    EXIT_BUSY,
-    EXIT_DEADLOCK,
-    EXIT_DENIED,
-    EXIT_INTERRUPTED,
-    EXIT_LOST,
-    EXIT_RATE_LIMITED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
-    KEY_BUSY,
-    LEASE_LOST,
-    USAGE,
-    error_document,
-    exit_code_for,
-    exit_codes_help,
+from lockd.cli.durations import (
+    DURATION_FORMS,
+    FOREVER,
+    DurationError,
+    check_duration,
+    parse_duration_ms,
+    seconds_hint,
 )
-from lockd.textsafe import visible
-from lockd.timefmt import format_duration_ms
+from lockd.cli.output import (
+    CODE_FOR_EXIT,
+    DEBUG_ENV,
+    JSON_STYLE,
+    Failure,
+    TableWriter,
+    describe_error,
+    display_width,
+    failure_from,
+    format_relative,
+    format_time,
+    ms_until,
+    parse_time,
+    print_json,
+    render_fields,
+    render_table,
+)
+from lockd.cli.output import echo_error as _echo_error
+from lockd.cli.output import failure_for as _failure_for
+from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS, WAIT_FOREVER
+from lockd.exitcodes import USAGE, error_document, exit_code_for, exit_codes_help
+
+__all__ = [
+    "DEBUG_ENV",
+    "DURATION_FORMS",
+    "EXIT_CODES_HELP",
+    "FOREVER",
+    "JSON_STYLE",
+    "MAX_LIMIT",
+    "TTL",
+    "WAIT",
+    "WAIT_FOREVER",
+    "CliFailure",
+    "Duration",
+    "LazyGroup",
+    "LockdGroup",
+    "TableWriter",
+    "check_key_argument",
+    "client_command",
+    "describe_error",
+    "display_width",
+    "echo_error",
+    "exit_code_for",
+    "fail",
+    "failure_for",
+    "format_relative",
+    "format_time",
+    "json_errors",
+    "json_option",
+    "json_requested",
+    "ms_until",
+    "open_client",
+    "parse_duration_ms",
+    "parse_time",
+    "print_json",
+    "render_fields",
+    "render_table",
+    "shared_options",
+    "socket_option",
+    "use_socket",
+    "warn",
+]
 
 # --------------------------------------------------------------------------- exit codes
 
 EXIT_CODES_HELP = exit_codes_help()
-
-#: Set to get a traceback instead of the one-line message for CLI bugs.
-DEBUG_ENV = "LOCKD_DEBUG"
-
-
-def describe_error(exc: LockdError) -> str:
-    """One line for stderr (without the ``lockd: `` prefix)."""
-    message = " ".join(exc.message.split())  # the one-line promise holds for any message
-    if isinstance(exc, DaemonUnavailableError | SocketPermissionError):
-        # The client's message names the socket and what to do.
-        return message.removeprefix("lockd ")
-    if isinstance(exc, LockAccessDeniedError):
-        return f"access denied: {message}"
-    if isinstance(exc, RateLimitedError):
-        limit = f" (limit {exc.limit} attempts per hour)" if exc.limit is not None else ""
-        return f"rate limited: {message}{limit}"
-    if isinstance(exc, InvalidRequestError):
-        field = f" (field {exc.field})" if exc.field else ""
-        return f"invalid request: {message}{field}"
-    if isinstance(exc, ShuttingDownError):
-        return f"the daemon is shutting down: {message}; retry once it is back"
-    if isinstance(exc, InternalError):
-        return f"the daemon failed (internal error, see its log): {message}"
-    if isinstance(exc, LockTimeoutError):
-        return f"timed out: {message}"
-    return f"{exc.code}: {message}"
 
 
 # --------------------------------------------------------------------------- --json errors
@@ -131,26 +138,9 @@ def json_errors() -> bool:
     return False
 
 
-#: The ``--json`` code of a failure that only has an exit code.
-_CODE_FOR_EXIT = {
-    EXIT_BUSY: KEY_BUSY,
-    EXIT_USAGE: USAGE,
-    EXIT_DENIED: "LOCK_ACCESS_DENIED",
-    EXIT_RATE_LIMITED: "RATE_LIMITED",
-    EXIT_UNAVAILABLE: DAEMON_UNAVAILABLE,
-    EXIT_LOST: LEASE_LOST,
-    EXIT_DEADLOCK: "DEADLOCK",
-    EXIT_INTERRUPTED: "CANCELLED",
-    EXIT_BUG: "INTERNAL",
-}
-
-
 def echo_error(message: str, code: str, details: dict[str, Any] | None = None) -> None:
     """Report a failure on stderr: ``lockd: message``, or the JSON line under ``--json``."""
-    if json_errors():
-        click.echo(error_document(code, message, details), err=True)
-    else:
-        click.echo(f"lockd: {message}", err=True)
+    _echo_error(message, code, details, as_json=json_errors())
 
 
 def warn(message: str) -> None:
@@ -164,7 +154,8 @@ class CliFailure(click.ClickException):
     """A command outcome that exits non-zero with one line on stderr.
 
     ``code`` is the ``--json`` error code (default: the one for ``exit_code``),
-    ``details`` its details object.
+    ``details`` its details object. The click form of
+    :class:`lockd.cli.output.Failure` (which the fast path shows itself).
     """
 
     def __init__(
@@ -177,8 +168,12 @@ class CliFailure(click.ClickException):
     ) -> None:
         super().__init__(message)
         self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
-        self.code = code or _CODE_FOR_EXIT.get(exit_code, "INTERNAL")
+        self.code = code or CODE_FOR_EXIT.get(exit_code, "INTERNAL")
         self.details = details or {}
+
+    @classmethod
+    def of(cls, failure: Failure) -> CliFailure:
+        return cls(failure.message, failure.exit_code, code=failure.code, details=failure.details)
 
     def show(self, file: IO[Any] | None = None) -> None:
         echo_error(self.format_message(), self.code, self.details)
@@ -196,18 +191,8 @@ def fail(
 
 
 def failure_for(exc: LockdError) -> CliFailure:
-    """The CliFailure for a client error: its exit code, wire code and details.
-
-    A client-side code outside the documented set (``DAEMON_UNTRUSTED``, a
-    garbled reply's ``PROTOCOL_ERROR``) becomes ``DAEMON_UNAVAILABLE`` or
-    ``INTERNAL``, the original in ``details.clientCode``.
-    """
-    code, details = exc.code, exc.details
-    if code not in ERROR_STATUS:
-        code = DAEMON_UNAVAILABLE if isinstance(exc, DaemonUnavailableError) else "INTERNAL"
-        details = {**details, "clientCode": exc.code}
-    # The message may quote a key or a holder (strings other users chose).
-    return CliFailure(visible(describe_error(exc)), exit_code_for(exc), code=code, details=details)
+    """The CliFailure for a client error (:func:`lockd.cli.output.failure_for`)."""
+    return CliFailure.of(_failure_for(exc))
 
 
 P = ParamSpec("P")
@@ -217,10 +202,11 @@ R = TypeVar("R")
 def client_command(func: Callable[P, R]) -> Callable[P, R]:
     """Wrap a command callback so nothing but one stderr line escapes it.
 
-    Client errors map to their exit code; a ``ValueError`` (the client's own
-    argument checks: key length, control characters) is a usage error;
-    Ctrl-C exits 130; anything else is a bug in the CLI: one line, exit 70
-    (``LOCKD_DEBUG=1`` re-raises it for a traceback).
+    What an exception means is :func:`lockd.cli.output.failure_from`, shared
+    with the fast path: client errors map to their exit code, a
+    ``ValueError`` is a usage error, Ctrl-C exits 130, anything else is a bug
+    in the CLI: one line, exit 70 (``LOCKD_DEBUG=1`` re-raises it for a
+    traceback).
     """
 
     @functools.wraps(func)
@@ -229,21 +215,11 @@ def client_command(func: Callable[P, R]) -> Callable[P, R]:
             return func(*args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except LockdError as exc:
-            raise failure_for(exc) from None
-        except ValueError as exc:
-            raise CliFailure(f"invalid argument: {exc}", EXIT_USAGE) from None
-        except KeyboardInterrupt:
-            raise CliFailure("interrupted", EXIT_INTERRUPTED) from None
-        except Exception as exc:
-            if os.environ.get(DEBUG_ENV):
+        except (Exception, KeyboardInterrupt) as exc:
+            failure = failure_from(exc)
+            if failure is None:
                 raise
-            text = " ".join(str(exc).split()) or "no message"
-            raise CliFailure(
-                f"unexpected error (a bug in lockd; set {DEBUG_ENV}=1 for a traceback): "
-                f"{type(exc).__name__}: {text}",
-                EXIT_BUG,
-            ) from None
+            raise CliFailure.of(failure) from None
 
     return wrapper
 
@@ -336,46 +312,14 @@ class LockdGroup(LazyGroup):
 
 # --------------------------------------------------------------------------- durations
 
-_NUMBER = r"\d+(?:\.\d*)?|\.\d+"
-#: one part of a compound duration; ``ms`` before ``m``.
-_PART_RE = re.compile(rf"(?P<num>{_NUMBER})(?P<unit>ms|h|m|s)")
-_BARE_NUMBER_RE = re.compile(_NUMBER)
-_UNIT_MS = {"h": Decimal(3_600_000), "m": Decimal(60_000), "s": Decimal(1000), "ms": Decimal(1)}
-#: the units from the largest down: a compound duration names them in this order.
-_UNIT_ORDER = tuple(_UNIT_MS)
-DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1m30s, 1h5m; a bare number is milliseconds"
-
-
-def parse_duration_ms(text: str) -> int:
-    """``"1.5s"`` -> 1500, ``"1m30s"`` -> 90000. Whole ms, rounded up; ValueError says why.
-
-    A compound duration names its units from the largest down, each at most
-    once (``1h5m``, ``1m30s``, ``2s250ms``), as Go's and systemd's do; a bare
-    number is milliseconds (docs/contract.md §9). Decimal arithmetic keeps what was
-    written: ``1.1s`` is 1100 ms, not 1101.
-    """
-    raw = text.strip()
-    bad = ValueError(f"{text!r} is not a duration (use {DURATION_FORMS})")
-    if _BARE_NUMBER_RE.fullmatch(raw):
-        value = Decimal(raw)
-    else:
-        value, pos, last = Decimal(0), 0, -1
-        for m in _PART_RE.finditer(raw):
-            rank = _UNIT_ORDER.index(m.group("unit"))
-            if m.start() != pos or rank <= last:
-                raise bad
-            value += Decimal(m.group("num")) * _UNIT_MS[m.group("unit")]
-            pos, last = m.end(), rank
-        if pos == 0 or pos != len(raw):
-            raise bad
-    return int(value.to_integral_value(rounding=ROUND_CEILING))
-
 
 class Duration(click.ParamType):
     """A click type for durations; the value is whole milliseconds (int).
 
     ``min_ms``/``max_ms`` bound it (the daemon refuses a TTL of 0 or more
     than 24 h; checking here gives a usage error that names the option).
+    The parsing and the checks are :mod:`lockd.cli.durations`, shared with
+    the fast path.
     """
 
     name = "duration"
@@ -390,43 +334,19 @@ class Duration(click.ParamType):
         return "DURATION"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            ms = value
-            if ms == WAIT_FOREVER and self.forever:
-                return ms
-        elif self.forever and str(value).strip().lower() == FOREVER:
-            return WAIT_FOREVER
-        else:
-            try:
-                ms = parse_duration_ms(str(value))
-            except ValueError as exc:
-                self.fail(str(exc), param, ctx)
-        if ms < self.min_ms:
-            self.fail(f"{value!r} is too short: at least {_exact(self.min_ms)}", param, ctx)
-        if ms > self.max_ms:
-            self.fail(f"{value!r} is too long: at most {_exact(self.max_ms)}", param, ctx)
-        if isinstance(value, str) and _BARE_NUMBER_RE.fullmatch(value.strip()) and 0 < ms < 1000:
-            # flock's -w and timeout(1) count seconds: say what we read it as.
-            name = param.opts[0] if param is not None and param.opts else "the duration"
-            text = value.strip()
-            warn(f"{name} {text} is {text} ms; write {text}s for seconds")
+        try:
+            ms = check_duration(value, min_ms=self.min_ms, max_ms=self.max_ms, forever=self.forever)
+        except DurationError as exc:
+            self.fail(str(exc), param, ctx)
+        name = param.opts[0] if param is not None and param.opts else "the duration"
+        hint = seconds_hint(name, value, ms)
+        if hint is not None:
+            warn(hint)
         return ms
-
-
-def _exact(ms: int) -> str:
-    """A limit written as a duration that parses back to exactly ``ms``."""
-    if ms and ms % 3_600_000 == 0:
-        return f"{ms // 3_600_000}h"
-    if ms and ms % 1000 == 0:
-        return f"{ms // 1000}s"
-    return f"{ms}ms"
 
 
 #: A lease TTL: 1 ms to 24 h.
 TTL = Duration(min_ms=1, max_ms=MAX_TTL_MS)
-#: ``--wait forever``: a blocking acquire without limit (docs/contract.md §12). The wire
-#: needs ``timeoutMs``: the client sends the largest and parks again.
-FOREVER = "forever"
 #: A wait: 0 (answer at once) to 24 h, or ``forever``.
 WAIT = Duration(min_ms=0, max_ms=MAX_TIMEOUT_MS, forever=True)
 
@@ -519,103 +439,3 @@ def json_option(func: Callable[P, R]) -> Callable[P, R]:
 def open_client(socket_path: str | None) -> LockClient:
     """A client for one command (close it, or use it as a context manager)."""
     return LockClient(socket_path)
-
-
-# --------------------------------------------------------------------------- output
-
-
-#: how every JSON document the CLI prints is written.
-JSON_STYLE: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
-
-
-def print_json(value: Any) -> None:
-    """ONE JSON document on one line: stable for scripts (``jq``, ``while read``)."""
-    import json
-
-    click.echo(json.dumps(value, **JSON_STYLE))
-
-
-def format_time(when: datetime | None) -> str:
-    """A wire time in the local zone: ``2026-11-30 05:10:39 UTC`` (``-`` for None)."""
-    if when is None:
-        return "-"
-    local = when.astimezone()
-    return local.strftime("%Y-%m-%d %H:%M:%S ") + (local.tzname() or local.strftime("%z"))
-
-
-def format_relative(ms: int | None) -> str:
-    """``in 42s`` / ``42s ago`` for milliseconds from now (``-`` for None)."""
-    if ms is None:
-        return "-"
-    return f"in {format_duration_ms(ms)}" if ms >= 0 else f"{format_duration_ms(-ms)} ago"
-
-
-def parse_time(value: object) -> datetime | None:
-    """A wire time (``2026-11-30T03:31:00.123Z``) as an aware datetime; None if absent or bad."""
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-
-
-def ms_until(when: datetime | None) -> int | None:
-    """Milliseconds from now until ``when`` (negative when past)."""
-    if when is None:
-        return None
-    now = datetime.now(tz=when.tzinfo)
-    return int((when - now).total_seconds() * 1000)
-
-
-def display_width(text: str) -> int:
-    """Terminal columns of ``text`` (East Asian wide characters take two)."""
-    if text.isascii():
-        return len(text)
-    import unicodedata
-
-    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-
-
-def _pad(text: str, width: int) -> str:
-    return text + " " * (width - display_width(text))
-
-
-def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """Columns aligned with two spaces between them; no trailing spaces."""
-    return "\n".join(TableWriter(headers).lines(rows))
-
-
-class TableWriter:
-    """A table written as its rows arrive (``locks list`` streams page by page).
-
-    The first batch fixes the column widths (with the header); a longer cell
-    in a later batch widens its column from then on.
-    """
-
-    def __init__(self, headers: Sequence[str]) -> None:
-        self._headers: list[str] | None = [str(c) for c in headers]
-        self._widths = [0] * len(headers)
-
-    def lines(self, rows: Iterable[Sequence[object]]) -> list[str]:
-        """The next lines of the table (the header first, on the first call)."""
-        cells = [["-" if c is None else visible(c) for c in r] for r in rows]
-        if self._headers is not None:
-            cells.insert(0, self._headers)
-            self._headers = None
-        for row in cells:
-            self._widths = [
-                max(w, display_width(c)) for w, c in zip(self._widths, row, strict=True)
-            ]
-        return [
-            "  ".join(_pad(c, w) for c, w in zip(row, self._widths, strict=True)).rstrip()
-            for row in cells
-        ]
-
-
-def render_fields(pairs: Iterable[tuple[str, object]]) -> str:
-    """``Label:  value`` lines, values aligned (``-`` for None)."""
-    items = [(f"{label}:", "-" if value is None else visible(value)) for label, value in pairs]
-    width = max((len(label) for label, _ in items), default=0)
-    return "\n".join(f"{label.ljust(width)}  {value}".rstrip() for label, value in items)

@@ -49,12 +49,11 @@ from lockd.cli.common import (
     ms_until,
     open_client,
     print_json,
-    render_fields,
-    render_table,
     shared_options,
     socket_option,
     warn,
 )
+from lockd.cli.hot_commands import show_status
 from lockd.contract import HOLDER_FIELDS
 from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, pid_cell, who_holds
 from lockd.exitcodes import EXIT_BUSY, EXIT_LOST, EXIT_USAGE, USAGE
@@ -288,72 +287,8 @@ def _holder_rows(status: LockStatus) -> list[tuple[object, ...]]:
 @client_command
 def status(key: str, socket_path: str | None, as_json: bool) -> None:
     """Who holds KEY, without trying to take it (exit 0 held or free)."""
-    with open_client(socket_path) as client:
-        st = client.status(key)
-    if as_json:
-        print_json(st.raw)
-        return
-    expires = (
-        f"{format_relative(st.expires_in_ms)} ({format_time(st.lease_expires_at)})"
-        if st.held
-        else None
-    )
-    held = "no"
-    if st.held:
-        held = "yes" if st.holder_count <= 1 else f"yes, by {st.holder_count} holders"
-    click.echo(
-        render_fields(
-            [
-                ("Key", st.key),
-                ("Held", held),
-                ("Mode", mode_text(st)),
-                ("Held by", st.held_by),
-                ("Owner", st.owner),
-                ("Pid", pid_cell(st)),
-                ("Process", st.process),
-                *([("Node", st.node)] if st.node else []),
-                ("Fence", st.fence),
-                ("Expires", expires),
-                ("Waiters", st.waiters),
-            ]
-        )
-    )
-    if st.holder_count > 1:  # the fields above are the oldest grant; here is everyone
-        rows = [(*holder_cells(h), format_relative(h.expires_in_ms)) for h in st.holders]
-        table = render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows)
-        click.echo("Holders:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
-    if st.waiter_list:  # docs/contract.md §12: who waits, in queue order
-        queue_rows: list[tuple[object, ...]] = [
-            (
-                w.position,
-                w.principal,
-                w.pid,
-                w.process,
-                _waiter_mode(w.mode, w.limit),
-                format_duration_ms(w.waiting_ms) if w.waiting_ms is not None else None,
-                *([w.node] if st.node else []),
-            )
-            for w in st.waiter_list
-        ]
-        headers = (
-            "POS",
-            "WAITER",
-            "PID",
-            "PROCESS",
-            "MODE",
-            "WAITING",
-            *(["NODE"] if st.node else []),
-        )
-        table = render_table(headers, queue_rows)
-        click.echo("Queue:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
-        if st.waiters > len(st.waiter_list):
-            click.echo(f"  ... {st.waiters - len(st.waiter_list)} more waiting")
-
-
-def _waiter_mode(mode: str | None, limit: int | None) -> str:
-    if limit is not None and limit > 1:
-        return f"1 of {limit} slots"
-    return mode or "exclusive"
+    # The body is shared with the fast path (lockd.cli.fast), which runs it without click.
+    show_status(key, socket_path, as_json)
 
 
 @locks.command(short_help="Take KEY; print the handle id alone.")

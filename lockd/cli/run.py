@@ -9,11 +9,10 @@ its arguments, never parsed as options, so ``lockd run k -- ls --help`` runs
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from lockd.cli.common import Duration, check_key_argument, shared_options
+from lockd.cli.hot_commands import run_command
 from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS
 from lockd.exitcodes import (
     EXIT_BUG,
@@ -30,13 +29,11 @@ from lockd.exitcodes import (
     MEANING,
     exit_codes_help,
 )
-from lockd.run.options import OnLost, Reporter, RunOptions
+from lockd.run.options import MIN_TTL_MS, OnLost, RunOptions
 
 __all__ = ["run"]
 
 _COMMAND_META = "lockd.run.command"
-_MIN_TTL_MS = 100  # below this, renewing every TTL/3 is hopeless
-_DEBUG_ENV = "LOCKD_DEBUG"
 
 
 class _RunCommand(click.Command):
@@ -133,7 +130,7 @@ Example (cron, never overlapping itself; a busy key is a quiet success):
 @click.option(
     "--ttl",
     "ttl_ms",
-    type=Duration(min_ms=_MIN_TTL_MS, max_ms=MAX_TTL_MS),
+    type=Duration(min_ms=MIN_TTL_MS, max_ms=MAX_TTL_MS),
     default="60s",
     show_default=True,
     help="Lease time-to-live, renewed every third of it while COMMAND runs.",
@@ -257,26 +254,5 @@ def run(
         quiet=quiet,
         kill_descendants=kill_descendants,
     )
-    report = Reporter(json_lines=json_output)
-    # Imported when run, not at start-up (threads, subprocess): other commands
-    # and shell completion do not pay for it.
-    from lockd.run.supervisor import run_locked
-
-    try:
-        code = run_locked(opts, report)
-    except KeyboardInterrupt:
-        # A Ctrl-C in the instant between taking the key and installing the
-        # forwarder: 130 like a shell, never click's "Aborted!" with 1 ("busy").
-        # The key is freed as our connection closes (releaseOnClose).
-        report("INTERRUPTED", "interrupted")
-        code = EXIT_INTERRUPTED
-    except Exception as exc:  # a bug: one line and 70, not a traceback that exits 1 ("busy")
-        if os.environ.get(_DEBUG_ENV):
-            raise
-        report(
-            "BUG",
-            f"unexpected error (a bug in lockd; set {_DEBUG_ENV}=1 for a traceback):"
-            f" {type(exc).__name__}: {exc}",
-        )
-        code = EXIT_BUG
-    ctx.exit(code)
+    # The rest is shared with the fast path (lockd.cli.fast), which runs it without click.
+    ctx.exit(run_command(opts, json_output=json_output))

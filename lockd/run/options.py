@@ -16,7 +16,10 @@ from typing import IO, Any
 
 from lockd.exitcodes import EXIT_BUSY, USAGE, error_document
 
-__all__ = ["OnLost", "Reporter", "RunOptions"]
+__all__ = ["MIN_TTL_MS", "OnLost", "Reporter", "RunOptions"]
+
+#: The shortest ``lockd run --ttl``: below it, renewing every TTL/3 is hopeless.
+MIN_TTL_MS = 100
 
 
 class OnLost(StrEnum):
