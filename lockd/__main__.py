@@ -1,5 +1,5 @@
-"""``python -m lockd`` runs the CLI."""
+"""``python -m lockd`` runs the CLI, as the ``lockd`` console script does."""
 
-from lockd.cli import main
+from lockd.cli.fast import main
 
 main()

@@ -4,7 +4,8 @@ Scripts call ``lockd`` in loops, so a command imports only what it uses
 (``bench/startup.py`` measures the cost against ``python -c pass``). Each
 case runs a command in a fresh interpreter (against a socket that does not
 exist: the imports up to the request are what counts) and lists the modules
-it imported.
+it imported: through the click group, and through the console script's
+entry (``lockd.cli.fast``), which must run the hot commands without click.
 """
 
 from __future__ import annotations
@@ -25,6 +26,17 @@ except BaseException:
 print(json.dumps(sorted(sys.modules)))
 """
 
+#: The console script's entry (``lockd.cli.fast:main``), listing the modules at exit.
+ENTRY_MODULES = """
+import atexit, json, sys
+sys.argv[0] = "lockd"
+atexit.register(lambda: print(json.dumps(sorted(sys.modules))))
+from lockd.cli.fast import main
+main()
+"""
+
+MISSING = "/nonexistent/lockd.sock"
+
 #: never at CLI start: the daemon's machinery and its dependencies.
 HEAVY = ("trio", "sqlite3", "celpy", "lark", "platformdirs", "lockd.daemon", "lockd.rules")
 
@@ -36,6 +48,17 @@ def imported(*args: str) -> set[str]:
         text=True,
         timeout=60,
         check=True,
+    )
+    modules: list[str] = json.loads(out.stdout.splitlines()[-1])
+    return set(modules)
+
+
+def imported_by_entry(*args: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", ENTRY_MODULES, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     modules: list[str] = json.loads(out.stdout.splitlines()[-1])
     return set(modules)
@@ -80,3 +103,32 @@ def test_locks_status_loads_neither_run_nor_rules_nor_the_renewer() -> None:
 def test_run_does_not_load_the_locks_commands() -> None:
     modules = imported("run", "k", "--socket", "/nonexistent/lockd.sock", "--", "true")
     assert "lockd.cli.locks" not in modules and "lockd.cli.rules" not in modules
+
+
+HOT = [
+    ["locks", "status", "k", "--socket", MISSING],
+    ["--socket", MISSING, "locks", "status", "--json", "--", "-k"],
+    ["run", "k", "--socket", MISSING, "--", "true"],
+    ["run", "--ttl", "1m30s", "--wait", "forever", "--json", "k", "--socket", MISSING, "--", "id"],
+    ["run", "--socket", MISSING, "--", "-k", "--", "true"],
+]
+
+
+@pytest.mark.parametrize("args", HOT, ids=lambda args: " ".join(args).replace(MISSING, "S"))
+def test_hot_commands_never_import_click(args: list[str]) -> None:
+    modules = imported_by_entry(*args)
+    assert "click" not in modules
+    assert not {m for m in modules if m.startswith(("lockd.cli.root", "lockd.cli.common"))}
+    assert heavy_in(modules) == []
+
+
+def test_the_entry_hands_other_commands_to_click() -> None:
+    # The probe above can see click: a command the fast path does not take loads it.
+    assert "click" in imported_by_entry("locks", "list", "--socket", MISSING)
+    assert "click" in imported_by_entry("run", "--help")
+
+
+def test_status_through_the_entry_loads_nothing_of_run() -> None:
+    modules = imported_by_entry("locks", "status", "k", "--socket", MISSING)
+    for module in ("lockd.run", "lockd.cli.run", "lockd.cli.locks", "lockd.waitline", "logging"):
+        assert module not in modules, module
