@@ -61,6 +61,7 @@ ROWS: list[Row] = [
     (["locks", "status", HELD, "--socket", S], {}, True),
     (["locks", "status", HELD, "--socket", S, "--json"], {}, True),
     (["locks", "status", "--socket", S, "--", "-dash"], {}, True),
+    (["locks", "status", "--socket", S, "--", "--json"], {}, True),  # a key, not the option
     (["locks", "status", "fast:free"], {"LOCKD_SOCKET": S}, True),
     (["locks", "status", "fast:free", "--socket", S], {"LOCKD_SOCKET": MISSING}, True),
     (["--socket", MISSING, "locks", "status", "fast:free"], {"LOCKD_SOCKET": S}, True),
@@ -73,7 +74,7 @@ ROWS: list[Row] = [
     (["locks", "status", "k", "--json", "--json", "--socket", S], {}, False),
     (["locks", "status", "k", "--socket", "/tmp"], {}, False),
     (["locks", "status", "--help"], {}, False),
-    (["locks", "list", "--socket", S], {}, False),
+    (["locks", "list", "--prefix", "fast:free", "--socket", S], {}, False),
     # run
     (["run", "fast:r", "--socket", S, "--", "true"], {}, True),
     (["--socket", S, "run", "fast:r", "--", "sh", "-c", "echo o; echo e >&2; exit 3"], {}, True),

@@ -168,7 +168,7 @@ def _once(seen: set[str], dest: str) -> None:
     seen.add(dest)
 
 
-def _status(args: Sequence[str], json_anywhere: bool, root_socket: str | None) -> StatusCall:
+def _status(args: Sequence[str], root_socket: str | None) -> StatusCall:
     key: str | None = None
     socket_path: str | None = None
     as_json = False
@@ -196,7 +196,7 @@ def _status(args: Sequence[str], json_anywhere: bool, root_socket: str | None) -
             i += 1
     if key is None:
         raise _NotOurs
-    return StatusCall(key, socket_path, as_json or json_anywhere, root_socket)
+    return StatusCall(key, socket_path, as_json, root_socket)
 
 
 #: ``lockd run`` options that take a value -> RunOptions field.
@@ -220,7 +220,7 @@ _RUN_FLAGS = {
 }
 
 
-def _run(args: Sequence[str], json_anywhere: bool, root_socket: str | None) -> RunCall:
+def _run(args: Sequence[str], root_socket: str | None) -> RunCall:
     if "--" not in args:
         raise _NotOurs
     cut = list(args).index("--")
@@ -259,7 +259,7 @@ def _run(args: Sequence[str], json_anywhere: bool, root_socket: str | None) -> R
         raise _NotOurs  # --shared takes no --limit: click says so
     json_output = bool(fields.pop("json", False))
     fields["key"], fields["command"] = key, tuple(after)
-    return RunCall(fields, json_output or json_anywhere, hints, root_socket)
+    return RunCall(fields, json_output, hints, root_socket)
 
 
 def _run_value(name: str, value: str, hints: list[str]) -> object:
@@ -288,11 +288,11 @@ def _run_value(name: str, value: str, hints: list[str]) -> object:
 def recognise(argv: Sequence[str]) -> StatusCall | RunCall | None:
     """The hot command ``argv`` (``sys.argv[1:]``) asks for, or None: click reads it.
 
-    Reads only; nothing is printed or changed until the call is made.
+    Reads only; nothing is printed or changed until the call is made. The
+    ``--json`` it reads is the one click's ``json_requested`` sees (a
+    ``--json`` before any ``--``): every other word there is an option it
+    knows, a value that does not start with ``-``, or KEY.
     """
-    # What lockd.cli.common.json_requested sees: --json before a '--' anywhere.
-    head = argv[: list(argv).index("--")] if "--" in argv else argv
-    json_anywhere = "--json" in head
     try:
         root_socket: str | None = None
         i = 0
@@ -303,9 +303,9 @@ def recognise(argv: Sequence[str]) -> StatusCall | RunCall | None:
             root_socket = _socket(value)
         rest = argv[i:]
         if list(rest[:2]) == ["locks", "status"]:
-            return _status(rest[2:], json_anywhere, root_socket)
+            return _status(rest[2:], root_socket)
         if list(rest[:1]) == ["run"]:
-            return _run(rest[1:], json_anywhere, root_socket)
+            return _run(rest[1:], root_socket)
     except _NotOurs:
         return None
     return None
