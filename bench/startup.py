@@ -8,7 +8,12 @@ time (user + system, from ``RUSAGE_CHILDREN``: on a shared machine CPU time
 is steadier than wall time) and the wall time of each, their medians, and
 each command's ratio to the floor. Issue 24 asks for at most 2x.
 
-    .venv/bin/python bench/startup.py [--runs 30] [--installed] [--json]
+    .venv/bin/python bench/startup.py [--runs 30] [--installed] [--json] [--baseline PYTHON]
+
+``--baseline PYTHON`` runs the same three commands with another copy (the
+``python`` of a venv holding, say, the commit before a change) in the same
+rounds, each copy's ratios against its own ``python -c pass``: a before/after
+from one run, under one load.
 
 The daemon runs from the same interpreter (``-m lockd serve``) in a temporary
 folder and is stopped at the end. Bytecode is cached in that folder
@@ -31,6 +36,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: name prefix of the --baseline copy's commands
+BASELINE = "baseline: "
 
 
 def commands(python: Path, socket: str) -> dict[str, list[str]]:
@@ -102,6 +109,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30, help="runs of each command (default 30)")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="PYTHON",
+        help="also measure the lockd of this interpreter's venv, in the same rounds",
+    )
+    parser.add_argument(
         "--installed",
         action="store_true",
         help="measure a pip-installed copy in a fresh venv (not this editable one)",
@@ -120,6 +133,9 @@ def main() -> None:
     env.pop("LOCKD_SOCKET", None)
     try:
         cmds = commands(python, str(folder / "lockd.sock"))
+        if args.baseline is not None:
+            baseline = commands(args.baseline, str(folder / "lockd.sock"))
+            cmds.update({f"{BASELINE}{name}": argv for name, argv in baseline.items()})
         for _ in range(2):  # write the .pyc files, warm the page cache
             for argv in cmds.values():
                 measure(argv, env)
@@ -132,10 +148,11 @@ def main() -> None:
         daemon.wait(30)
         shutil.rmtree(folder, ignore_errors=True)
 
-    floor = statistics.median(cpu for cpu, _ in samples["python -c pass"])
-    floor_wall = statistics.median(wall for _, wall in samples["python -c pass"])
     report = {}
     for name, values in samples.items():
+        floor_samples = samples[(BASELINE if name.startswith(BASELINE) else "") + "python -c pass"]
+        floor = statistics.median(cpu for cpu, _ in floor_samples)
+        floor_wall = statistics.median(wall for _, wall in floor_samples)
         cpu = statistics.median(c for c, _ in values)
         wall = statistics.median(w for _, w in values)
         report[name] = {
@@ -148,10 +165,10 @@ def main() -> None:
         print(json.dumps({"runs": args.runs, "python": sys.version.split()[0], **report}))
         return
     print(f"{args.runs} runs each, medians (python {sys.version.split()[0]})")
-    print(f"{'command':<24} {'CPU ms':>8} {'wall ms':>8} {'CPU x':>7} {'wall x':>7}")
+    print(f"{'command':<33} {'CPU ms':>8} {'wall ms':>8} {'CPU x':>7} {'wall x':>7}")
     for name, row in report.items():
         print(
-            f"{name:<24} {row['cpuMs']:>8} {row['wallMs']:>8} "
+            f"{name:<33} {row['cpuMs']:>8} {row['wallMs']:>8} "
             f"{row['cpuRatio']:>7} {row['wallRatio']:>7}"
         )
 
