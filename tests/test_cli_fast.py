@@ -10,6 +10,7 @@ the entry's run is checked for that too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -19,11 +20,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 from lockd_client import MAX_LIMIT, LockClient
 
 from lockd.cli.fast import RunCall, StatusCall, recognise
-from lockd.run.options import MIN_TTL_MS, RunOptions
+from lockd.run.options import MIN_TTL_MS, OnLost, RunOptions
 
 from .conftest import DaemonProcess
 
@@ -261,3 +263,41 @@ def test_the_fast_path_uses_lockd_runs_own_limits() -> None:
     short = str(MIN_TTL_MS - 1) + "ms"
     assert recognise(["run", "--ttl", short, "k", "--", "true"]) is None
     assert recognise(["run", "--ttl", f"{MIN_TTL_MS}ms", "k", "--", "true"]) is not None
+
+
+# ------------------------------------------------------------- the two paths' option tables
+
+
+def _option_names(command: click.Command) -> set[str]:
+    return {
+        name
+        for param in command.params
+        if isinstance(param, click.Option)
+        for name in (*param.opts, *param.secondary_opts)
+    }
+
+
+def test_the_fast_path_knows_every_option_of_run_and_status() -> None:
+    """A new option of the click commands must be taught to the fast path (or left out here)."""
+    from lockd.cli import fast
+    from lockd.cli.locks import status
+    from lockd.cli.run import run
+
+    assert _option_names(run) == set(fast._RUN_VALUES) | set(fast._RUN_FLAGS)
+    assert _option_names(status) == {"--socket", "--json"}
+
+
+def test_run_defaults_are_the_same_on_both_paths() -> None:
+    """The fast path leaves unset options to RunOptions' defaults; click has its own."""
+    from lockd.cli.run import run
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+    ctx = click.Context(run)
+    for param in run.params:
+        if not isinstance(param, click.Option) or param.name in (None, "json_output"):
+            continue
+        value = param.type_cast_value(ctx, param.get_default(ctx))
+        assert param.name in defaults, param.name
+        if param.name == "on_lost":
+            value = OnLost(value)
+        assert value == defaults[param.name], param.name
