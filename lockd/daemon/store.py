@@ -845,8 +845,9 @@ _ROWS_PER_BATCH = 8192
 #: past it are read as usual). Mapped pages count in the daemon's RSS while
 #: mapped: this bounds what the start's peak RSS grows by.
 _START_MMAP_BYTES = 64 << 20
-#: SQLite VM steps between two looks of the integrity check at its cancel flag.
-_CANCEL_EVERY = 100_000
+#: SQLite VM steps between two looks of the integrity check at its cancel flag
+#: (~20 ms of quick_check; each look takes the GIL, so not much more often).
+_CANCEL_EVERY = 1_000_000
 #: Keys in one ``IN (...)`` of :meth:`Store.leases_of` (SQLite allows 32,766 parameters).
 _KEYS_PER_QUERY = 500
 
@@ -886,9 +887,10 @@ def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
 class _IntegrityCheck:
     """``PRAGMA quick_check`` and the row checks (:func:`~lockd.daemon.verify.inspect`) in a thread.
 
-    SQLite lets go of the GIL for the whole check (one ``sqlite3_step``), so
-    on a second core it costs the start nothing while the daemon reads the
-    rows (~0.2 s for 300,000 leases, measured). It needs a connection of
+    SQLite lets go of the GIL for ``quick_check`` (one ``sqlite3_step``) and
+    while it builds each row's text, so it runs beside the daemon, which
+    answers meanwhile (issue 26: at 1 M leases the check costs ~1.5-5 s of
+    CPU, measured, and was most of a restart). It needs a connection of
     its own, and the daemon's holds an exclusive lock: this one is
     ``immutable`` (no locks, does not look at the WAL). That sees every
     commit because :meth:`Store._wal_folded_in` copied the WAL into the file
@@ -919,7 +921,7 @@ class _IntegrityCheck:
                 # Mapped: no system call per page (~40 % less CPU, measured);
                 # unmapped when the connection closes.
                 conn.execute(f"PRAGMA mmap_size={_START_MMAP_BYTES}")
-                # cancel() interrupts whichever statement runs (~every ms).
+                # cancel() interrupts whichever statement runs.
                 conn.set_progress_handler(lambda: self._cancelled, _CANCEL_EVERY)
                 self._found = inspect(conn)
                 if self._found.sound and self._found.version:
