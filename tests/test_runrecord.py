@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from lockd.daemon.runrecord import RunRecord, RunRecordError, record_path
 from lockd.daemon.store import GrantsOnHold, Store, StoreError
-from lockd.daemon.verify import ROW_TEXT_PRINTF_SQL, ROW_TEXT_SQL, row_checksum
+from lockd.daemon.verify import ROW_TEXT_SQL, row_checksum
 
 from .test_store import BOOT, OTHER_BOOT, changes, lease
 
@@ -53,38 +53,6 @@ def test_row_checksum_is_what_sqlite_rebuilds_at_start(
     (rebuilt,) = conn.execute(f"SELECT {ROW_TEXT_SQL} FROM leases").fetchone()
     conn.close()
     assert zlib.crc32(rebuilt) == row_checksum(*row)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    key=text.filter(bool),
-    owner=st.none() | text,
-    process=st.none() | text,
-    pid=st.none() | st.integers(0, 2**31),
-    numbers=st.tuples(*[st.integers(-(2**63), 2**63 - 1)] * 5),
-)
-def test_the_check_builds_the_same_text_in_one_printf(
-    key: str, owner: str | None, process: str | None, pid: int | None, numbers: tuple[int, ...]
-) -> None:
-    """ROW_TEXT_PRINTF_SQL (what the check of every row uses) is ROW_TEXT_SQL's text."""
-    slot, fence, ttl, expires, limit = numbers
-    row = (key, slot, "h%s%d" * 4, fence, owner, "user:%x", ttl, expires, BOOT, "shared", limit)
-    conn = sqlite3.connect(":memory:")
-    conn.text_factory = bytes
-    conn.execute(
-        "CREATE TABLE leases (key TEXT, slot INTEGER, handle TEXT, fence INTEGER, owner TEXT, "
-        "principal TEXT, ttl_ms INTEGER, expires_at INTEGER, boot_id TEXT, mode TEXT, "
-        "hold_limit INTEGER, pid INTEGER, process TEXT) STRICT"
-    )
-    conn.execute(
-        "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, pid, process)
-    )
-    concatenated, printed = conn.execute(
-        f"SELECT {ROW_TEXT_SQL}, {ROW_TEXT_PRINTF_SQL} FROM leases"
-    ).fetchone()
-    conn.close()
-    assert printed == concatenated
-    assert zlib.crc32(printed) == row_checksum(*row, pid, process)
 
 
 def test_record_round_trip_and_bounds(tmp_path: Path) -> None:
