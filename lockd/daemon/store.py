@@ -256,8 +256,9 @@ class Store:
 
         With ``background_check`` the integrity check of a database on disk
         runs in a thread and the constructor returns at once: reads may go
-        on meanwhile; :meth:`wait_checked` (and every write, and
-        :meth:`close`) waits for it and raises its failure.
+        on meanwhile (:meth:`leases_of` checks the rows it reads);
+        :meth:`wait_checked` (and every write) waits for it and raises its
+        failure; :meth:`close` stops it.
 
         ``record``: the run record outside the state folder
         (:mod:`lockd.daemon.runrecord`): a database that lost writes it
