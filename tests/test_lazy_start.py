@@ -187,18 +187,44 @@ def test_a_damaged_row_refuses_the_request_that_needs_it(
         store.close()
 
 
-def test_restore_chunks_wait_for_the_check_and_hand_over_no_damaged_row(
+def test_a_damaged_row_in_a_chunk_read_before_the_check_is_caught_when_used(
     db_path: Path, gate: threading.Event
 ) -> None:
+    """A chunk hands over keys and deadlines only; a key is checked when it is used."""
     _write(db_path, BOOT)
     _damage_handle(db_path, KEYS[200])
     store, engine, counted = _lazy(db_path)
-    gate.set()
     try:
-        with pytest.raises(DatabaseDamaged, match="fail their checksum"):
-            engine.restore_step(0)
-        assert counted.rows == 0 and engine.lease_count == 0
+        engine.finish_restore(0)  # every chunk, the check still at its gate
+        assert counted.rows == len(KEYS) and engine.lease_count == len(KEYS)
+        with pytest.raises(DatabaseDamaged, match="fails its checksum"):
+            engine.status(0, KEYS[200])
+        with pytest.raises(DatabaseDamaged, match="fails its checksum"):
+            engine.list_held(0, prefix="stored:02", limit=10)  # a page that shows it
+        with pytest.raises(DatabaseDamaged, match="fails its checksum"):
+            engine.advance(FAR, 1_000)  # its deadline: the expiry reads it first
+        assert engine.status(0, KEYS[199]).holder_count == 1
     finally:
+        gate.set()
+        store.close()
+
+
+def test_rows_out_of_key_order_stop_the_chunks(db_path: Path, gate: threading.Event) -> None:
+    """A key damaged into another place of the order: the cold index is not built on it."""
+    _write(db_path, BOOT)
+    data = bytearray(db_path.read_bytes())
+    at = data.index(f"handle-of-{KEYS[150]}".encode()) - len(KEYS[150])
+    assert data[at : at + len(KEYS[150])] == KEYS[150].encode()  # the row's key, before it
+    data[at : at + len(KEYS[150])] = b"stored:9150"
+    db_path.write_bytes(bytes(data))
+    store, engine, _ = _lazy(db_path)
+    try:
+        with pytest.raises(DatabaseDamaged, match="out of key order"):
+            engine.finish_restore(0)
+        with pytest.raises(DatabaseDamaged):  # and nothing is written any more
+            store.apply(Changes(rows={("other", 0): _lease("other", 999)}, fence=999))
+    finally:
+        gate.set()
         store.close()
 
 

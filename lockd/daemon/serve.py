@@ -358,7 +358,7 @@ RESTORE_RETRY = 0.25
 RESTORE_WAIT = 0.001
 
 
-async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.CancelScope) -> None:
+async def _await_integrity(daemon: Daemon, stop: trio.CancelScope) -> None:
     """Wait for the store's integrity check (in its thread); stop the daemon if it failed.
 
     The daemon answers while the check runs (restart to ``hello`` does not
@@ -377,20 +377,17 @@ async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.Cance
         log.error(kv(event="database_damaged", db=store.path, error=exc, effect="lockd stops"))
         daemon.refusal = _refusal(exc)
         stop.cancel()
-        return
-    checked.set()
 
 
-async def _restore_rest(service: LockService, checked: trio.Event) -> None:
+async def _restore_rest(service: LockService) -> None:
     """Take up the stored leases a chunk at a time between requests (restore_lazily).
 
-    Only once the integrity check passed (``checked``): until then a request
-    reads its key's rows, checked one by one. A chunk is read only when no
-    effect is pending: the engine's view and the store's rows agree then
-    (see :meth:`LockEngine.restore_step`).
+    A chunk is read only when no effect is pending: the engine's view and
+    the store's rows agree then (see :meth:`LockEngine.restore_step`). It
+    may come before the integrity check has passed: it holds keys and
+    deadlines only, and a key's rows are read and checked when it is used.
     """
     engine = service.engine
-    await checked.wait()
     started = trio.current_time()
     while engine.restoring:
         await trio.sleep(0)
@@ -416,10 +413,9 @@ async def _restore_rest(service: LockService, checked: trio.Event) -> None:
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
-            checked = trio.Event()
-            nursery.start_soon(_await_integrity, daemon, checked, nursery.cancel_scope)
+            nursery.start_soon(_await_integrity, daemon, nursery.cancel_scope)
             nursery.start_soon(_watch_store, daemon.store)
-            nursery.start_soon(_restore_rest, daemon.service, checked)
+            nursery.start_soon(_restore_rest, daemon.service)
         if daemon.backend is not None:
             await nursery.start(daemon.backend.run)
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)

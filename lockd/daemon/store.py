@@ -28,9 +28,9 @@ A broken disk must not quietly lose what was acknowledged:
   (``background_check``, see :class:`_IntegrityCheck`) and answers
   meanwhile: nothing is written before it passed (every write waits for
   it), no row is used that was not checked (:meth:`Store.leases_of` checks
-  the rows it reads; :meth:`Store.deadlines_after` waits for the check),
-  and a failure stops the daemon as a refused start would
-  (:class:`DatabaseDamaged`).
+  the rows it reads; :meth:`Store.deadlines_after` hands over keys and
+  deadlines only, whose keys are read that way when used), and a failure
+  stops the daemon as a refused start would (:class:`DatabaseDamaged`).
 - The database and WAL files we opened must still be the ones at their
   paths: deleted (``st_nlink == 0`` for the open file) or replaced, every
   later commit would vanish at the next restart. :meth:`Store.check_files`
@@ -53,7 +53,9 @@ A broken disk must not quietly lose what was acknowledged:
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import os
 import sqlite3
 import threading
@@ -577,10 +579,6 @@ class Store:
         requests, see ``LockEngine.restore_lazily``). Rows of an earlier
         boot are counted on the way and deleted after the last chunk.
         """
-        # Rows whose check has not run yet must not make cold keys: a
-        # damaged key could even break the order the index relies on.
-        if self._check is not None:
-            self.wait_checked()
         try:
             rows = self._db.execute(
                 "SELECT CAST(key AS BLOB), CASE WHEN boot_id = ? THEN expires_at END "
@@ -591,6 +589,16 @@ class Store:
             self._read_failed(exc)
         if self.read_hook is not None:
             self.read_hook(len(rows))
+        # Read before the integrity check may have come to them: only keys
+        # and deadlines, each key's rows read and checked when it is used
+        # (leases_of). Their order is what the cold index relies on.
+        keys = [row[0] for row in rows]
+        if keys and (
+            (after is not None and keys[0] <= after.encode())
+            or not all(map(operator.le, keys, itertools.islice(keys, 1, None)))
+        ):
+            self.damaged = f"{self.path}: lease rows out of key order (a damaged key)"
+            raise DatabaseDamaged(self.damaged)
         done = len(rows) < _ROWS_PER_BATCH
         upto = None
         if not done:  # the last key's rows may go on in the next chunk: all there
