@@ -358,7 +358,7 @@ RESTORE_RETRY = 0.25
 RESTORE_WAIT = 0.001
 
 
-async def _await_integrity(daemon: Daemon, stop: trio.CancelScope) -> None:
+async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.CancelScope) -> None:
     """Wait for the store's integrity check (in its thread); stop the daemon if it failed.
 
     The daemon answers while the check runs (restart to ``hello`` does not
@@ -377,25 +377,35 @@ async def _await_integrity(daemon: Daemon, stop: trio.CancelScope) -> None:
         log.error(kv(event="database_damaged", db=store.path, error=exc, effect="lockd stops"))
         daemon.refusal = _refusal(exc)
         stop.cancel()
+        return
+    checked.set()
 
 
-async def _restore_rest(service: LockService) -> None:
+async def _restore_rest(service: LockService, checked: trio.Event) -> None:
     """Take up the stored leases a chunk at a time between requests (restore_lazily).
 
     A chunk is read only when no effect is pending: the engine's view and
-    the store's rows agree then (see :meth:`LockEngine.restore_step`). It
-    may come before the integrity check has passed: it holds keys and
-    deadlines only, and a key's rows are read and checked when it is used.
+    the store's rows agree then (see :meth:`LockEngine.restore_step`). The
+    first comes at once (a small database is then restored before the first
+    request, as always); the others once the integrity check has passed
+    (``checked``): they would take the CPU and the GIL from the check that
+    the first write waits for. A chunk holds keys and deadlines only; a
+    key's rows are read and checked when it is used.
     """
     engine = service.engine
     started = trio.current_time()
+    steps = 0
     while engine.restoring:
         await trio.sleep(0)
+        if steps and not checked.is_set():
+            await checked.wait()
+            continue
         if engine.pending():  # the batch under way is committed first, by its own path
             await trio.sleep(RESTORE_WAIT)
             continue
         try:
             engine.restore_step(service.clock.boot_ms())
+            steps += 1
         except StorageUnavailable as exc:
             log.warning(kv(event="storage_unavailable", during="restore", error=exc))
             await trio.sleep(RESTORE_RETRY)
@@ -413,9 +423,10 @@ async def _restore_rest(service: LockService) -> None:
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
-            nursery.start_soon(_await_integrity, daemon, nursery.cancel_scope)
+            checked = trio.Event()
+            nursery.start_soon(_await_integrity, daemon, checked, nursery.cancel_scope)
             nursery.start_soon(_watch_store, daemon.store)
-            nursery.start_soon(_restore_rest, daemon.service)
+            nursery.start_soon(_restore_rest, daemon.service, checked)
         if daemon.backend is not None:
             await nursery.start(daemon.backend.run)
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
