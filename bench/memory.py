@@ -14,14 +14,26 @@ socket buffers), distinct keys, 24 h TTL. Then:
 
 Goals (issue 26): <= 150 MB live and after restart at 1 M, restart <= 1 s.
 Prints a table and writes ``bench/results/<UTC time>-memory-<plan>.json``.
+
+``--restart-only`` skips the fill over the socket: the leases are written
+straight into a database (lockd's schema, rows as the daemon writes them,
+checksums included; kept in ``--db`` for the next invocation), then a copy
+is started ``--runs`` times by this checkout and, with ``--baseline TREE``,
+by that one, alternately: time to ``hello``, RSS then, time to the first
+grant (a write: it waits for the integrity check), and RSS after
+``--probes`` ``status`` calls; medians per checkout, load average beside.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import LockdDaemon, proc_cpu_s, run_meta, save_run, table
 from run import log
-from scale import Wire, compile_bytecode, rss_mb, start_timed, workdir
+from scale import Wire, boot_ms, compile_bytecode, rss_mb, start_timed, workdir
+from scale import fill as fill_directly
+from scale import key_of as scale_key
 
 TTL_MS = 24 * 3600 * 1000
 CONNECTIONS = 4
@@ -83,16 +97,18 @@ def fill(daemon: LockdDaemon, count: int) -> float:
     return time.monotonic() - t0
 
 
-def check_held(daemon: LockdDaemon, count: int, probes: int) -> float:
+def check_held(
+    daemon: LockdDaemon, count: int, probes: int, key: Callable[[int], str] = key_of
+) -> float:
     """``status`` of ``probes`` filled keys spread over all: each must be held; seconds."""
     wire = Wire(daemon.socket)
     t0 = time.monotonic()
     try:
         step = max(1, count // max(1, probes))
         for i in range(0, count, step):
-            st = wire.result("status", key=key_of(i))
+            st = wire.result("status", key=key(i))
             if not st.get("held"):
-                raise RuntimeError(f"{key_of(i)} is not held: {st}")
+                raise RuntimeError(f"{key(i)} is not held: {st}")
     finally:
         wire.close()
     return time.monotonic() - t0
@@ -143,6 +159,110 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
     }
 
 
+def restart_once(source: Path, count: int, probes: int, tree: Path | None) -> dict[str, float]:
+    """Start ``tree``'s lockd on a copy of ``source``: hello, first grant, RSS (s, MB)."""
+    with workdir() as root:
+        db = root / "lockd.db"
+        shutil.copyfile(source, db)
+        daemon = LockdDaemon(db=db, start_timeout=120, tree=tree)
+        t0 = time.monotonic()
+        daemon.start()
+        try:
+            wire = Wire(daemon.socket)
+            try:
+                wire.result("hello")
+                hello_s = time.monotonic() - t0
+                hello_cpu_s = proc_cpu_s(daemon.pid)  # steadier than wall time on a busy box
+                hello_rss, _ = rss_mb(daemon.pid)
+                granted = wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS)
+                grant_s = time.monotonic() - t0
+                if not granted:
+                    raise RuntimeError("restart:new was not granted")
+            finally:
+                wire.close()
+            check_held(daemon, count, probes, scale_key)  # the keys fill_directly wrote
+            used_rss, peak = rss_mb(daemon.pid)
+        finally:
+            daemon.stop()
+    return {
+        "hello_s": hello_s,
+        "hello_cpu_s": hello_cpu_s,
+        "hello_rss_mb": hello_rss,
+        "grant_s": grant_s,
+        "used_rss_mb": used_rss,
+        "peak_mb": peak,
+    }
+
+
+def restart_only(
+    db: Path, count: int, probes: int, runs: int, trees: dict[str, Path | None]
+) -> dict[str, Any]:
+    """Restarts of each checkout on the same database, alternately; every sample kept."""
+    if not db.exists():
+        # As a daemon leaves them: this boot, TTL 1 h, deadlines over 20-21 h from now.
+        fill_s = fill_directly(
+            Path(__file__).resolve().parent.parent, db, count, boot_ms() + 20 * 3_600_000, 3_600_000
+        )
+        log(f"restart: {count:,} leases written into {db} in {fill_s:.1f} s")
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    loads: list[float] = []
+    empty: dict[str, float] = {}
+    for name, tree in trees.items():  # what a lease adds is measured over this
+        bare = LockdDaemon(start_timeout=60, tree=tree)
+        start_timed(bare)
+        try:
+            empty[name], _ = rss_mb(bare.pid)
+        finally:
+            bare.stop()
+    for i in range(runs):
+        for name, tree in trees.items():
+            loads.append(os.getloadavg()[0])
+            sample = restart_once(db, count, probes, tree)
+            samples[name].append(sample)
+            log(
+                f"restart {i + 1}/{runs} {name}: hello {sample['hello_s']:.2f} s "
+                f"({sample['hello_cpu_s']:.2f} s CPU) "
+                f"(RSS {sample['hello_rss_mb']:.0f} MB), grant {sample['grant_s']:.2f} s, "
+                f"after {probes:,} status {sample['used_rss_mb']:.0f} MB, load {loads[-1]:.1f}"
+            )
+    for name, sample_list in samples.items():
+        for sample in sample_list:
+            sample["bytes_per_lease"] = (sample["used_rss_mb"] - empty[name]) * 1e6 / count
+    medians = {
+        name: {field: statistics.median(s[field] for s in runs_) for field in runs_[0]}
+        for name, runs_ in samples.items()
+    }
+    return {
+        "leases": count,
+        "probes": probes,
+        "empty_rss_mb": empty,
+        "samples": samples,
+        "medians": medians,
+        "load_1min": loads,
+    }
+
+
+def restart_report(r: dict[str, Any]) -> str:
+    rows = [
+        [
+            name,
+            f"{m['hello_s']:.2f} s",
+            f"{m['hello_cpu_s']:.2f} s",
+            f"{m['hello_rss_mb']:.0f} MB",
+            f"{m['grant_s']:.2f} s",
+            f"{m['used_rss_mb']:.0f} MB",
+            f"{m['bytes_per_lease']:.0f}",
+        ]
+        for name, m in r["medians"].items()
+    ]
+    loads = r["load_1min"]
+    head = f"{r['leases']:,} leases, medians of {len(next(iter(r['samples'].values())))} runs, "
+    head += f"load {min(loads):.1f}-{max(loads):.1f}\n"
+    return head + table(
+        ["lockd", "hello", "CPU", "RSS", "1st grant", f"after {r['probes']:,}", "B/lease"], rows
+    )
+
+
 def report(r: dict[str, Any]) -> str:
     def mb(value: float) -> str:
         return f"{value:.0f} MB"
@@ -174,17 +294,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leases", type=int, help="leases to fill (default 1,000,000)")
     parser.add_argument("--probes", type=int, default=2_000, help="status calls after the fill")
     parser.add_argument("--tree", type=Path, help="measure the lockd of this checkout instead")
+    parser.add_argument(
+        "--restart-only", action="store_true", help="restarts on a database written directly"
+    )
+    parser.add_argument("--db", type=Path, help="--restart-only: the database (made if missing)")
+    parser.add_argument("--runs", type=int, default=3, help="--restart-only: restarts of each")
+    parser.add_argument("--baseline", type=Path, help="--restart-only: also this checkout")
     args = parser.parse_args(argv)
     count = args.leases or (100_000 if args.quick else 1_000_000)
     t0 = time.monotonic()
-    plan = "quick" if args.quick else "full"
+    plan = "restart" if args.restart_only else "quick" if args.quick else "full"
     results: dict[str, Any] = {
         "meta": run_meta(Path(__file__).parent / "results", f"memory-{plan}", plan)
     }
     # As an installed lockd starts: from bytecode, not compiling its source.
     compile_bytecode(args.tree or Path(__file__).resolve().parent.parent)
-    results["memory"] = measure(count, args.probes, args.tree)
-    print(report(results["memory"]))
+    if args.restart_only:
+        trees: dict[str, Path | None] = {"this": args.tree}
+        if args.baseline is not None:
+            compile_bytecode(args.baseline)
+            trees["baseline"] = args.baseline
+        db = args.db or Path(f"/tmp/lockd-memory-{count}.db")
+        results["restart"] = restart_only(db, count, args.probes, args.runs, trees)
+        print(restart_report(results["restart"]))
+    else:
+        results["memory"] = measure(count, args.probes, args.tree)
+        print(report(results["memory"]))
     save_run(results, t0)
     return 0
 

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,12 @@ def _fill_here(db: Path, count: int, expires_at: int, spread_ms: int) -> None:
             f"INSERT INTO leases ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
             (tuple(make(i, ctx) for make in makers) for i in range(count)),
         )
+        if "chk" in {row[1] for row in conn.execute("PRAGMA table_info(leases)")}:
+            # Schema 3: each row carries its checksum, or the start refuses it.
+            from lockd.daemon.verify import ROW_TEXT_SQL
+
+            conn.create_function("lockd_chk", 1, lambda t: zlib.crc32(t.encode()))
+            conn.execute(f"UPDATE leases SET chk = lockd_chk({ROW_TEXT_SQL})")
         conn.execute("COMMIT")
     finally:
         conn.close()

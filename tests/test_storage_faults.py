@@ -150,3 +150,23 @@ def test_damaged_pages_fail_the_integrity_check(daemon_paths: DaemonProcess) -> 
         f.write(b"\xff" * 2048)
     line = _start_fails(daemon_paths)
     assert "integrity check" in line or "malformed" in line or "not a database" in line
+
+
+def test_a_damaged_row_stops_the_daemon_as_a_refused_start(daemon_paths: DaemonProcess) -> None:
+    """The row check runs after READY now (issue 26): its failure still ends the start.
+
+    One character of a handle changed in lockd.db after a clean stop: a
+    valid row that reads back as a different lease. The daemon may answer
+    ``hello`` first, but it writes nothing and exits as a refused start does.
+    """
+    daemon_paths.start()
+    with LockClient(str(daemon_paths.socket)) as client:
+        held = [client.try_acquire(f"row-damage-{i:03d}", ttl=600) for i in range(50)]
+    assert all(held)
+    assert daemon_paths.stop() == 0
+    data = bytearray(daemon_paths.db.read_bytes())
+    at = data.index(b"row-damage-025")
+    data[at] = ord("R")  # in the key: a row that no lookup of row-damage-025 finds
+    daemon_paths.db.write_bytes(bytes(data))
+    line = _start_fails(daemon_paths)
+    assert "1 of 50 lease rows fail their checksum" in line, line

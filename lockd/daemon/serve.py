@@ -68,6 +68,9 @@ class Daemon:
     #: (st_dev, st_ino) of the socket file we bound, to unlink only our own.
     socket_identity: tuple[int, int] | None = None
     backend: EtcdBackend | None = None
+    #: why the daemon stopped refusing its database after READY (the check in
+    #: the background failed): run() raises it as a refused start.
+    refusal: str | None = None
 
     def close(self) -> None:
         self.listen_sock.close()
@@ -234,8 +237,10 @@ def _open_store(
     # again and again for nothing. run() freezes what is left after.
     gc.disable()
     try:
-        # The integrity check runs in a thread while the rows are read; it
-        # has passed before anything is written or answered (wait_checked).
+        # The integrity check runs in a thread and goes on after READY: every
+        # write waits for it, rows are read only once it passed or checked
+        # one by one (Store.leases_of), and a failure stops the daemon
+        # (_await_integrity).
         store = Store(
             paths.db,
             read_boot_id(),
@@ -263,7 +268,7 @@ def _open_store(
         # _restore_rest); the engine reads a key's full rows when it first
         # needs the key, from the first request on (lockd.daemon.cold).
         engine.restore_lazily(store.deadlines_after, store.leases_of)
-        store.wait_checked()
+        # Begins the run record once the check passed (Store.wait_checked).
         store.begin_run(max(fence, store.mark.reserved if store.mark is not None else 0))
         if store.accepted_loss:
             log.warning(
@@ -276,12 +281,15 @@ def _open_store(
                 )
             )
     except (StoreError, OSError) as exc:
-        raise StartupError(
-            f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"
-        ) from None
+        raise StartupError(_refusal(exc)) from None
     finally:
         gc.enable()
     return store, engine
+
+
+def _refusal(exc: BaseException) -> str:
+    """The line a start refused on its database ends with (after ``cannot start:``)."""
+    return f"database: {exc}. See 'Lost or damaged database' in docs/operations.md"
 
 
 def _etcd_backend(config: BackendSettings, clock: Clock) -> EtcdBackend:
@@ -350,21 +358,54 @@ RESTORE_RETRY = 0.25
 RESTORE_WAIT = 0.001
 
 
-async def _restore_rest(service: LockService) -> None:
+async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.CancelScope) -> None:
+    """Wait for the store's integrity check (in its thread); stop the daemon if it failed.
+
+    The daemon answers while the check runs (restart to ``hello`` does not
+    wait for a scan of every row): until it passed, every write waits for
+    it and a key's rows are checked as they are read (``Store.leases_of``).
+    A failure ends the daemon with the line a refused start prints.
+    """
+    store = daemon.store
+    assert store is not None
+    done = store.check_done
+    if done is not None:
+        await trio.to_thread.run_sync(done.wait, abandon_on_cancel=True)
+    try:
+        store.wait_checked()
+    except StoreError as exc:
+        log.error(kv(event="database_damaged", db=store.path, error=exc, effect="lockd stops"))
+        daemon.refusal = _refusal(exc)
+        stop.cancel()
+        return
+    checked.set()
+
+
+async def _restore_rest(service: LockService, checked: trio.Event) -> None:
     """Take up the stored leases a chunk at a time between requests (restore_lazily).
 
     A chunk is read only when no effect is pending: the engine's view and
-    the store's rows agree then (see :meth:`LockEngine.restore_step`).
+    the store's rows agree then (see :meth:`LockEngine.restore_step`). The
+    first comes at once (a small database is then restored before the first
+    request, as always); the others once the integrity check has passed
+    (``checked``): they would take the CPU and the GIL from the check that
+    the first write waits for. A chunk holds keys and deadlines only; a
+    key's rows are read and checked when it is used.
     """
     engine = service.engine
     started = trio.current_time()
+    steps = 0
     while engine.restoring:
         await trio.sleep(0)
+        if steps and not checked.is_set():
+            await checked.wait()
+            continue
         if engine.pending():  # the batch under way is committed first, by its own path
             await trio.sleep(RESTORE_WAIT)
             continue
         try:
             engine.restore_step(service.clock.boot_ms())
+            steps += 1
         except StorageUnavailable as exc:
             log.warning(kv(event="storage_unavailable", during="restore", error=exc))
             await trio.sleep(RESTORE_RETRY)
@@ -382,8 +423,10 @@ async def _restore_rest(service: LockService) -> None:
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
+            checked = trio.Event()
+            nursery.start_soon(_await_integrity, daemon, checked, nursery.cancel_scope)
             nursery.start_soon(_watch_store, daemon.store)
-            nursery.start_soon(_restore_rest, daemon.service)
+            nursery.start_soon(_restore_rest, daemon.service, checked)
         if daemon.backend is not None:
             await nursery.start(daemon.backend.run)
         await nursery.start(watch_rule_sets, daemon.paths.rule_sets_dir, daemon.policy.reload)
@@ -425,6 +468,8 @@ def run(
         raise StartupError(str(refusal)) from None
     finally:
         daemon.close()
+    if daemon.refusal is not None:
+        raise StartupError(daemon.refusal)
     return 0
 
 

@@ -24,9 +24,13 @@ A broken disk must not quietly lose what was acknowledged:
 - At start the files are checked before use: an empty or non-SQLite
   database file, a WAL with a damaged header, or a failed ``PRAGMA
   quick_check`` is a :class:`StoreError` (the daemon does not start), never a
-  fresh empty database. The daemon runs the check in a thread while it
-  reads the rows (``background_check``, see :class:`_IntegrityCheck`);
-  nothing is written, and the daemon answers nothing, before it passed.
+  fresh empty database. The daemon runs the check in a thread
+  (``background_check``, see :class:`_IntegrityCheck`) and answers
+  meanwhile: nothing is written before it passed (every write waits for
+  it), no row is used that was not checked (:meth:`Store.leases_of` checks
+  the rows it reads; :meth:`Store.deadlines_after` hands over keys and
+  deadlines only, whose keys are read that way when used), and a failure
+  stops the daemon as a refused start would (:class:`DatabaseDamaged`).
 - The database and WAL files we opened must still be the ones at their
   paths: deleted (``st_nlink == 0`` for the open file) or replaced, every
   later commit would vanish at the next restart. :meth:`Store.check_files`
@@ -49,7 +53,9 @@ A broken disk must not quietly lose what was acknowledged:
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import os
 import sqlite3
 import threading
@@ -210,6 +216,15 @@ class StorageUnavailable(StoreError):
     """A write failed (disk full, I/O error, files gone); nothing of it was kept."""
 
 
+class DatabaseDamaged(StorageUnavailable):
+    """The integrity check, or a row read, found the database damaged: do not use it.
+
+    A :class:`StorageUnavailable` so that a request it stops fails as any
+    storage failure does (nothing of it kept); the daemon then stops as a
+    start refused on the same damage would (``lockd.daemon.serve``).
+    """
+
+
 class GrantsOnHold(StorageUnavailable):
     """No key is granted yet: leases were lost and accepted at start (issue 21)."""
 
@@ -243,8 +258,9 @@ class Store:
 
         With ``background_check`` the integrity check of a database on disk
         runs in a thread and the constructor returns at once: reads may go
-        on meanwhile; :meth:`wait_checked` (and every write, and
-        :meth:`close`) waits for it and raises its failure.
+        on meanwhile (:meth:`leases_of` checks the rows it reads);
+        :meth:`wait_checked` (and every write) waits for it and raises its
+        failure; :meth:`close` stops it.
 
         ``record``: the run record outside the state folder
         (:mod:`lockd.daemon.runrecord`): a database that lost writes it
@@ -279,6 +295,14 @@ class Store:
         self._wal_known = False
         #: the integrity check still running in its thread (background_check).
         self._check: _IntegrityCheck | None = None
+        #: begin_run()'s fence while the check runs: the record begins once it passed.
+        self._run_fence: int | None = None
+        #: the latest deadline of this boot's rows, when the check found it.
+        self._latest: int | None = None
+        #: what a row read found damaged (then no more writes, as after a failed check).
+        self.damaged: str | None = None
+        #: called with the number of rows each read of leases hands over (tests count them).
+        self.read_hook: Callable[[int], None] | None = None
         found: Findings | None = None
         if on_disk:
             _prepare_directory(self.path.parent)
@@ -325,7 +349,7 @@ class Store:
             if found is not None:
                 self.loss.repair(self._db, found)  # checked already, on the files as found
             elif on_disk and background_check and self._wal_folded_in():
-                self._check = _IntegrityCheck(self.path)
+                self._check = _IntegrityCheck(self.path, boot_id)
             else:
                 self.loss.judge_found(inspect(self._db))
             self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
@@ -373,13 +397,21 @@ class Store:
 
         Not earlier: a start refused by a check must leave the last run's
         record as it was, or the next attempt would start on the damage.
+        While the check runs in its thread this only notes the fence: the
+        record begins when :meth:`wait_checked` sees the check pass, which
+        every write does first.
         """
+        if self._check is not None:
+            self._run_fence = fence_reserved
+            return
         record = self.record
         if record is None:
             return
-        deadline = self._db.execute(
-            "SELECT max(expires_at) FROM leases WHERE boot_id = ?", (self.boot_id,)
-        ).fetchone()[0]
+        deadline = self._latest
+        if deadline is None:
+            deadline = self._db.execute(
+                "SELECT max(expires_at) FROM leases WHERE boot_id = ?", (self.boot_id,)
+            ).fetchone()[0]
         last = self.last_run
         latest = max(deadline or 0, last.deadline if last is not None else 0)
         try:
@@ -441,11 +473,24 @@ class Store:
         raise StoreError(f"{self.path}: {exc}") from exc
 
     def wait_checked(self) -> None:
-        """Wait for the integrity check started in the background; raise its failure."""
+        """Wait for the integrity check started in the background; raise its failure.
+
+        Raises :class:`DatabaseDamaged` when it failed (every call, not only
+        the first). Once it passed, the run record begins (:meth:`begin_run`).
+        """
         check = self._check
         if check is not None:
-            check.result()  # raises StoreError when the check failed
+            check.result()  # raises DatabaseDamaged when the check failed
+            self._latest = check.latest
             self._check = None
+            if self._run_fence is not None:
+                fence, self._run_fence = self._run_fence, None
+                self.begin_run(fence)
+
+    @property
+    def check_done(self) -> threading.Event | None:
+        """Set once the background check has finished (None: none is running)."""
+        return None if self._check is None else self._check.done
 
     def _remember_identity(self, path: Path) -> None:
         st = os.stat(path)
@@ -511,6 +556,8 @@ class Store:
             try:
                 while batch := rows.fetchmany(_ROWS_PER_BATCH):
                     read += len(batch)
+                    if self.read_hook is not None:
+                        self.read_hook(len(batch))
                     yield batch
             finally:
                 rows.close()
@@ -540,6 +587,18 @@ class Store:
             ).fetchall()
         except sqlite3.DatabaseError as exc:
             self._read_failed(exc)
+        if self.read_hook is not None:
+            self.read_hook(len(rows))
+        # Read before the integrity check may have come to them: only keys
+        # and deadlines, each key's rows read and checked when it is used
+        # (leases_of). Their order is what the cold index relies on.
+        keys = [row[0] for row in rows]
+        if keys and (
+            (after is not None and keys[0] <= after.encode())
+            or not all(map(operator.le, keys, itertools.islice(keys, 1, None)))
+        ):
+            self.damaged = f"{self.path}: lease rows out of key order (a damaged key)"
+            raise DatabaseDamaged(self.damaged)
         done = len(rows) < _ROWS_PER_BATCH
         upto = None
         if not done:  # the last key's rows may go on in the next chunk: all there
@@ -562,6 +621,9 @@ class Store:
         Raises :class:`StorageUnavailable` when the rows cannot be read (an
         I/O error): the request that needed them fails as any storage
         failure does, and the keys stay cold, none of their leases lost.
+        Each row's checksum is checked here (~1 us a row), whether or not the
+        integrity check of the whole file has run yet: a row that fails it
+        raises :class:`DatabaseDamaged` and no lease of it is used.
         """
         share: Callable[[Any, Any], Any] = {}.setdefault
         leases: list[Lease] = []
@@ -569,16 +631,30 @@ class Store:
             for start in range(0, len(keys), _KEYS_PER_QUERY):
                 chunk = keys[start : start + _KEYS_PER_QUERY]
                 rows = self._db.execute(
-                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE key IN "
+                    f"SELECT {_LEASE_COLUMNS}, chk FROM leases WHERE key IN "
                     f"({', '.join('?' * len(chunk))}) AND boot_id = ? ORDER BY key, slot",
                     (*chunk, self.boot_id),
                 )
-                leases.extend(_lease_of(row, share) for row in rows)
+                for row in rows:
+                    if _checksum_of(row) != row[-1]:
+                        self._damaged_row(row[0], row[9])
+                    leases.append(_lease_of(row, share))
         except _BUG_ERRORS:
             raise
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"{self.path}: cannot read leases: {exc}") from exc
+        if self.read_hook is not None:
+            self.read_hook(len(leases))
         return leases
+
+    def _damaged_row(self, key: str, slot: int) -> NoReturn:
+        """A row read failed its checksum: no more writes; raise DatabaseDamaged."""
+        self.damaged = (
+            f"{self.path} lease row ({key!r}, slot {slot}) fails its checksum; nothing was "
+            "changed (lockd serve --accept-data-loss starts on what is left)"
+        )
+        log.error(kv(event="damaged_row", db=self.path, key=key, slot=slot))
+        raise DatabaseDamaged(self.damaged)
 
     def leases(self) -> Iterator[Lease]:
         """Stream this boot's leases in (key, slot) order; drop those of earlier boots.
@@ -638,6 +714,8 @@ class Store:
                     latest = lease.expires_at
         if not rows and fence is None:
             return
+        if self.damaged is not None:
+            raise DatabaseDamaged(self.damaged)
         if self._check is not None:
             self.wait_checked()  # never write into a database that failed its check
         if self.lost is not None:
@@ -747,7 +825,10 @@ class Store:
 
     def close(self) -> None:
         if self._check is not None:
-            # Closing checkpoints into the file the check is reading.
+            # Closing checkpoints into the file the check is reading: stop
+            # it first (a stop must not wait for a scan of every row; the
+            # next start checks again).
+            self._check.cancel()
             self._check.done.wait()
         self._db.close()
         if self.record is not None:
@@ -773,13 +854,27 @@ _ROWS_PER_BATCH = 8192
 #: past it are read as usual). Mapped pages count in the daemon's RSS while
 #: mapped: this bounds what the start's peak RSS grows by.
 _START_MMAP_BYTES = 64 << 20
+#: SQLite VM steps between two looks of the integrity check at its cancel flag
+#: (~20 ms of quick_check; each look takes the GIL, so not much more often).
+_CANCEL_EVERY = 1_000_000
 #: Keys in one ``IN (...)`` of :meth:`Store.leases_of` (SQLite allows 32,766 parameters).
 _KEYS_PER_QUERY = 500
 
 
+def _checksum_of(row: tuple[Any, ...]) -> int:
+    """The ``chk`` a row in :data:`_LEASE_COLUMNS` order should carry."""
+    key, handle, fence, owner, principal, ttl, expires, mode, limit, slot, pid, proc = row[:12]
+    boot = row[13]  # (row[12] is pid_start: not part of chk)
+    return row_checksum(
+        key, slot, handle, fence, owner, principal, ttl, expires, boot, mode, limit, pid, proc
+    )
+
+
 def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
     """A lease from its row; ``share`` (a dict's setdefault) keeps one copy of repeated values."""
-    key, handle, fence, owner, principal, ttl, expires, mode, limit, slot, pid, proc, start, _ = row
+    key, handle, fence, owner, principal, ttl, expires, mode, limit, slot, pid, proc, start = row[
+        :13
+    ]
     return Lease(
         key,
         handle,
@@ -801,9 +896,10 @@ def _lease_of(row: tuple[Any, ...], share: Callable[[Any, Any], Any]) -> Lease:
 class _IntegrityCheck:
     """``PRAGMA quick_check`` and the row checks (:func:`~lockd.daemon.verify.inspect`) in a thread.
 
-    SQLite lets go of the GIL for the whole check (one ``sqlite3_step``), so
-    on a second core it costs the start nothing while the daemon reads the
-    rows (~0.2 s for 300,000 leases, measured). It needs a connection of
+    SQLite lets go of the GIL for ``quick_check`` (one ``sqlite3_step``) and
+    while it builds each row's text, so it runs beside the daemon, which
+    answers meanwhile (issue 26: at 1 M leases the check costs ~1.5-5 s of
+    CPU, measured, and was most of a restart). It needs a connection of
     its own, and the daemon's holds an exclusive lock: this one is
     ``immutable`` (no locks, does not look at the WAL). That sees every
     commit because :meth:`Store._wal_folded_in` copied the WAL into the file
@@ -811,22 +907,37 @@ class _IntegrityCheck:
     wait for it, and reads do not touch the file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, boot_id: str) -> None:
         self.path = path
+        self.boot_id = boot_id
         self._problems: list[str] = []
         self._found: Findings | None = None
+        #: the latest deadline of ``boot_id``'s rows (for the run record), once passed.
+        self.latest: int | None = None
+        self._cancelled = False
         self.done = threading.Event()
         threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
 
     def _run(self) -> None:
         uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
+        if self._cancelled:  # stopped before it began
+            self._problems = ["interrupted"]
+            self.done.set()
+            return
         try:
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
             try:
                 # Mapped: no system call per page (~40 % less CPU, measured);
                 # unmapped when the connection closes.
                 conn.execute(f"PRAGMA mmap_size={_START_MMAP_BYTES}")
+                # cancel() interrupts whichever statement runs.
+                conn.set_progress_handler(lambda: self._cancelled, _CANCEL_EVERY)
                 self._found = inspect(conn)
+                if self._found.sound and self._found.version:
+                    # Here, not on the start's path: a scan of every row.
+                    self.latest = conn.execute(
+                        "SELECT max(expires_at) FROM leases WHERE boot_id = ?", (self.boot_id,)
+                    ).fetchone()[0]
             finally:
                 conn.close()
         except sqlite3.Error as exc:
@@ -837,13 +948,17 @@ class _IntegrityCheck:
         finally:
             self.done.set()
 
+    def cancel(self) -> None:
+        """Stop the check soon (the daemon stops); :meth:`result` then fails."""
+        self._cancelled = True
+
     def result(self) -> None:
-        """Wait for the check; raise :class:`StoreError` if the file is damaged."""
+        """Wait for the check; raise :class:`DatabaseDamaged` if the file is damaged."""
         self.done.wait()
         if self._problems:
             _raise_problems(self.path, [(p,) for p in self._problems])
         if self._found is not None and not self._found.sound:
-            raise StoreError(
+            raise DatabaseDamaged(
                 f"{self.path} {self._found.describe()}; nothing was changed "
                 "(lockd serve --accept-data-loss starts on what is left)"
             )
@@ -854,7 +969,7 @@ def _raise_problems(path: Path, rows: list[tuple[Any, ...]]) -> None:
     problems = [row[0] for row in rows]
     if problems != ["ok"]:
         shown = "; ".join(str(p) for p in problems[:3])
-        raise StoreError(f"{path} failed its integrity check: {shown}")
+        raise DatabaseDamaged(f"{path} failed its integrity check: {shown}")
 
 
 #: Writes between two checks of the files inside :meth:`Store.apply`.
