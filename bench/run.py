@@ -586,6 +586,7 @@ def _bench_systems(
     compare: str | None = None,
     variants: dict[str, str] | None = None,
     floors: tuple[str, ...] = ("stdlib",),
+    without: frozenset[str] = frozenset(),
 ) -> None:
     """Sections a, b, c: start lockd and the baselines, run, stop them all.
 
@@ -612,10 +613,12 @@ def _bench_systems(
                 floor_daemons.append(stack.enter_context(floor.running()))
                 log(f"{floor.label} serving on {floor.socket} (pid {floor.pid})")
         daemons = {d.label: d.pid for d in (daemon, *others, *floor_daemons)}
-        flock = _enter(stack, flock_baseline, "flock", sections, skipped)
-        pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
-        redis = None
-        if "a" in only:
+        flock = pg = redis = None
+        if "flock" not in without:
+            flock = _enter(stack, flock_baseline, "flock", sections, skipped)
+        if "postgres" not in without:
+            pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
+        if "a" in only and "redis" not in without:
             redis = _enter(stack, redis_baseline, "redis", {"a"}, skipped)
         peers = [d.spec() for d in others] + [s for s in (flock, pg) if s is not None]
         floor_specs = [d.spec() for d in floor_daemons]
@@ -659,14 +662,25 @@ def main(argv: list[str] | None = None) -> int:
         default="stdlib",
         help="comma list of the floor servers' JSON codecs (stdlib, orjson), or 'none'",
     )
+    parser.add_argument(
+        "--rounds", type=int, help="rounds of each of sections a, b and c (overrides the plan)"
+    )
+    parser.add_argument(
+        "--without",
+        default="",
+        help="comma list of baselines not to run (flock, postgres, redis): shorter runs",
+    )
     args = parser.parse_args(argv)
+    without = frozenset(n.strip() for n in args.without.split(",") if n.strip())
     variants = dict(v.split("=", 1) for v in args.variant)
     floors = tuple(c for c in args.floor.split(",") if c and c != "none")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if unknown := only - set(SECTIONS):
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     plan_name = "quick" if args.quick else "full"
-    plan = PLANS[plan_name]
+    plan = dict(PLANS[plan_name])
+    if args.rounds is not None:
+        plan.update(a_rounds=args.rounds, b_rounds=args.rounds, c_rounds=args.rounds)
     results: dict[str, Any] = {
         "meta": {**run_meta(args.out, plan_name, plan_name), "git": _git_rev()},
         "plan": plan,
@@ -674,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.monotonic()
     if only & {"a", "b", "c"}:
-        _bench_systems(only, plan, args.cprofile, results, args.compare, variants, floors)
+        _bench_systems(only, plan, args.cprofile, results, args.compare, variants, floors, without)
     if "store" in only:
         log("store: timing Store.apply commits")
         results["store"] = [
