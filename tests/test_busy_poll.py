@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lockd.daemon.sockio import BusyPoll
+from lockd.daemon.sockio import BusyPoll, PollGate
 
 BUDGET_NS = 1_000_000
 
@@ -152,3 +152,52 @@ def test_blank_lines_count_as_a_miss(pair: tuple[socket.socket, socket.socket]) 
         assert poll.next_bytes(ours, now_ns=FakeClock()) is None
     assert poll.next_bytes(ours, now_ns=FakeClock()) == b'\n{"id":1,"op":"hello"}\n'
     assert poll.misses == 0 and poll.skip == 0
+
+
+HOLD_OFF_NS = 10 * BUDGET_NS
+
+
+def test_a_poll_cut_short_by_another_connection_closes_the_gate_for_all(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Several clients busy at once (B3): polls stop for everyone for the hold-off."""
+    ours, peer = pair
+    other, other_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with other, other_peer, select.epoll() as readable:
+        readable.register(ours, select.EPOLLIN)
+        readable.register(other, select.EPOLLIN)
+        gate = PollGate(HOLD_OFF_NS)
+        poll, neighbour = BusyPoll(BUDGET_NS, gate), BusyPoll(BUDGET_NS, gate)
+        clock = FakeClock(step_ns=0)
+        clock.now = 5 * BUDGET_NS
+        other_peer.send(b'{"id":1,"op":"hello"}\n')
+        assert poll.next_bytes(ours, readable, now_ns=clock) is None
+        assert gate.closed_until == 5 * BUDGET_NS + HOLD_OFF_NS
+        assert poll.misses == 0 and poll.skip == 0  # not the connection's own miss
+        # Within the hold-off nobody polls, not even with a request there.
+        peer.send(b'{"id":2,"op":"hello"}\n')
+        clock.now += HOLD_OFF_NS - 1
+        assert poll.next_bytes(ours, readable, now_ns=clock) is None
+        assert neighbour.next_bytes(other, readable, now_ns=clock) is None
+        assert poll.misses == 0 and neighbour.misses == 0
+        # After it, polling is back.
+        clock.now += 1
+        assert neighbour.next_bytes(other, readable, now_ns=clock) == b'{"id":1,"op":"hello"}\n'
+        assert poll.next_bytes(ours, readable, now_ns=clock) == b'{"id":2,"op":"hello"}\n'
+        assert gate.closed_until == 5 * BUDGET_NS + HOLD_OFF_NS
+
+
+def test_hits_and_misses_of_a_lone_client_leave_the_gate_open(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """One client streaming (B1) never closes the gate: only another connection does."""
+    ours, peer = pair
+    with select.epoll() as readable:
+        readable.register(ours, select.EPOLLIN)
+        gate = PollGate(HOLD_OFF_NS)
+        poll = BusyPoll(BUDGET_NS, gate)
+        peer.send(b'{"id":1,"op":"hello"}\n')
+        assert poll.next_bytes(ours, readable, now_ns=FakeClock()) == b'{"id":1,"op":"hello"}\n'
+        assert poll.next_bytes(ours, readable, now_ns=FakeClock()) is None  # a miss by budget
+        assert poll.misses == 1
+        assert gate.closed_until == 0

@@ -53,6 +53,32 @@ def recv_ready(sock: socket.socket) -> bytes | None:
         return None
 
 
+class PollGate:
+    """Whether polling pays just now: shared by every connection of one server.
+
+    Polling spares a wake-up when one client sends its next request at once
+    and the daemon would otherwise sleep for it. With several clients busy
+    at once (B3: 16 processes on 2 CPUs) that never comes to pass: another
+    connection's request soon ends the poll (:meth:`BusyPoll.next_bytes`
+    stops for it), and until then the poll took a CPU the clients needed
+    to make their next requests. So a poll cut short by another connection
+    closes the gate for every connection for ``hold_off_ns``; polls resume
+    after a quiet spell. One client streaming alone (B1), or hand-offs
+    whose waiters are blocked on their acquires (B2), never cut a poll
+    short and keep polling.
+    """
+
+    __slots__ = ("closed_until", "hold_off_ns")
+
+    #: how long polling stays off after another connection cut a poll short.
+    HOLD_OFF_NS = 10_000_000
+
+    def __init__(self, hold_off_ns: int = HOLD_OFF_NS) -> None:
+        self.hold_off_ns = hold_off_ns
+        #: no connection polls before this (``now_ns`` time).
+        self.closed_until = 0
+
+
 class BusyPoll:
     """Wait a little for a connection's next request by polling its socket, adaptively.
 
@@ -76,17 +102,20 @@ class BusyPoll:
     every time. It stops at once, without counting a miss, when another
     connection has a request waiting or a new one comes in (``others``, the
     server's epoll of every connection and the listening socket): those are
-    served through the scheduler as before. Nothing else runs while it
-    polls (the expiry timer, a woken waiter's task), hence the small budget.
+    served through the scheduler as before, and with a ``gate`` no
+    connection polls for a while (:class:`PollGate`). Nothing else runs
+    while it polls (the expiry timer, a woken waiter's task), hence the
+    small budget.
     """
 
-    __slots__ = ("budget_ns", "misses", "skip")
+    __slots__ = ("budget_ns", "gate", "misses", "skip")
 
     #: consecutive misses that count; the skip is at most ``2**MAX_MISSES - 1``.
     MAX_MISSES = 6
 
-    def __init__(self, budget_ns: int) -> None:
+    def __init__(self, budget_ns: int, gate: PollGate | None = None) -> None:
         self.budget_ns = budget_ns
+        self.gate = gate
         self.misses = 0
         #: chances to let pass before polling again (after misses).
         self.skip = 0
@@ -104,7 +133,11 @@ class BusyPoll:
             self.skip -= 1
             return None
         fd = sock.fileno()
-        deadline = now_ns() + self.budget_ns
+        start = now_ns()
+        gate = self.gate
+        if gate is not None and start < gate.closed_until:
+            return None
+        deadline = start + self.budget_ns
         while True:
             data = recv_ready(sock)
             if data is not None:
@@ -117,6 +150,8 @@ class BusyPoll:
                     self.misses = 0
                 return data
             if others is not None and any(ready != fd for ready, _ in others.poll(0, 2)):
+                if gate is not None:
+                    gate.closed_until = start + gate.hold_off_ns
                 return None
             if now_ns() >= deadline:
                 break
