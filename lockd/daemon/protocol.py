@@ -29,11 +29,6 @@ from lockd.contract import (
 )
 from lockd.daemon.holds import EXCLUSIVE, MAX_LIMIT, MODES, SHARED
 
-try:
-    import orjson
-except ImportError:  # a venv made before the dependency: the stdlib does it all, alike
-    orjson = None  # type: ignore[assignment]
-
 PROTOCOL_VERSION = 1
 #: a ``list`` page without ``limit`` (docs/contract.md §3); at most contract.MAX_LIST_LIMIT.
 DEFAULT_LIST_LIMIT = 1_000
@@ -293,54 +288,20 @@ def _decode(text: str) -> Any:
     return obj
 
 
-def _fast_decode(line: bytes | bytearray | str) -> dict[str, Any] | None:
-    """orjson's object for a line whose decoding the stdlib's would equal; None: ask the stdlib.
-
-    orjson decodes a request in a fifth of the stdlib's time (bench/README.md,
-    issue 25), but it differs on what the stdlib keeps apart: it turns an
-    integer beyond 64 bits into a float (an id of 2**70 is an integer to
-    us) and refuses what the stdlib decodes and our checks then name (a
-    lone surrogate escape, 1e999). So any failure, any top-level value but
-    an object, and any float among its values go to the stdlib, whose
-    result and error messages stay the reference. (A float or an integer
-    nested deeper is refused by type alike, whichever decoder read it.)
-    """
-    try:
-        data = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    if type(data) is not dict:
-        return None
-    for value in data.values():
-        if type(value) is float:
-            return None
-    return data
-
-
 def parse_request(line: bytes | str) -> Request:
     """Parse one line (without its newline) into a typed request.
 
     Raises :class:`ProtocolError` carrying the request id when one could be
     read, so the error reply can still be matched by the client.
     """
-    data = None if orjson is None else _fast_decode(line)
-    if data is None:
-        try:
-            text = line.decode("utf-8") if isinstance(line, bytes | bytearray) else line
-            data = _decode(text)
-        except (ValueError, RecursionError) as exc:
-            raise invalid(None, f"request is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise invalid(None, "request must be a JSON object")
-        keys_named = text.count('":')
-    elif isinstance(line, str):
-        keys_named = line.count('":')
-    else:
-        # The same count as on the text: no byte of a multi-byte UTF-8
-        # character is '"' or ':'.
-        keys_named = line.count(b'":')
-    if keys_named != len(data):
+    try:
         text = line.decode("utf-8") if isinstance(line, bytes | bytearray) else line
+        data = _decode(text)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(None, f"request is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid(None, "request must be a JSON object")
+    if text.count('":') != len(data):
         checked = _CHECKING_DECODER.decode(text)
         if type(checked) is _DuplicateKeys:
             _refuse_duplicate(checked)
@@ -454,28 +415,8 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
 # ------------------------------------------------------------------ replies
 
 
-#: the value types orjson writes as the stdlib encoder does (ASCII text aside).
-_PLAIN = frozenset({str, int, bool, type(None)})
-
-
 def encode_result(request_id: RequestId, result: Any) -> bytes:
-    reply = {"id": request_id, "ok": True, "result": result}
-    if orjson is not None and (
-        result is None or (type(result) is dict and all(type(v) in _PLAIN for v in result.values()))
-    ):
-        # The common replies (a grant, a release, a miss) are flat; orjson
-        # writes them as the stdlib does, in a tenth of the time, unless a
-        # string is not ASCII or holds DEL (the stdlib escapes them), an
-        # integer needs more than 64 bits or a string holds a lone surrogate
-        # (orjson refuses both): those, and floats (formatted differently),
-        # take _line.
-        try:
-            data = orjson.dumps(reply)
-        except TypeError:
-            return _line(reply)
-        if data.isascii() and b"\x7f" not in data:  # the stdlib escapes DEL too
-            return data + b"\n"
-    return _line(reply)
+    return _line({"id": request_id, "ok": True, "result": result})
 
 
 def encode_event(event: dict[str, Any]) -> bytes:
