@@ -61,22 +61,47 @@ class PollGate:
     at once (B3: 16 processes on 2 CPUs) that never comes to pass: another
     connection's request soon ends the poll (:meth:`BusyPoll.next_bytes`
     stops for it), and until then the poll took a CPU the clients needed
-    to make their next requests. So a poll cut short by another connection
-    closes the gate for every connection for ``hold_off_ns``; polls resume
-    after a quiet spell. One client streaming alone (B1), or hand-offs
-    whose waiters are blocked on their acquires (B2), never cut a poll
-    short and keep polling.
+    to make their next requests, even when the poll ended in a hit. So
+    the gate closes for every connection for ``hold_off_ns`` when another
+    connection cut a poll short, or when the last :data:`BUSY_CONNECTIONS`
+    chances to poll came from as many different connections within
+    ``window_ns``; polls resume after a quiet spell. One client streaming
+    alone (B1) asks from one connection; hand-offs (B2) alternate the
+    releaser's and the next holder's connections and cut no poll short
+    (the other waiters are blocked on their acquires): both keep polling.
     """
 
-    __slots__ = ("closed_until", "hold_off_ns")
+    __slots__ = ("_recent", "closed_until", "hold_off_ns", "window_ns")
 
-    #: how long polling stays off after another connection cut a poll short.
+    #: how long polling stays off once several clients were seen busy.
     HOLD_OFF_NS = 10_000_000
+    #: this many different connections asking in a row ...
+    BUSY_CONNECTIONS = 4
+    #: ... within this long: several clients are busy at once.
+    WINDOW_NS = 5_000_000
 
-    def __init__(self, hold_off_ns: int = HOLD_OFF_NS) -> None:
+    def __init__(self, hold_off_ns: int = HOLD_OFF_NS, window_ns: int = WINDOW_NS) -> None:
         self.hold_off_ns = hold_off_ns
+        self.window_ns = window_ns
         #: no connection polls before this (``now_ns`` time).
         self.closed_until = 0
+        #: (fd, time) of the last chances to poll, oldest first.
+        self._recent: deque[tuple[int, int]] = deque(maxlen=self.BUSY_CONNECTIONS)
+
+    def admit(self, fd: int, now: int) -> bool:
+        """Whether connection ``fd`` may poll now; notes its chance."""
+        if now < self.closed_until:
+            return False
+        recent = self._recent
+        recent.append((fd, now))
+        if (
+            len(recent) == self.BUSY_CONNECTIONS
+            and now - recent[0][1] <= self.window_ns
+            and len({seen for seen, _ in recent}) == self.BUSY_CONNECTIONS
+        ):
+            self.closed_until = now + self.hold_off_ns
+            return False
+        return True
 
 
 class BusyPoll:
@@ -129,14 +154,17 @@ class BusyPoll:
         """What ``sock`` sends within the budget (b"" at EOF), or None."""
         if self.budget_ns <= 0:
             return None
+        fd = sock.fileno()
+        gate = self.gate
+        if gate is not None:
+            start = now_ns()
+            if not gate.admit(fd, start):
+                return None
         if self.skip:
             self.skip -= 1
             return None
-        fd = sock.fileno()
-        start = now_ns()
-        gate = self.gate
-        if gate is not None and start < gate.closed_until:
-            return None
+        if gate is None:
+            start = now_ns()
         deadline = start + self.budget_ns
         while True:
             data = recv_ready(sock)
