@@ -45,6 +45,7 @@ from lockd.daemon import fencemark
 from lockd.daemon.leases import Changes, Lease
 from lockd.daemon.runrecord import RunRecord, record_path
 from lockd.daemon.store import Store, read_boot_id
+from lockd.identity import process_start
 from lockd.timefmt import format_epoch_ms
 
 RECV_BYTES = 65536
@@ -118,7 +119,8 @@ class FloorServer:
             process: str | None = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             process = None
-        caller = (principal, uid, pid, process)
+        # What lockd records of the holder's process (lockd.daemon.holder).
+        caller = (principal, uid, pid, process, process_start(pid))
         fd = sock.fileno()
         self.readable.register(fd, select.EPOLLIN)
         self.connections += 1
@@ -146,7 +148,7 @@ class FloorServer:
             trio.lowlevel.notify_closing(sock)
             sock.close()
 
-    def _answer(self, line: bytes, caller: tuple[str, int, int, str | None]) -> bytes:
+    def _answer(self, line: bytes, caller: tuple[str, int, int, str | None, int | None]) -> bytes:
         req = self.decode(line)
         rid = req.get("id")
         op = req.get("op")
@@ -158,7 +160,7 @@ class FloorServer:
             else:
                 ttl_ms = req["ttlMs"]
                 self.fence += 1
-                principal, _, pid, process = caller
+                principal, _, pid, process, pid_start = caller
                 expires_at = time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1_000_000 + ttl_ms
                 lease = Lease(
                     key,
@@ -170,6 +172,7 @@ class FloorServer:
                     expires_at,
                     pid=pid,
                     process=process,
+                    pid_start=pid_start,
                 )
                 self.held[key] = lease
                 self.changes.rows[(key, 0)] = lease
@@ -192,7 +195,7 @@ class FloorServer:
             else:
                 result = {"released": False, "reason": "not_holder"}
         elif op == "hello":
-            principal, uid, pid, _ = caller
+            principal, uid, pid, _, _ = caller
             result = {
                 "protocol": 1,
                 "version": "floor",
