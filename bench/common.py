@@ -474,6 +474,66 @@ class LockdDaemon:
         return LockerSpec(self.label, LockdLocker, (str(self.socket), client_dir))
 
 
+@dataclass
+class FloorDaemon:
+    """``bench/floor_server.py``: the floor lockd's CPU per pair is compared to.
+
+    Speaks only hello / tryAcquire / release, stores rows through lockd's
+    own ``Store`` with the daemon's group commit (see its docstring); the
+    real ``lockd_client`` drives it, so the clients cost what they cost
+    against lockd.
+    """
+
+    #: "stdlib" or "orjson": the floor's JSON codec.
+    codec: str = "stdlib"
+    label: str = "floor"
+    root: Path = field(init=False)
+    proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "floor.sock"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[FloorDaemon]:
+        self.root = Path(tempfile.mkdtemp(prefix="lockd-floor-", dir="/tmp"))
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "floor_server.py")]
+        cmd += ["--socket", str(self.socket), "--db", str(self.root / "state" / "floor.db")]
+        cmd += ["--json", self.codec]
+        log = self.root / "floor.log"
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the floor server did not start:\n{log.read_text()}")
+                with socket.socket(socket.AF_UNIX) as probe:
+                    try:
+                        probe.connect(str(self.socket))
+                        break
+                    except OSError:
+                        time.sleep(0.02)
+            yield self
+        finally:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def spec(self) -> LockerSpec:
+        return LockerSpec(self.label, LockdLocker, (str(self.socket), None))
+
+
 # ------------------------------------------------------------------ reporting
 
 

@@ -9,7 +9,9 @@ a. uncontended try_acquire + release pairs per second, one client process;
 b. hand-off latency and fairness: 4 processes contend for one key with a
    blocking acquire, each holding it ~1 ms; baselines flock, PostgreSQL;
 c. 16 processes, each on its own key, try_acquire + release: aggregate
-   pairs per second; baselines flock, PostgreSQL;
+   pairs per second; baselines flock, PostgreSQL; and the floor
+   (bench/floor_server.py, in (a) too): lockd's server CPU per pair over
+   the floor's is what lockd's own Python adds to trio + JSON + SQLite;
 store. the cost of one SQLite commit as the daemon makes it on its event
    loop (``Store.apply``, WAL, synchronous=NORMAL).
 
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import flock_baseline, postgres_baseline, redis_baseline
 from common import (
+    FloorDaemon,
     LockdDaemon,
     LockerSpec,
     analyse_handoffs,
@@ -224,6 +227,10 @@ def bench_spread(
 ) -> dict[str, Any]:
     """(c) 16 processes, each its own key: aggregate try_acquire + release pairs/s."""
     keys = [f"bench-c:{i}" for i in range(SPREAD_PROCS)]
+    # Untimed, each system once: the first round's first system must not
+    # pay for the worker pool's start or another's first keys.
+    for spec in systems:
+        run_workers(spec, keys, "pairs", 0.2)
     rounds: list[dict[str, Any]] = []
     for r in range(plan["c_rounds"]):
         row: dict[str, Any] = {}
@@ -238,6 +245,9 @@ def bench_spread(
                 "pairs_per_s": total,
                 "misses": sum(o["misses"] for o in outs),
                 "min_max_ratio": min(per_proc) / max(per_proc) if max(per_proc) else math.nan,
+                "client_cpu_us_per_pair": 1e6
+                * sum(o["client_cpu_s"] for o in outs)
+                / max(1, sum(per_proc)),
             }
             if pid is not None:
                 pairs = sum(per_proc)
@@ -256,6 +266,9 @@ def bench_spread(
         summary[label] = {
             "median_pairs_per_s": median([row[label]["pairs_per_s"] for row in rounds]),
             "min_max_ratio": median([row[label]["min_max_ratio"] for row in rounds]),
+            "client_cpu_us_per_pair": median(
+                [row[label]["client_cpu_us_per_pair"] for row in rounds]
+            ),
             "lockd_ratio": median(
                 [row["lockd"]["pairs_per_s"] / row[label]["pairs_per_s"] for row in rounds]
             ),
@@ -263,6 +276,11 @@ def bench_spread(
     for label in daemons:
         for field in ("daemon_cpu_us_per_pair", "daemon_runq_us_per_pair"):
             summary[label][field] = median([row[label][field] for row in rounds])
+        if FLOOR in daemons:
+            # Server CPU per pair over the floor's, paired within each round.
+            summary[label]["floor_cpu_ratio"] = paired_ratio(
+                rounds, label, FLOOR, "daemon_cpu_us_per_pair"
+            )
     return {"rounds": rounds, "summary": summary, "processes": SPREAD_PROCS}
 
 
@@ -273,6 +291,10 @@ GOAL_B1_VS_POSTGRES = 0.9
 GOAL_B1_VS_REDIS = 1.2
 GOAL_B2_P99_MS = 1.0
 GOAL_B3_VS_POSTGRES = 1.0
+#: Issue 25: lockd's server CPU per B3 pair over the floor's.
+GOAL_B3_OVER_FLOOR = 1.2
+#: the label of the floor server (bench/floor_server.py, stdlib JSON).
+FLOOR = "floor"
 
 
 def paired_ratio(rounds: list[dict[str, Any]], label: str, peer: str, field: str) -> float:
@@ -311,6 +333,10 @@ def goal_rows(results: dict[str, Any], label: str) -> list[tuple[str, float, boo
         rows.append(
             (f"B3 pairs/s vs postgres >= {GOAL_B3_VS_POSTGRES}x", r, r >= GOAL_B3_VS_POSTGRES)
         )
+        r = paired_ratio(results["c"]["rounds"], label, FLOOR, "daemon_cpu_us_per_pair")
+        rows.append(
+            (f"B3 server CPU/pair vs floor <= {GOAL_B3_OVER_FLOOR}x", r, r <= GOAL_B3_OVER_FLOOR)
+        )
     return rows
 
 
@@ -318,7 +344,7 @@ def _report_goals(results: dict[str, Any]) -> list[str]:
     labels = ["lockd"] + [
         label
         for label in results.get("a", results.get("c", {})).get("summary", {})
-        if label.startswith("lockd@")
+        if label.startswith("lockd@") or label.startswith("lockd-")
     ]
     per_label = {label: goal_rows(results, label) for label in labels}
     goals = [goal for goal, _, _ in per_label["lockd"]]
@@ -447,8 +473,10 @@ SPREAD_HEADERS = [
     "system",
     "aggregate pairs/s",
     "min/max",
+    "client CPU us/pair",
     "server CPU us/pair",
     "server runq us/pair",
+    "server CPU / floor",
     "ratio",
 ]
 
@@ -460,8 +488,10 @@ def _report_spread(results: dict[str, Any]) -> list[str]:
             label,
             fmt_num(s["median_pairs_per_s"]),
             f"{s['min_max_ratio']:.2f}",
+            fmt_num(s["client_cpu_us_per_pair"], 1),
             fmt_num(s.get("daemon_cpu_us_per_pair", math.nan), 1),
             fmt_num(s.get("daemon_runq_us_per_pair", math.nan), 1),
+            fmt_ratio(s.get("floor_cpu_ratio", math.nan)),
             "" if label == "lockd" else fmt_ratio(s["lockd_ratio"]),
         ]
         for label, s in c["summary"].items()
@@ -558,8 +588,16 @@ def _bench_systems(
     cprofile: Path | None,
     results: dict[str, Any],
     compare: str | None = None,
+    variants: dict[str, str] | None = None,
+    floors: tuple[str, ...] = ("stdlib",),
+    without: frozenset[str] = frozenset(),
 ) -> None:
-    """Sections a, b, c: start lockd and the baselines, run, stop them all."""
+    """Sections a, b, c: start lockd and the baselines, run, stop them all.
+
+    ``variants``: label -> ``lockd.toml`` text of more lockds of this
+    checkout (``lockd-LABEL``); ``floors``: the floor servers' JSON codecs
+    (sections a and c only: the floor has no blocking acquire).
+    """
     skipped: dict[str, dict[str, str]] = results["skipped"]
     sections = only & {"a", "b", "c"}
     with contextlib.ExitStack() as stack:
@@ -567,20 +605,35 @@ def _bench_systems(
         log(f"lockd serving on {daemon.socket} (pid {daemon.pid})")
         lockd = daemon.spec()
         earlier_daemon = stack.enter_context(_earlier_lockd(compare))
-        earlier = earlier_daemon.spec() if earlier_daemon is not None else None
-        daemons = {d.label: d.pid for d in (daemon, earlier_daemon) if d is not None}
-        flock = _enter(stack, flock_baseline, "flock", sections, skipped)
-        pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
-        redis = None
-        if "a" in only:
+        others: list[LockdDaemon | FloorDaemon] = [] if earlier_daemon is None else [earlier_daemon]
+        for name, config in (variants or {}).items():
+            variant = LockdDaemon(label=f"lockd-{name}", config=config)
+            others.append(stack.enter_context(variant.running()))
+            log(f"lockd-{name} serving on {variant.socket} (pid {variant.pid})")
+        floor_daemons = []
+        if only & {"a", "c"}:
+            for codec in floors:
+                floor = FloorDaemon(codec, FLOOR if codec == "stdlib" else f"{FLOOR}-{codec}")
+                floor_daemons.append(stack.enter_context(floor.running()))
+                log(f"{floor.label} serving on {floor.socket} (pid {floor.pid})")
+        daemons = {d.label: d.pid for d in (daemon, *others, *floor_daemons)}
+        flock = pg = redis = None
+        if "flock" not in without:
+            flock = _enter(stack, flock_baseline, "flock", sections, skipped)
+        if "postgres" not in without:
+            pg = _enter(stack, postgres_baseline, "postgres", sections, skipped)
+        if "a" in only and "redis" not in without:
             redis = _enter(stack, redis_baseline, "redis", {"a"}, skipped)
-        peers = [s for s in (earlier, flock, pg) if s is not None]
+        peers = [d.spec() for d in others] + [s for s in (flock, pg) if s is not None]
+        floor_specs = [d.spec() for d in floor_daemons]
         if "a" in only:
-            results["a"] = bench_single([lockd, *peers] + ([redis] if redis else []), plan, daemons)
+            results["a"] = bench_single(
+                [lockd, *peers, *floor_specs] + ([redis] if redis else []), plan, daemons
+            )
         if "b" in only:
             results["b"] = bench_handoff([lockd, *peers], plan)
         if "c" in only:
-            results["c"] = bench_spread([lockd, *peers], plan, daemons)
+            results["c"] = bench_spread([lockd, *peers, *floor_specs], plan, daemons)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -600,12 +653,38 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REV",
         help="also run the lockd of git revision REV as a same-run peer (before/after a change)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=TOML",
+        help="also run this checkout's lockd with this lockd.toml text, as lockd-NAME "
+        "(e.g. 'nopoll=busy_poll_us = 0'); repeatable",
+    )
+    parser.add_argument(
+        "--floor",
+        default="stdlib",
+        help="comma list of the floor servers' JSON codecs (stdlib, orjson), or 'none'",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="rounds of each of sections a, b and c (overrides the plan)"
+    )
+    parser.add_argument(
+        "--without",
+        default="",
+        help="comma list of baselines not to run (flock, postgres, redis): shorter runs",
+    )
     args = parser.parse_args(argv)
+    without = frozenset(n.strip() for n in args.without.split(",") if n.strip())
+    variants = dict(v.split("=", 1) for v in args.variant)
+    floors = tuple(c for c in args.floor.split(",") if c and c != "none")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if unknown := only - set(SECTIONS):
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     plan_name = "quick" if args.quick else "full"
-    plan = PLANS[plan_name]
+    plan = dict(PLANS[plan_name])
+    if args.rounds is not None:
+        plan.update(a_rounds=args.rounds, b_rounds=args.rounds, c_rounds=args.rounds)
     results: dict[str, Any] = {
         "meta": {**run_meta(args.out, plan_name, plan_name), "git": _git_rev()},
         "plan": plan,
@@ -613,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.monotonic()
     if only & {"a", "b", "c"}:
-        _bench_systems(only, plan, args.cprofile, results, args.compare)
+        _bench_systems(only, plan, args.cprofile, results, args.compare, variants, floors, without)
     if "store" in only:
         log("store: timing Store.apply commits")
         results["store"] = [

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lockd.daemon.sockio import BusyPoll
+from lockd.daemon.sockio import BusyPoll, PollGate
 
 BUDGET_NS = 1_000_000
 
@@ -152,3 +152,108 @@ def test_blank_lines_count_as_a_miss(pair: tuple[socket.socket, socket.socket]) 
         assert poll.next_bytes(ours, now_ns=FakeClock()) is None
     assert poll.next_bytes(ours, now_ns=FakeClock()) == b'\n{"id":1,"op":"hello"}\n'
     assert poll.misses == 0 and poll.skip == 0
+
+
+HOLD_OFF_NS = 10 * BUDGET_NS
+
+
+def test_a_poll_cut_short_by_another_connection_closes_the_gate_for_all(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Several clients busy at once (B3): polls stop for everyone for the hold-off."""
+    ours, peer = pair
+    other, other_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with other, other_peer, select.epoll() as readable:
+        readable.register(ours, select.EPOLLIN)
+        readable.register(other, select.EPOLLIN)
+        gate = PollGate(HOLD_OFF_NS)
+        poll, neighbour = BusyPoll(BUDGET_NS, gate), BusyPoll(BUDGET_NS, gate)
+        clock = FakeClock(step_ns=0)
+        clock.now = 5 * BUDGET_NS
+        other_peer.send(b'{"id":1,"op":"hello"}\n')
+        assert poll.next_bytes(ours, readable, now_ns=clock) is None
+        assert gate.closed_until == 5 * BUDGET_NS + HOLD_OFF_NS
+        assert poll.misses == 0 and poll.skip == 0  # not the connection's own miss
+        # Within the hold-off nobody polls, not even with a request there.
+        peer.send(b'{"id":2,"op":"hello"}\n')
+        clock.now += HOLD_OFF_NS - 1
+        assert poll.next_bytes(ours, readable, now_ns=clock) is None
+        assert neighbour.next_bytes(other, readable, now_ns=clock) is None
+        assert poll.misses == 0 and neighbour.misses == 0
+        # After it, polling is back.
+        clock.now += 1
+        assert neighbour.next_bytes(other, readable, now_ns=clock) == b'{"id":1,"op":"hello"}\n'
+        assert poll.next_bytes(ours, readable, now_ns=clock) == b'{"id":2,"op":"hello"}\n'
+        assert gate.closed_until == 5 * BUDGET_NS + HOLD_OFF_NS
+
+
+def test_hits_and_misses_of_a_lone_client_leave_the_gate_open(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """One client streaming (B1) never closes the gate: only another connection does."""
+    ours, peer = pair
+    with select.epoll() as readable:
+        readable.register(ours, select.EPOLLIN)
+        gate = PollGate(HOLD_OFF_NS)
+        poll = BusyPoll(BUDGET_NS, gate)
+        peer.send(b'{"id":1,"op":"hello"}\n')
+        assert poll.next_bytes(ours, readable, now_ns=FakeClock()) == b'{"id":1,"op":"hello"}\n'
+        assert poll.next_bytes(ours, readable, now_ns=FakeClock()) is None  # a miss by budget
+        assert poll.misses == 1
+        assert gate.closed_until == 0
+
+
+def _sockets(count: int) -> list[tuple[socket.socket, socket.socket]]:
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(count)]
+    for ours, _ in pairs:
+        ours.setblocking(False)
+    return pairs
+
+
+def test_four_connections_asking_in_a_row_close_the_gate() -> None:
+    """B3: chances to poll from 4 different connections within the window turn polling off."""
+    pairs = _sockets(4)
+    try:
+        gate = PollGate(HOLD_OFF_NS, window_ns=BUDGET_NS)
+        polls = [BusyPoll(BUDGET_NS, gate) for _ in pairs]
+        clock = FakeClock(step_ns=0)
+        for (ours, peer), poll in zip(pairs[:3], polls[:3], strict=True):
+            peer.send(b'{"id":1,"op":"hello"}\n')
+            assert poll.next_bytes(ours, now_ns=clock) == b'{"id":1,"op":"hello"}\n'
+            clock.now += BUDGET_NS // 4
+        last, last_peer = pairs[3]
+        last_peer.send(b'{"id":1,"op":"hello"}\n')
+        assert polls[3].next_bytes(last, now_ns=clock) is None  # not read: off
+        assert gate.closed_until == clock.now + HOLD_OFF_NS
+        assert polls[3].misses == 0 and polls[3].skip == 0
+        clock.now += HOLD_OFF_NS
+        assert polls[3].next_bytes(last, now_ns=clock) == b'{"id":1,"op":"hello"}\n'
+    finally:
+        for ours, peer in pairs:
+            ours.close()
+            peer.close()
+
+
+def test_connections_taking_turns_slowly_or_in_hand_offs_keep_polling() -> None:
+    """Four connections spread over more than the window, or B2's releaser/next-holder turns."""
+    pairs = _sockets(4)
+    try:
+        gate = PollGate(HOLD_OFF_NS, window_ns=BUDGET_NS)
+        polls = [BusyPoll(BUDGET_NS, gate) for _ in pairs]
+        clock = FakeClock(step_ns=0)
+        # Spread out: 4 different connections, but over more than the window.
+        for (ours, peer), poll in zip(pairs, polls, strict=True):
+            peer.send(b"{}\n")
+            assert poll.next_bytes(ours, now_ns=clock) == b"{}\n"
+            clock.now += BUDGET_NS // 2
+        # Hand-offs: A releases, B is granted, B releases, C is granted, ...
+        for turn in (0, 1, 1, 2, 2, 3, 3, 0):
+            ours, peer = pairs[turn]
+            peer.send(b"{}\n")
+            assert polls[turn].next_bytes(ours, now_ns=clock) == b"{}\n"
+            clock.now += BUDGET_NS // 10
+        assert gate.closed_until == 0
+    finally:
+        for ours, peer in pairs:
+            ours.close()
+            peer.close()

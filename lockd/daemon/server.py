@@ -237,6 +237,8 @@ class LockServer:
         #: every connection socket, level-triggered: "is another request
         #: waiting to be read?" in one non-blocking epoll_wait.
         self._readable = select.epoll()
+        #: busy-polling off for every connection while several are busy (sockio.PollGate).
+        self._poll_gate = sockio.PollGate()
         self._flush_wanted = trio.Event()
         self._shutdown_event = trio.Event()
         #: breaks waiting for their told holders to stop (woken at shutdown).
@@ -585,7 +587,10 @@ class LockServer:
             return
         self._conn_ids += 1
         conn = Connection(
-            self._conn_ids, sock, caller, busy=sockio.BusyPoll(self.limits.busy_poll_ns)
+            self._conn_ids,
+            sock,
+            caller,
+            busy=sockio.BusyPoll(self.limits.busy_poll_ns, self._poll_gate),
         )
         self.connections[conn.id] = conn
         self._memory.observe(len(self.connections))

@@ -53,6 +53,57 @@ def recv_ready(sock: socket.socket) -> bytes | None:
         return None
 
 
+class PollGate:
+    """Whether polling pays just now: shared by every connection of one server.
+
+    Polling spares a wake-up when one client sends its next request at once
+    and the daemon would otherwise sleep for it. With several clients busy
+    at once (B3: 16 processes on 2 CPUs) that never comes to pass: another
+    connection's request soon ends the poll (:meth:`BusyPoll.next_bytes`
+    stops for it), and until then the poll took a CPU the clients needed
+    to make their next requests, even when the poll ended in a hit. So
+    the gate closes for every connection for ``hold_off_ns`` when another
+    connection cut a poll short, or when the last :data:`BUSY_CONNECTIONS`
+    chances to poll came from as many different connections within
+    ``window_ns``; polls resume after a quiet spell. One client streaming
+    alone (B1) asks from one connection; hand-offs (B2) alternate the
+    releaser's and the next holder's connections and cut no poll short
+    (the other waiters are blocked on their acquires): both keep polling.
+    """
+
+    __slots__ = ("_recent", "closed_until", "hold_off_ns", "window_ns")
+
+    #: how long polling stays off once several clients were seen busy.
+    HOLD_OFF_NS = 10_000_000
+    #: this many different connections asking in a row ...
+    BUSY_CONNECTIONS = 4
+    #: ... within this long: several clients are busy at once.
+    WINDOW_NS = 5_000_000
+
+    def __init__(self, hold_off_ns: int = HOLD_OFF_NS, window_ns: int = WINDOW_NS) -> None:
+        self.hold_off_ns = hold_off_ns
+        self.window_ns = window_ns
+        #: no connection polls before this (``now_ns`` time).
+        self.closed_until = 0
+        #: (fd, time) of the last chances to poll, oldest first.
+        self._recent: deque[tuple[int, int]] = deque(maxlen=self.BUSY_CONNECTIONS)
+
+    def admit(self, fd: int, now: int) -> bool:
+        """Whether connection ``fd`` may poll now; notes its chance."""
+        if now < self.closed_until:
+            return False
+        recent = self._recent
+        recent.append((fd, now))
+        if (
+            len(recent) == self.BUSY_CONNECTIONS
+            and now - recent[0][1] <= self.window_ns
+            and len({seen for seen, _ in recent}) == self.BUSY_CONNECTIONS
+        ):
+            self.closed_until = now + self.hold_off_ns
+            return False
+        return True
+
+
 class BusyPoll:
     """Wait a little for a connection's next request by polling its socket, adaptively.
 
@@ -76,17 +127,20 @@ class BusyPoll:
     every time. It stops at once, without counting a miss, when another
     connection has a request waiting or a new one comes in (``others``, the
     server's epoll of every connection and the listening socket): those are
-    served through the scheduler as before. Nothing else runs while it
-    polls (the expiry timer, a woken waiter's task), hence the small budget.
+    served through the scheduler as before, and with a ``gate`` no
+    connection polls for a while (:class:`PollGate`). Nothing else runs
+    while it polls (the expiry timer, a woken waiter's task), hence the
+    small budget.
     """
 
-    __slots__ = ("budget_ns", "misses", "skip")
+    __slots__ = ("budget_ns", "gate", "misses", "skip")
 
     #: consecutive misses that count; the skip is at most ``2**MAX_MISSES - 1``.
     MAX_MISSES = 6
 
-    def __init__(self, budget_ns: int) -> None:
+    def __init__(self, budget_ns: int, gate: PollGate | None = None) -> None:
         self.budget_ns = budget_ns
+        self.gate = gate
         self.misses = 0
         #: chances to let pass before polling again (after misses).
         self.skip = 0
@@ -100,11 +154,18 @@ class BusyPoll:
         """What ``sock`` sends within the budget (b"" at EOF), or None."""
         if self.budget_ns <= 0:
             return None
+        fd = sock.fileno()
+        gate = self.gate
+        if gate is not None:
+            start = now_ns()
+            if not gate.admit(fd, start):
+                return None
         if self.skip:
             self.skip -= 1
             return None
-        fd = sock.fileno()
-        deadline = now_ns() + self.budget_ns
+        if gate is None:
+            start = now_ns()
+        deadline = start + self.budget_ns
         while True:
             data = recv_ready(sock)
             if data is not None:
@@ -117,6 +178,8 @@ class BusyPoll:
                     self.misses = 0
                 return data
             if others is not None and any(ready != fd for ready, _ in others.poll(0, 2)):
+                if gate is not None:
+                    gate.closed_until = start + gate.hold_off_ns
                 return None
             if now_ns() >= deadline:
                 break
