@@ -16,8 +16,11 @@ Both backends (docs/contract.md §11): the ``backend`` fixture says which store 
 daemons serve from. It is ``sqlite`` unless the test (or its module) is
 marked ``both_backends``: then the test runs once per backend, the etcd run
 on the session's real 3-member cluster (``tests/etcd_fixtures.py``), each
-daemon under a prefix of its own. ``sqlite_only(reason)`` keeps one test of
-such a module on SQLite (crash recovery, the database file, ...).
+daemon under a prefix of its own. Where the two may answer differently, the
+test names an entry of ``tests/backend_differences.py`` (``backend.differs``,
+the ``differs`` marker): nowhere else. ``sqlite_only(reason)`` keeps one test
+of such a module on SQLite for a reason that is no difference (the code
+under test never reaches the store, the database file, ...).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.backend_differences import difference
 from tests.etcd_cluster import EtcdBackend, EtcdCluster
 
 LOCKD = [sys.executable, "-m", "lockd"]
@@ -200,8 +204,9 @@ class Backend:
     kind: str
     cluster: EtcdCluster | None = None
 
-    @property
-    def is_etcd(self) -> bool:
+    def differs(self, name: str) -> bool:
+        """Whether the allowed difference ``name`` (tests/backend_differences.py) applies here."""
+        difference(name)  # an unknown name fails here, on SQLite too
         return self.cluster is not None
 
     def etcd_settings(self, **settings: object) -> EtcdBackend | None:
@@ -218,11 +223,13 @@ class Backend:
         SQLite counts grants, so exactly ``earlier + grants``; etcd fences are
         the grants' revisions, which other writes (waiter keys) move too: higher.
         """
-        return later > earlier if self.is_etcd else later == earlier + grants
+        if self.differs("fence_revisions"):
+            return later > earlier
+        return later == earlier + grants
 
     def effective_ttl_ms(self, ttl_ms: int) -> int:
         """The TTL a grant of ``ttl_ms`` gets: etcd counts whole seconds, at least 2 (§11)."""
-        if not self.is_etcd:
+        if not self.differs("whole_second_ttl"):
             return ttl_ms
         return max(2000, -(-ttl_ms // 1000) * 1000)
 
@@ -232,7 +239,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "both_backends: run the test against the SQLite and the etcd backend"
     )
     config.addinivalue_line(
-        "markers", "sqlite_only(reason): keep this test of a both_backends module on SQLite"
+        "markers",
+        "sqlite_only(reason): keep this test of a both_backends module on SQLite "
+        "(for a reason that is no backend difference)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "differs(name): the test checks what etcd does not do at all "
+        "(tests/backend_differences.py): its etcd run is skipped naming the entry",
     )
 
 
@@ -242,7 +256,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" not in metafunc.fixturenames or node.get_closest_marker("sqlite_only"):
         return
     if node.get_closest_marker("both_backends"):
-        metafunc.parametrize("backend", BACKENDS, indirect=True)
+        metafunc.parametrize("backend", [BACKENDS[0], _etcd_run(node)], indirect=True)
+
+
+def _etcd_run(node: pytest.Function) -> object:
+    """The etcd parameter, skipped with its reason when the test is marked ``differs``."""
+    marker = node.get_closest_marker("differs")
+    if marker is None:
+        return BACKENDS[1]
+    entry = difference(*marker.args)
+    if not entry.etcd_skips:
+        raise pytest.UsageError(
+            f"{node.nodeid}: differs({entry.name!r}) marks only tests of what etcd does not "
+            "do at all; for this entry, ask backend.differs() in the test body"
+        )
+    return pytest.param(
+        BACKENDS[1], marks=pytest.mark.skip(f"differs: {entry.name}: {entry.differs}")
+    )
 
 
 @pytest.fixture(scope="module")

@@ -559,10 +559,10 @@ def test_stats_formats(daemon: DaemonProcess, backend: Backend) -> None:
     types = check_openmetrics(om.stdout)
     assert types["lockd_grants"] == "counter"
     # With etcd, held is null (no host counts every host's keys): no sample.
-    assert types.get("lockd_held") == (None if backend.is_etcd else "gauge")
+    assert types.get("lockd_held") == (None if backend.differs("held_is_null") else "gauge")
     assert types["lockd_request_duration_seconds"] == "summary"
     assert "lockd_grants_total 1\n" in om.stdout
-    assert ("lockd_held 1\n" in om.stdout) is not backend.is_etcd
+    assert ("lockd_held 1\n" in om.stdout) is not backend.differs("held_is_null")
     assert re.search(
         r'^lockd_request_duration_seconds\{op="tryAcquire",quantile="0\.99"\} [0-9.]+$',
         om.stdout,

@@ -691,7 +691,7 @@ def test_daemon_restart_keeps_the_run_going(
         else:
             daemon.stop()
         daemon.start()
-        if how == "kill9" and backend.is_etcd:
+        if how == "kill9" and backend.differs("session_ends_release_on_close"):
             # docs/contract.md §11: a daemon on etcd that dies takes its releaseOnClose
             # holds with its session; the restart ends that session at once
             # (it can prove the old daemon dead), so lockd run loses the key.

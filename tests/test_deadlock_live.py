@@ -1,6 +1,8 @@
 """Deadlock detection against a real daemon: two and three connections (docs/contract.md §12).
 
-SQLite only: the etcd backend does not look for cycles (docs/etcd-design.md).
+Both backends; the etcd backend does not look for cycles (docs/etcd-design.md), so
+its runs of the deadlock tests are skipped as ``no_deadlock_detection``
+(tests/backend_differences.py), and only the plain queue runs there.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from lockd_client.aio import AsyncLockClient
 from lockd.cli.common import failure_for
 from lockd.exitcodes import EXIT_DEADLOCK
 
-from .conftest import DaemonProcess
+from .conftest import Backend, DaemonProcess
 from .helpers_users import wait_for
 from .test_protocol_live import RawConn, check_error, running_daemon, unique
 
+pytestmark = pytest.mark.both_backends
+
 
 @pytest.fixture(scope="module")
-def lockd() -> Iterator[DaemonProcess]:
-    with running_daemon() as proc:
+def lockd(backend: Backend) -> Iterator[DaemonProcess]:
+    with running_daemon(backend=backend) as proc:
         yield proc
 
 
@@ -43,6 +47,7 @@ def waiters(client: LockClient, key: str) -> int:
     return client.status(key).waiters
 
 
+@pytest.mark.differs("no_deadlock_detection")
 def test_two_clients_crossing_keys_the_closing_one_gets_deadlock_error(
     lockd: DaemonProcess, clients: list[LockClient]
 ) -> None:
@@ -87,6 +92,7 @@ def take(conn: RawConn, key: str) -> dict[str, Any]:
     return held
 
 
+@pytest.mark.differs("no_deadlock_detection")
 def test_three_connections_in_a_ring_on_the_wire(lockd: DaemonProcess) -> None:
     k1, k2, k3 = unique("r1"), unique("r2"), unique("r3")
     conns = [RawConn(lockd.socket) for _ in range(4)]
@@ -135,6 +141,7 @@ def test_a_plain_queue_of_clients_is_served_in_order(clients: list[LockClient]) 
         c.release(c_waits.result(timeout=15))
 
 
+@pytest.mark.differs("no_deadlock_detection")
 def test_the_asyncio_client_raises_deadlock_error_too(lockd: DaemonProcess) -> None:
     async def main() -> None:
         k1, k2 = unique("a1"), unique("a2")

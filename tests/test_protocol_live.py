@@ -200,7 +200,7 @@ def conn(lockd: DaemonProcess) -> Iterator[RawConn]:
 def test_every_op_result_has_the_spec_fields(conn: RawConn, backend: Backend) -> None:
     key = unique()
     # docs/contract.md §11: with etcd, status, list entries and holders name the granting host.
-    node = {"node"} if backend.is_etcd else set()
+    node = {"node"} if backend.differs("node_field") else set()
     status_fields, holder_fields = STATUS_FIELDS | node, HOLDER_FIELDS | node
     hello = conn.result({"id": 1, "op": "hello"})
     assert set(hello) == {"protocol", "version", "principal", "role", "uid", "pid"}

@@ -163,12 +163,10 @@ def test_wait_line_names_holder_and_position(lockd: DaemonProcess, conns: list[R
 # --------------------------------------------------------------------- plain functions
 
 
-@pytest.mark.sqlite_only("no daemon needed")
 def test_wait_line_is_silent_off_a_terminal() -> None:
     assert not WaitLine("k", None, stream=io.StringIO()).enabled
 
 
-@pytest.mark.sqlite_only("no daemon needed")
 def test_waiter_list_and_member_visibility() -> None:
     waiters = [
         QueuedWaiter("user:a", 1, "sh", "exclusive", 1, 1_000),
@@ -183,7 +181,6 @@ def test_waiter_list_and_member_visibility() -> None:
     assert concerns(entry, "user:b") and concerns(entry, "user:c") and not concerns(entry, "user:d")
 
 
-@pytest.mark.sqlite_only("no daemon needed")
 def test_top_frame_and_rates() -> None:
     status = LockStatus.from_result(
         {
@@ -241,7 +238,6 @@ def test_shared_request_behind_a_queued_writer_says_so(
     assert "a shared request never overtakes a queued exclusive one" in line
 
 
-@pytest.mark.sqlite_only("no daemon needed")
 def test_member_sees_only_entries_it_holds_or_waits_for() -> None:
     from lockd.daemon.service import visible_locks
     from lockd.identity import Caller
