@@ -12,6 +12,10 @@ through them:
   not do at all (an entry with ``etcd_skips=True``): its etcd run is
   reported as skipped, naming the entry.
 
+A test whose etcd run fails because of a bug (the contract holds on etcd
+too) is no difference: ``@pytest.mark.etcd_bug("what")`` expects its etcd run
+to fail, strictly, until the bug is fixed.
+
 Nothing else in ``tests/`` asks which backend it runs on
 (``test_backend_differences.py`` checks it). ``sqlite_only(reason)`` stays for
 tests that are not about a difference at all: the code under test never

@@ -7,6 +7,10 @@ admins and services are throwaway users created for the module, each client
 is a separate process running as that user (:class:`Agent`), and rule sets
 are files in the daemon's ``rule-sets/`` folder, changed under its feet.
 
+Tests whose outcome the store decides (a hold, a break, a re-take, a
+member's ``list``) run on both backends; roles, rule files and their reloads
+are the same code before either backend, so those run on SQLite alone.
+
 The module is skipped when it cannot create users (not root, no useradd).
 """
 
@@ -235,6 +239,7 @@ def test_no_rule_set_every_member_may_use_every_key(start: Callable[..., Live], 
     assert alice.call("release", handle)["released"] is True
 
 
+@pytest.mark.both_backends
 def test_spec_example_rule(start: Callable[..., Live], cast: Cast) -> None:
     text = rule_set(SPEC_RULE, SPEC_RULE)
     live = start(text)
@@ -355,6 +360,7 @@ def test_stats_rules_are_for_owner_admin_and_services_list_for_all(
     assert [lock.key for lock in live.root.list()] == ["reports:1"]
 
 
+@pytest.mark.both_backends
 def test_status_is_open_to_members_even_under_a_deny_all_rule(
     start: Callable[..., Live], cast: Cast
 ) -> None:
@@ -370,6 +376,7 @@ def test_status_is_open_to_members_even_under_a_deny_all_rule(
     assert alice.call("hello")["role"] == "member"
 
 
+@pytest.mark.both_backends
 def test_break_is_for_owners_and_admins(start: Callable[..., Live], cast: Cast) -> None:
     live = start()
     alice = live.agent(cast.alice)
@@ -390,6 +397,7 @@ def test_break_is_for_owners_and_admins(start: Callable[..., Live], cast: Cast) 
     assert "operator: job hung" in live.daemon.read_log()
 
 
+@pytest.mark.both_backends
 def test_release_is_never_gated_even_after_access_is_revoked(
     start: Callable[..., Live], cast: Cast
 ) -> None:
@@ -434,6 +442,7 @@ def test_service_user_passes_rules_and_is_not_rate_limited(
     assert not live.root.status("adm:free").held
 
 
+@pytest.mark.both_backends
 def test_member_cannot_retake_a_service_hold(start: Callable[..., Live], cast: Cast) -> None:
     live = start()
     svc = live.agent(cast.svc)
@@ -643,6 +652,7 @@ def test_two_rule_sets_at_start_up_refuse_naming_both(daemon_paths: DaemonProces
     assert not daemon_paths.socket.exists()
 
 
+@pytest.mark.both_backends
 def test_a_member_lists_only_the_keys_it_holds_or_waits_for(
     start: Callable[..., Live], cast: Cast
 ) -> None:

@@ -23,6 +23,8 @@ from lockd.cli import main
 
 from .conftest import LOCKD, DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 # --------------------------------------------------------------------- config mistakes
 
 

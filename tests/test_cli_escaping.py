@@ -22,6 +22,8 @@ from lockd.textsafe import visible
 
 from .conftest import DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 #: 15 bytes, the most comm holds: a newline, "clear screen", a bidi override.
 HOSTILE_COMM = "a\n\x1b[2J\u202eexe"
 KEY = "esc:\u202ekey"

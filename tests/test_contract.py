@@ -26,6 +26,8 @@ from lockd.exitcodes import ERROR_STATUS, EXIT_CODE_MEANINGS
 
 from .conftest import DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

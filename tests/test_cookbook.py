@@ -22,6 +22,8 @@ import pytest
 
 from .conftest import DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 REPO = Path(__file__).resolve().parent.parent
 COOKBOOK = REPO / "docs" / "cookbook.md"
 BIN = Path(sys.executable).parent

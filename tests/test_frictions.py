@@ -41,6 +41,8 @@ from lockd.exitcodes import EXIT_DEADLOCK, exit_code_for
 
 from .conftest import LOCKD, DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 REPO = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------- durations
@@ -165,6 +167,7 @@ def test_run_takes_a_key_starting_with_a_dash_after_double_dash(daemon: DaemonPr
     assert out.stdout == "-- x\n"
 
 
+@pytest.mark.sqlite_only("a usage error: the CLI refuses it before anything reaches the daemon")
 @pytest.mark.parametrize("command", [["locks", "status"], ["locks", "acquire"], ["run"]])
 def test_an_invalid_utf8_key_is_a_usage_error(daemon: DaemonProcess, command: list[str]) -> None:
     args = [*(a.encode() for a in [*LOCKD, *command]), b"bad\xffkey"]

@@ -11,6 +11,10 @@ then the principal must be over the limit -- a ``tryAcquire`` gets
 ``RATE_LIMITED`` and a *blocking* acquire of a free key gets ``LOCK_TIMEOUT``
 (neither is counted). That pins the count exactly, from both sides.
 
+Each host counts its own callers before the backend (docs/contract.md §11), so
+only the counts that depend on the store's answer (a lost key, a re-take, a
+long wait in the queue) run on both backends.
+
 The module is skipped when it cannot create users (not root, no useradd).
 """
 
@@ -176,6 +180,7 @@ def test_blocking_acquire_over_the_limit_times_out_never_rate_limited(
     assert live.root.status("held-by-root").held_by == "user:root"
 
 
+@pytest.mark.both_backends
 def test_attempts_that_lose_the_key_count_too(start: Callable[..., Live], cast: Cast) -> None:
     live = start()
     assert live.root.try_acquire("busy", 30) is not None
@@ -185,6 +190,7 @@ def test_attempts_that_lose_the_key_count_too(start: Callable[..., Live], cast: 
     live.assert_exhausted(alice)
 
 
+@pytest.mark.both_backends
 def test_retake_counts(start: Callable[..., Live], cast: Cast) -> None:
     live = start()
     alice = live.agent(cast.alice)
@@ -199,6 +205,7 @@ def test_retake_counts(start: Callable[..., Live], cast: Cast) -> None:
     assert live.root.status("job").fence == fences[-1]
 
 
+@pytest.mark.both_backends
 def test_blocking_acquire_counts_once_however_long_it_waits(
     start: Callable[..., Live], cast: Cast
 ) -> None:

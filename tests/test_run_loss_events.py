@@ -27,6 +27,8 @@ from .test_cli_run import (
     wait_ready,
 )
 
+pytestmark = pytest.mark.both_backends
+
 
 @pytest.mark.parametrize("on_lost", ["kill", "term"])
 def test_break_reason_on_stderr_and_command_gone_before_the_break_returns(

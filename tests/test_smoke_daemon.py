@@ -7,6 +7,8 @@ from lockd_client import LockClient, LockTimeoutError
 
 from .conftest import DaemonProcess
 
+pytestmark = pytest.mark.both_backends
+
 
 def test_acquire_wait_release_roundtrip(daemon: DaemonProcess) -> None:
     with LockClient(str(daemon.socket)) as client:
