@@ -61,4 +61,5 @@ def test_modules_name_differences_and_never_ask_the_backend_directly() -> None:
         for name in NAMED.findall(text):
             difference(name)
             used.add(name)
-    assert used == set(DIFFERENCES), f"entries no test names: {set(DIFFERENCES) - used}"
+    tested = {name for name, entry in DIFFERENCES.items() if not entry.untested}
+    assert used == tested, f"named by no test: {tested - used}; tested now: {used - tested}"

@@ -21,9 +21,21 @@ from click.testing import CliRunner
 
 from lockd.cli import main
 
-from .conftest import LOCKD, DaemonProcess
+from .conftest import LOCKD, Backend, DaemonProcess
+from .test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends
+
+
+@pytest.fixture(scope="module")
+def daemon(backend: Backend) -> Iterator[DaemonProcess]:
+    """One daemon for the module: its tests only read it or use keys of their own.
+
+    A daemon started per test was most of the module's run time.
+    """
+    with running_daemon(backend=backend) as proc:
+        yield proc
+
 
 # --------------------------------------------------------------------- config mistakes
 

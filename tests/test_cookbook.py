@@ -16,13 +16,26 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .conftest import DaemonProcess
+from .conftest import Backend, DaemonProcess
+from .test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends
+
+
+@pytest.fixture(scope="module")
+def daemon(backend: Backend) -> Iterator[DaemonProcess]:
+    """One daemon for the module: each recipe uses keys of its own.
+
+    A daemon started per test was most of the module's run time.
+    """
+    with running_daemon(backend=backend) as proc:
+        yield proc
+
 
 REPO = Path(__file__).resolve().parent.parent
 COOKBOOK = REPO / "docs" / "cookbook.md"

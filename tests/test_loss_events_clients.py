@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -20,9 +21,21 @@ from lockd_client import LockClient, LockLostError
 from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
-from tests.conftest import DaemonProcess
+from tests.conftest import Backend, DaemonProcess
+from tests.test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends
+
+
+@pytest.fixture(scope="module")
+def daemon(backend: Backend) -> Iterator[DaemonProcess]:
+    """One daemon for the module: each test uses keys of its own.
+
+    A daemon started per test was most of the module's run time.
+    """
+    with running_daemon(backend=backend) as proc:
+        yield proc
+
 
 #: a pushed loss must reach the block long before this (the bench measures ms).
 PROMPT = 5.0

@@ -8,6 +8,7 @@ acting on the loss, or its connection closes when it exits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
 
-from .conftest import DaemonProcess
+from .conftest import Backend, DaemonProcess
 from .test_cli_run import (
     IGNORE_TERM,
     PID_THEN_SLEEP,
@@ -26,8 +27,19 @@ from .test_cli_run import (
     start_run,
     wait_ready,
 )
+from .test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends
+
+
+@pytest.fixture(scope="module")
+def daemon(backend: Backend) -> Iterator[DaemonProcess]:
+    """One daemon for the module: each test's key is its own and ends free or held by the test.
+
+    A daemon started per test was most of the module's run time.
+    """
+    with running_daemon(backend=backend) as proc:
+        yield proc
 
 
 @pytest.mark.parametrize("on_lost", ["kill", "term"])
