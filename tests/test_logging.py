@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from lockd_client import LockClient
 
 from .conftest import DaemonProcess
@@ -239,6 +240,7 @@ def test_default_level_keeps_grants_and_releases_out(daemon_paths: DaemonProcess
     assert not [line.raw for line in lines if line.level == "DEBUG"]
 
 
+@pytest.mark.both_backends
 def test_debug_log_has_the_grant_handed_to_a_parked_acquire(
     daemon_paths: DaemonProcess,
 ) -> None:
