@@ -96,10 +96,6 @@ def status(daemon: DaemonProcess, key: str) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.etcd_bug(
-    "`alive` is always null on etcd: a hold's record keeps no process start time, though "
-    "this daemon granted it on this host (docs/contract.md §12.2: null only when it cannot know)"
-)
 def test_locks_acquire_names_the_calling_shell_and_alive_follows_it(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:
@@ -139,10 +135,6 @@ def test_locks_acquire_names_the_calling_shell_and_alive_follows_it(
             shell.wait(5)
 
 
-@pytest.mark.etcd_bug(
-    "`alive` is always null on etcd: a hold's record keeps no process start time, though "
-    "this daemon granted it on this host (docs/contract.md §12.2: null only when it cannot know)"
-)
 def test_a_claim_the_daemon_cannot_verify_records_the_peer(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as client:
         handle = client.try_acquire("unrelated", 60, pid=1)  # init: not ours to name
@@ -151,10 +143,6 @@ def test_a_claim_the_daemon_cannot_verify_records_the_peer(daemon: DaemonProcess
         assert st.pid == os.getpid() and st.raw["alive"] is True
 
 
-@pytest.mark.etcd_bug(
-    "`alive` is always null on etcd: a hold's record keeps no process start time, though "
-    "this daemon granted it on this host (docs/contract.md §12.2: null only when it cannot know)"
-)
 def test_lockd_run_names_command_with_its_name_and_alive(daemon: DaemonProcess) -> None:
     """Not ``lockd`` (the wrapper): COMMAND, by its pid and name."""
     run = subprocess.Popen(

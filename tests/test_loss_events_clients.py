@@ -139,11 +139,6 @@ async def test_trio_block_is_cancelled_with_the_reason(daemon: DaemonProcess) ->
     assert answered
 
 
-@pytest.mark.etcd_bug(
-    "no `lost` event for an expiry on etcd: etcd ends the lease and no daemon tells the "
-    "holder (docs/contract.md §12.1); the block would sleep its 60 s",
-    run=False,
-)
 async def test_trio_expiry_cancels_the_block(daemon: DaemonProcess) -> None:
     async with TrioLockClient(str(daemon.socket)) as client:
         with pytest.raises(LockLostError) as caught:

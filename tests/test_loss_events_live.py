@@ -1,7 +1,6 @@
 """Lease-loss events against a real daemon (docs/contract.md §12), on the wire.
 
-Both backends where the etcd daemon sees the cause itself (a break or a
-re-take sent to it; its session's end: ``test_loss_events_etcd``).
+Both backends (an etcd session's end: ``test_loss_events_etcd``).
 
 A connection that said ``hello {"events": true}`` is told at once when a
 hold it took ends other than by its own release; a break of such a hold
@@ -109,6 +108,7 @@ def test_break_ends_when_the_holder_closes(daemon: DaemonProcess) -> None:
     assert status["result"]["held"] is False
 
 
+@pytest.mark.both_backends
 def test_break_ends_after_the_grace(daemon_paths: DaemonProcess) -> None:
     daemon_paths.write_config("break_grace = 0.5\n")
     daemon = daemon_paths.start()
@@ -139,6 +139,7 @@ def test_break_of_a_free_key_and_of_a_silent_holder_answer_at_once(
     _nothing_within(old, 0.3)  # an old client sees no unsolicited line
 
 
+@pytest.mark.both_backends
 def test_old_client_sees_no_event_for_retake_or_expiry(daemon: DaemonProcess) -> None:
     old = RawConn(daemon.socket)
     _take(old, "r", owner="job-1")
@@ -168,6 +169,7 @@ def test_retake_tells_the_first_holder(daemon: DaemonProcess) -> None:
     assert again["fence"] > grant["fence"]
 
 
+@pytest.mark.both_backends
 def test_expiry_tells_the_holder(daemon: DaemonProcess) -> None:
     holder = _events_conn(daemon)
     reply = holder.call({"id": 1, "op": "tryAcquire", "key": "x", "ttlMs": 200})
@@ -177,6 +179,7 @@ def test_expiry_tells_the_holder(daemon: DaemonProcess) -> None:
     assert event["by"] is None and event["reason"] is None
 
 
+@pytest.mark.both_backends
 def test_release_is_not_a_loss(daemon: DaemonProcess) -> None:
     holder = _events_conn(daemon)
     grant = _take(holder, "k")
@@ -199,6 +202,12 @@ def test_release_after_a_break_counts_as_stopped(daemon: DaemonProcess) -> None:
     assert admin.reply()["result"]["broken"] is True
 
 
+@pytest.mark.both_backends
+@pytest.mark.etcd_bug(
+    "a break of shared holds keeps the silent holder's hold while it waits for the listening "
+    "one (holderCount 2, not 1, during the grace): only a holder that listens gets time to "
+    "stop (docs/contract.md §12.1)"
+)
 def test_break_of_shared_holders_waits_only_for_the_listening_one(
     daemon: DaemonProcess,
 ) -> None:
