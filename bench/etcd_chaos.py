@@ -42,6 +42,7 @@ import argparse
 import base64
 import contextlib
 import itertools
+import math
 import os
 import random
 import shutil
@@ -100,6 +101,10 @@ class Fault:
     hurt_daemon: int | None  # a daemon the fault hit (its workers do not count for recovery)
     measure_from: float  # pauses in grants are counted from here to ``end``
     pause: float | None = None  # the longest of them (None: no grant at all)
+    #: a leader kill: when a surviving member first named a new leader (None: not seen)
+    elected: float | None = None
+    #: the first grant after ``elected`` (workers of daemons the fault did not hit)
+    resumed: float | None = None
 
 
 @dataclass
@@ -246,6 +251,16 @@ def longest_pause(run: Run, fault: Fault) -> float | None:
     return max(b - a for a, b in itertools.pairwise(points))
 
 
+def first_grant_after(run: Run, fault: Fault) -> float | None:
+    """The first grant after a leader kill's election (daemons the fault did not hit)."""
+    if fault.elected is None:
+        return None
+    elected = fault.elected
+    with run.lock:
+        times = [g.start for g in run.grants if g.start > elected and g.daemon != fault.hurt_daemon]
+    return min(times, default=None)
+
+
 def restart_daemon(daemon: LockdDaemon) -> None:
     """Start a killed daemon again (a new folder and socket; same config and node name)."""
     old = daemon.root
@@ -256,6 +271,28 @@ def restart_daemon(daemon: LockdDaemon) -> None:
 def signal_member(member: EtcdMember, sig: signal.Signals) -> None:
     assert member.proc is not None
     member.proc.send_signal(sig)
+
+
+def _member_id(member: EtcdMember) -> str | None:
+    status = member.status()
+    header = status.get("header") if status is not None else None
+    return str(header["member_id"]) if isinstance(header, dict) else None
+
+
+def wait_for_new_leader(cluster: EtcdCluster, old: str | None, until: float) -> float | None:
+    """Poll the running members every 20 ms until one names a leader other than ``old``;
+    when that was first seen (None: not before ``until``). Splits a leader kill's pause
+    into etcd's election and what lockd adds after it."""
+    while time.monotonic() < until:
+        for member in cluster.members:
+            if not member.running:
+                continue
+            status = member.status(timeout=0.2)
+            leader = str(status.get("leader", "0")) if status is not None else "0"
+            if leader not in ("0", old):
+                return time.monotonic()
+        time.sleep(0.02)
+    return None
 
 
 def inject(
@@ -273,12 +310,17 @@ def inject(
         run.faults.append(fault)
     if kind == "leader-kill":
         leader = cluster.leader()
+        old = _member_id(leader)
+        # From the kill itself: finding the leader takes a while on a loaded box.
+        start = fault.start = fault.measure_from = time.monotonic()
         cluster.kill(leader)
-        time.sleep(3.0)
+        fault.elected = wait_for_new_leader(cluster, old, until=start + 3.0)
+        time.sleep(max(0.0, start + 3.0 - time.monotonic()))
         cluster.restart(leader, wait=False)
         repaired = time.monotonic()
     elif kind == "leader-stop":
         leader = cluster.leader()
+        start = fault.start = fault.measure_from = time.monotonic()
         signal_member(leader, signal.SIGSTOP)
         time.sleep(3.0)
         signal_member(leader, signal.SIGCONT)
@@ -413,6 +455,7 @@ def chaos(
             thread.join(40)
         for fault in run.faults:
             fault.pause = longest_pause(run, fault)
+            fault.resumed = first_grant_after(run, fault)
         logs = "\n".join(f"--- {d.label}\n{d.read_log()}" for d in daemons)
         if log_to is not None:
             log_to.write_text(logs)
@@ -424,10 +467,19 @@ def chaos(
     return run, problems
 
 
+def _spread(values: list[float]) -> str:
+    """median / p90 / max of ``values`` (p90: the value 90 % of them do not exceed)."""
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+    return f"{statistics.median(ordered):.2f} / {p90:.2f} / {ordered[-1]:.2f}"
+
+
 def table(run: Run) -> str:
     rows = [
-        "| fault | count | longest pause in grants, median / max (s) | no grant |",
-        "|---|---|---|---|",
+        "| fault | count | longest pause in grants, median / p90 / max (s) | over 2 s | no grant |",
+        "|---|---|---|---|---|",
     ]
     by_kind: dict[str, list[Fault]] = defaultdict(list)
     for fault in run.faults:
@@ -435,8 +487,19 @@ def table(run: Run) -> str:
     for kind, faults in by_kind.items():
         times = [f.pause for f in faults if f.pause is not None]
         missing = sum(f.pause is None for f in faults)
-        shown = f"{statistics.median(times):.2f} / {max(times):.2f}" if times else "-"
-        rows.append(f"| {kind} | {len(faults)} | {shown} | {missing} |")
+        over = sum(t > 2.0 for t in times)
+        rows.append(f"| {kind} | {len(faults)} | {_spread(times)} | {over} | {missing} |")
+    kills = [f for f in by_kind.get("leader-kill", []) if f.elected is not None]
+    if kills:
+        elections = [f.elected - f.start for f in kills if f.elected is not None]
+        after = [f.resumed - f.elected for f in kills if f.resumed and f.elected]
+        rows += [
+            "",
+            "| leader kill, split | median / p90 / max (s) |",
+            "|---|---|",
+            f"| kill -> a member names the new leader (etcd's election) | {_spread(elections)} |",
+            f"| that -> the first grant (lockd) | {_spread(after)} |",
+        ]
     return "\n".join(rows)
 
 
@@ -451,9 +514,19 @@ def main() -> int:
     faults = [args.only] * args.rounds if args.only else list(ROUND) * args.rounds
     started = time.monotonic()
     run, problems = chaos(faults, grace=args.grace, stall_s=args.stall, log_to=args.logs)
+    to_wall = time.time() - time.monotonic()  # the daemons' logs show wall-clock times
     for fault in run.faults:
         pause = "-" if fault.pause is None else f"{fault.pause:.2f}"
-        print(f"# {fault.start - run.faults[0].start:7.1f} s  {fault.kind:15} pause {pause}")
+        split = ""
+        if fault.elected is not None:
+            resumed = "-" if fault.resumed is None else f"{fault.resumed - fault.elected:.2f}"
+            split = f"  (election {fault.elected - fault.start:.2f}, then grants in {resumed})"
+        wall = fault.start + to_wall
+        stamp = time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall * 1000) % 1000:03d}"
+        print(
+            f"# {fault.start - run.faults[0].start:7.1f} s ({stamp})"
+            f"  {fault.kind:15} pause {pause}{split}"
+        )
     print(table(run))
     print(
         f"\n{len(run.grants)} grants in {time.monotonic() - started:.0f} s;"
