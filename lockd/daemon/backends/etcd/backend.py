@@ -899,12 +899,23 @@ class EtcdBackend:
         """
         hold_key, binding_key = self.layout.hold(key, handle), self.layout.binding(key, handle)
         key_queue = self._queues.get(key)
-        result = await key_queue.hand_off(hold_key) if key_queue is not None else None
-        if result is None:
-            result = await self.etcd.txn(
-                [],
-                [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
-            )
+        try:
+            result = await key_queue.hand_off(hold_key) if key_queue is not None else None
+            if result is None:
+                result = await self.etcd.txn(
+                    [],
+                    [DeleteOp(hold_key, prev_kv=True), DeleteOp(binding_key, prev_kv=True)],
+                )
+        except BaseException:
+            # Its holder asked for its end: whatever answer it gets now
+            # (BACKEND_UNAVAILABLE, or none), the clean-up list ends it once
+            # etcd answers. Left to its lease it could outlive its TTL by
+            # far: etcd extends every lease at each new leader, so quorum
+            # losses closer together than a TTL kept an abandoned 4 s hold
+            # for a minute (issue 23, bench/etcd_chaos.py).
+            self.delete_later(hold_key)
+            self.delete_later(binding_key)
+            raise
         holds, bindings = result.responses[:2]
         if not getattr(holds, "prev_kvs", None):
             return False
