@@ -552,4 +552,7 @@ async def test_a_release_that_failed_is_finished_once_etcd_answers(start: Start)
     granted = waiting[0]
     assert isinstance(granted, Hold) and granted.fence > held.fence
     assert not a._doomed_keys
+    # The holder's retry of its release is answered as what it asked for, done.
+    assert await a.release("r", held.handle)
+    assert not await a.release("r", held.handle)  # once: a second retry finds nothing
     assert await b.release("r", granted.handle)

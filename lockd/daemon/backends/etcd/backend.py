@@ -75,6 +75,8 @@ CLEANUP_BATCH = 64
 LIST_CHUNK = 512
 #: the longest pause between clean-up attempts while etcd does not take them.
 CLEANUP_BACKOFF_CAP = 0.5
+#: failed releases remembered for their holders' retries (the oldest forgotten).
+RELEASED_LATER_KEPT = 4096
 
 
 def lease_seconds(ttl_ms: int) -> int:
@@ -113,6 +115,9 @@ class EtcdBackend:
         self._queues: dict[str, KeyQueue] = {}
         #: etcd keys to delete and leases to revoke once etcd answers (clean-up list).
         self._doomed_keys: set[bytes] = set()
+        #: hold keys whose release failed and went to the clean-up list, oldest
+        #: first: the holder's retry is answered as released (see release()).
+        self._released_later: dict[bytes, None] = {}
         self._doomed_leases: set[int] = set()
         self._cleanup_wanted = trio.Event()
         #: session leases of ours that etcd ended (their keys are gone with them).
@@ -915,10 +920,19 @@ class EtcdBackend:
             # for a minute (issue 23, bench/etcd_chaos.py).
             self.delete_later(hold_key)
             self.delete_later(binding_key)
+            self._released_later[hold_key] = None
+            if len(self._released_later) > RELEASED_LATER_KEPT:
+                del self._released_later[next(iter(self._released_later))]
             raise
         holds, bindings = result.responses[:2]
         if not getattr(holds, "prev_kvs", None):
+            # The clean-up list ended it after this release failed: what the
+            # holder asked for is done, so its retry is not "not_holder".
+            if hold_key in self._released_later:
+                del self._released_later[hold_key]
+                return True
             return False
+        self._released_later.pop(hold_key, None)
         hold = Hold.parse(key, handle, holds.prev_kvs[0])  # type: ignore[union-attr]
         self.keep_lease(kept_lease(hold))
         for bound in self._bound.values():
