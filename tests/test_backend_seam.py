@@ -8,17 +8,20 @@ when one is passed. These pin what each answers through the seam.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
-from lockd.daemon.backends import LockBackend, RemoteHold, RemoteStatus
+from lockd.daemon.backends import BackendUnavailable, LockBackend, RemoteHold, RemoteStatus
 from lockd.daemon.backends.embedded import EmbeddedBackend
 from lockd.daemon.clock import SystemClock
 from lockd.daemon.engine import LockEngine
+from lockd.daemon.events import LossEvent
 from lockd.daemon.leases import Lease
-from lockd.daemon.protocol import Acquire, Request, parse_request
+from lockd.daemon.protocol import Acquire, ProtocolError, Request, parse_request
 from lockd.daemon.remote import RemoteService
 from lockd.daemon.service import LockService
 from lockd.daemon.store import Store
@@ -130,3 +133,39 @@ async def test_a_remote_backends_answer_is_awaited_through_the_seam(tmp_path: Pa
     with trio.fail_after(5):
         status = await svc.backend.answer(MEMBER, 1, parse_request(REQUESTS[5]), pending=0)
     assert status.result["held"] is False
+
+
+@dataclass(frozen=True)
+class WatchedHold:
+    key: str
+    handle: str
+    fence: int
+    principal: str
+    owner: str | None
+
+
+class FailingRelease(RecordingRemote):
+    """A remote backend whose release does not get an answer from its store."""
+
+    async def release(self, key: str, handle: str) -> bool:
+        raise BackendUnavailable("no answer")
+
+
+async def test_a_failed_release_is_no_loss_when_the_backend_ends_the_hold_later(
+    tmp_path: Path,
+) -> None:
+    """The etcd backend finishes a failed release from its clean-up list; the watch of the
+    holds then sees the hold go. The holder asked for that: it must not be told a loss."""
+    svc = service(tmp_path, FailingRelease())
+    backend = svc.backend
+    assert isinstance(backend, RemoteService)
+    hold = WatchedHold("k", "AAAAAAAAAAAAAAAAAAAAAA", 3, MEMBER.principal, None)
+    svc.losses.watch(1, hold)
+    told: list[LossEvent] = []
+    svc.on_lost = told.append
+    release = parse_request(REQUESTS[6])
+    with pytest.raises(ProtocolError) as refused:
+        await backend.answer(MEMBER, 1, release, pending=0)
+    assert refused.value.code == "BACKEND_UNAVAILABLE"
+    backend.hold_lost("k", hold.handle, "expired", None, None)  # the clean-up's deletion
+    assert told == []

@@ -310,7 +310,10 @@ class RemoteService:
                 released = await backend.release(request.key, request.handle)
             finally:
                 self._releasing.discard(request.handle)
-            losses.forget(request.handle)
+                # Also when it failed: the backend ends the hold itself once
+                # etcd answers (its clean-up list), and that deletion, seen by
+                # the watch of the holds, is what the holder asked for, no loss.
+                losses.forget(request.handle)
             if not released:
                 return {"released": False, "reason": "not_holder"}
             service.stats.count("releases")
