@@ -169,7 +169,9 @@ def _dead_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-OK = {"header": {"revision": "5", "member_id": "1"}}
+# Also what a status read gets: a member that follows leader 1 (a real member always
+# names one outside an election; leader 0 means one is under way, and writes wait).
+OK = {"header": {"revision": "5", "member_id": "1"}, "leader": "1"}
 
 
 async def test_a_read_moves_on_after_no_leader_and_sends_hasleader(nursery: trio.Nursery) -> None:
