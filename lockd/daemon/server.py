@@ -697,7 +697,7 @@ class LockServer:
                     # queued before it go out first).
                     self._batch_point(conn)
                     await remote
-                elif self.service.costly_rule_ran():
+                elif self.service.gate.costly_rule_ran():
                     # A rule took milliseconds: the other connections go
                     # before this one's next line (issue 21).
                     self._batch_point(conn)
@@ -708,7 +708,7 @@ class LockServer:
                 # The peer does not read its replies: read none of its
                 # requests until it does, so what it costs us stays bounded.
                 await writer.wait_drained()
-            pause_ms = self.service.rule_cpu_pause_ms(conn.caller)
+            pause_ms = self.service.gate.rule_cpu_pause_ms(conn.caller)
             if pause_ms:
                 # Its rules used its share of the daemon: it waits behind
                 # the others (its connections are not read) until it is back.
