@@ -32,8 +32,8 @@ class Connection:
     #: those waits by request id, for ``cancel`` (a client reusing an id gets a list).
     waits: dict[RequestId, list[Wait]] = field(default_factory=dict)
     #: set while a blocking acquire a remote backend decides is not parked yet:
-    #: the next line waits for it (see ``LockServer._read_lines``; the requests it
-    #: decides are awaited by the connection's task itself).
+    #: the next line waits for it (see ``LockServer._read_lines``; the other
+    #: requests it decides are awaited by the connection's task itself).
     remote_busy: trio.Event | None = None
     #: polls for the next request a moment before parking (``LockServer._read_now``).
     busy: sockio.BusyPoll = field(default_factory=lambda: sockio.BusyPoll(0))
