@@ -64,14 +64,6 @@ class Deadlines:
         while wheap and wheap[0][1] not in self.waiters:
             heapq.heappop(wheap)
 
-    def next_lease_at(self) -> int | None:
-        """The first lease expiry (after :meth:`prune`), or None."""
-        return self.lease_heap[0][0] if self.lease_heap else None
-
-    def next_waiter_at(self) -> int | None:
-        """The first waiter deadline (after :meth:`prune`), or None."""
-        return self.waiter_heap[0][0] if self.waiter_heap else None
-
     def pop_lease(self) -> Lease:
         return heapq.heappop(self.lease_heap)[2]
 

@@ -91,8 +91,9 @@ class Expiry:
         cold = coldpath.cold
         while budget is None or applied < budget:
             deadlines.prune(table)
-            lease_at = deadlines.next_lease_at()
-            waiter_at = deadlines.next_waiter_at()
+            heap, wheap = deadlines.lease_heap, deadlines.waiter_heap
+            lease_at = heap[0][0] if heap else None
+            waiter_at = wheap[0][0] if wheap else None
             cold_at = cold.next_deadline() if cold.key_count else None
             if (
                 cold_at is not None
