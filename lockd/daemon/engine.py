@@ -285,20 +285,9 @@ class LockEngine:
         skipped fence is harmless, a reused one is not).
         """
         undone = self._journal.rollback()
-        if undone is None:
-            return
-        restored, lease_count = undone
-        table, deadlines = self._table, self._deadlines
-        table.lease_count = lease_count
-        for key in self._journal.request_keys:
-            table.index_key(key)
-        # Heap entries are deleted lazily and may be gone for what came back.
-        waiters = self._queues.waiters
-        for obj in restored:
-            if isinstance(obj, Lease) and table.holds(obj):
-                deadlines.push_lease(obj)
-            elif isinstance(obj, Waiter) and waiters.get(obj.id) is obj:
-                deadlines.push_waiter(obj)
+        if undone is not None:
+            restored, lease_count = undone
+            self._table.undone(restored, lease_count, self._journal.request_keys, self._waiters)
 
     # ------------------------------------------------------------------ time
 

@@ -274,6 +274,30 @@ class KeyTable:
         else:
             self.sorted_keys.discard(key)
 
+    def undone(
+        self,
+        restored: list[object],
+        lease_count: int,
+        keys: set[str],
+        waiters: dict[int, Waiter],
+    ) -> None:
+        """The undo log put back a batch of requests: make what it does not keep agree.
+
+        ``restored`` are the objects whose fields came back, ``lease_count``
+        the count before the batch, ``keys`` the keys it changed (their
+        place in the sorted index), ``waiters`` the engine's by id. Heap
+        entries are deleted lazily and may be gone for what came back.
+        """
+        self.lease_count = lease_count
+        for key in keys:
+            self.index_key(key)
+        deadlines = self._deadlines
+        for obj in restored:
+            if isinstance(obj, Lease) and self.holds(obj):
+                deadlines.push_lease(obj)
+            elif isinstance(obj, Waiter) and waiters.get(obj.id) is obj:
+                deadlines.push_waiter(obj)
+
     # -------------------------------------------------- restored and demoted
 
     def restore_key(self, group: list[Lease]) -> None:
