@@ -103,6 +103,23 @@ def test_demoted_slots_are_reused_once_their_entry_is_gone() -> None:
     assert len(d._slot_keys) == 1 and d.due(20, 5) == ["b"]
 
 
+def test_a_key_demoted_after_a_look_ahead_comes_due_at_its_own_deadline() -> None:
+    """due() takes entries off the heap up to the first one not due; one added
+    after that with an earlier deadline must not wait behind them (hypothesis
+    found it: a demoted key's leases outlived their TTL until a later key's
+    deadline, and ``list`` showed them held)."""
+    keys = DemotedKeys()
+    keys.add("b", 40, 1)
+    keys.add("c", 300, 1)
+    assert keys.due(40, 10) == ["b"]  # looked at c (300) on the way
+    assert keys.take("b")
+    assert keys.add("a", 100, 1)
+    assert keys.next_deadline() == 100
+    assert keys.due(100, 10) == ["a"]
+    assert keys.take("a")
+    assert keys.next_deadline() == 300 and keys.due(300, 10) == ["c"]
+
+
 def test_a_deadline_that_does_not_fit_is_refused() -> None:
     d = DemotedKeys()
     assert not d.add("a", MAX_DEADLINE + 1, 1) and not d.add("a", -1, 1)

@@ -120,7 +120,16 @@ class DemotedKeys:
         self._keys.add(raw)
         if leases > 1:
             self._several[raw] = leases
-        _push(self._heap, deadline << SLOT_BITS | slot)
+        entry = deadline << SLOT_BITS | slot
+        ahead = self._ahead
+        if ahead and entry < ahead[-1]:
+            # due() took entries off the heap that end after this one: back
+            # into the heap with them, or this deadline would wait behind them.
+            for taken in ahead:
+                _push(self._heap, taken)
+            ahead.clear()
+            self._front_live = -1
+        _push(self._heap, entry)
         self.key_count += 1
         self.lease_count += leases
         return True

@@ -148,7 +148,7 @@ class RemoteService:
     def session_lost(self, holds: Sequence[RemoteHold]) -> None:
         """The daemon's etcd session ended: the bound holds granted here went with it."""
         service = self.service
-        at = service._at()
+        at = service.notices.at()
         for hold in holds:
             event = service.losses.lost(hold.handle, SESSION, at)
             if event is not None:
@@ -171,7 +171,7 @@ class RemoteService:
         if handle in self._releasing:
             return  # its own release, through this daemon: not a loss
         service = self.service
-        event = service.losses.lost(handle, cause, service._at(), by=by, reason=reason)
+        event = service.losses.lost(handle, cause, service.notices.at(), by=by, reason=reason)
         if event is not None:
             log.info(kv(event="hold_lost", key=key, cause=cause, by=by))
             service.on_lost(event)
@@ -187,7 +187,7 @@ class RemoteService:
         watched = losses.of_key(key)
         if not watched and not losses.stopping_of_key(key):
             return []
-        service.authorize(caller, "break", key)
+        service.gate.authorize(caller, "break", key)
         listening: list[Watched] = []
         with trio.CancelScope(relative_deadline=self.backend.timeout) as scope:
             for hold in watched:
@@ -205,7 +205,7 @@ class RemoteService:
             listening,
             [],
             now + service.break_grace_ms,
-            service._at(),
+            service.notices.at(),
         )
         for event in events:
             service.on_lost(event)
@@ -230,7 +230,7 @@ class RemoteService:
         parked: trio.Event | None = None,
     ) -> RemoteReply:
         service = self.service
-        service.check_acquire(caller, req, pending=pending)
+        service.gate.check_acquire(caller, req, pending=pending)
         # The hold records the process that will use it (docs/contract.md §12.2).
         if req.pid is not None:
             holder = holder_process(caller, req.pid)
@@ -239,15 +239,15 @@ class RemoteService:
             )
         now = service.clock.boot_ms()
         if req.timeout_ms is None:
-            retry_after = service.take_attempt(caller, now)
+            retry_after = service.gate.take_attempt(caller, now)
             if retry_after is not None:
-                raise service.rate_limited(retry_after)
+                raise service.gate.rate_limited(retry_after)
             outcome = await self.backend.acquire(req, caller, conn, None)
         else:
             # Over the rate limit a blocking acquire waits for room, within
             # its own timeout (docs/contract.md §6), as the embedded path does.
             deadline = now + req.timeout_ms
-            while (retry_after := service.take_attempt(caller, now)) is not None:
+            while (retry_after := service.gate.take_attempt(caller, now)) is not None:
                 if now >= deadline:
                     service.stats.count("rateLimited")
                     raise timed_out(req)
@@ -288,7 +288,7 @@ class RemoteService:
         for watched in service.losses.same_owner(hold.key, caller.principal, hold.owner):
             if watched.handle != hold.handle:
                 event = service.losses.lost(
-                    watched.handle, RETAKE, service._at(), by=caller.principal
+                    watched.handle, RETAKE, service.notices.at(), by=caller.principal
                 )
                 if event is not None:
                     service.on_lost(event)
@@ -322,13 +322,13 @@ class RemoteService:
             return {"released": True}
         if isinstance(request, Renew):
             if service.losses.stopping(request.handle) is not None:
-                service.authorize(caller, "renew", request.key)
+                service.gate.authorize(caller, "renew", request.key)
                 return {"renewed": False, "reason": "lease_lost"}  # broken; its holder was told
             hold = await backend.find(request.key, request.handle)
             if hold is None:
-                service.authorize(caller, "renew", request.key)
+                service.gate.authorize(caller, "renew", request.key)
                 return {"renewed": False, "reason": "lease_lost"}
-            service.authorize(caller, "renew", request.key, mode=hold.mode, limit=hold.limit)
+            service.gate.authorize(caller, "renew", request.key, mode=hold.mode, limit=hold.limit)
             renewed = await backend.renew(hold, request.ttl_ms)
             if renewed is None:
                 return {"renewed": False, "reason": "lease_lost"}
@@ -337,7 +337,7 @@ class RemoteService:
         if isinstance(request, Status):
             return self.status_view(await backend.status(request.key))
         if isinstance(request, ListLocks):
-            service.authorize(caller, "list")
+            service.gate.authorize(caller, "list")
             page, after = await backend.list_held(request.prefix, request.limit, request.after)
             return {"locks": visible_locks(caller, map(self.status_view, page)), "next": after}
         raise AssertionError(f"unhandled op {request.op}")
@@ -348,7 +348,7 @@ class RemoteService:
         A told hold that ended while its holder was stopping (its lease ran
         out) is gone from etcd, and still reported: as on the embedded backend.
         """
-        self.service.authorize(caller, "break", request.key)
+        self.service.gate.authorize(caller, "break", request.key)
         deleted = await self.backend.break_lock(
             request.key, by=caller.principal, reason=request.reason
         )

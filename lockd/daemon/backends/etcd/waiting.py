@@ -47,7 +47,7 @@ import trio
 from lockd.daemon.backends.etcd import queue
 from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
 from lockd.daemon.backends.etcd.leases import Refresh
-from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
+from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.tasks import keep_running
 from lockd.daemon.backends.etcd.wire import (
     Compare,
@@ -97,10 +97,23 @@ HAND_OFF_TRIES = 4
 
 
 class KeyQueue:
+    """One key's queue on this daemon: its waiters, its view of the directory, its task.
+
+    It is given the backend's parts it uses, not the backend: the etcd
+    client and key layout, the clean-up list, the hold supply (leases,
+    holds and waiter records to write) and ``track`` (a grant's fence and
+    binding for the backend's books).
+    """
+
     def __init__(self, backend: EtcdBackend, key: str, revision: int) -> None:
-        self.backend = backend
+        self.etcd = backend.etcd
+        self.layout: Layout = backend.layout
+        self.timeout: float = backend.timeout
+        self.cleanup = backend.cleanup
+        self.supply = backend.supply
+        self.track = backend.track
         self.key = key
-        self.directory_key = backend.layout.directory(key)
+        self.directory_key = self.layout.directory(key)
         self.waiters: dict[bytes, LocalWaiter] = {}
         #: the hold key each waiter of ours will be granted under -> the waiter
         #: (until it has its hold or has left).
@@ -139,12 +152,12 @@ class KeyQueue:
         self.changed.set()
 
     def _hold_key(self, waiter: LocalWaiter) -> bytes:
-        return self.backend.layout.hold(self.key, waiter.hold.handle)
+        return self.layout.hold(self.key, waiter.hold.handle)
 
     def _granted_in(self, waiter: Waiter, released: bytes) -> bool:
         """True when the view shows the hold ``waiter`` asks for (or it is the one released)."""
         assert waiter.handle is not None and self.records is not None
-        hold_key = self.backend.layout.hold(self.key, waiter.handle)
+        hold_key = self.layout.hold(self.key, waiter.handle)
         return hold_key == released or hold_key in self.records
 
     async def leave(self, waiter: LocalWaiter) -> Hold | None:
@@ -172,12 +185,10 @@ class KeyQueue:
         grant may have written (waiter keys go first: no grant commits
         after its waiter key is gone).
         """
-        backend, key, hold_key = self.backend, waiter.record.etcd_key, self._hold_key(waiter)
-        with trio.move_on_after(backend.timeout):
+        key, hold_key = waiter.record.etcd_key, self._hold_key(waiter)
+        with trio.move_on_after(self.timeout):
             try:
-                result = await backend.etcd.txn(
-                    [], [DeleteOp(key, prev_kv=True), RangeOp(hold_key)]
-                )
+                result = await self.etcd.txn([], [DeleteOp(key, prev_kv=True), RangeOp(hold_key)])
             except (EtcdUnavailable, EtcdError):
                 pass
             else:
@@ -185,10 +196,10 @@ class KeyQueue:
                 if not getattr(deleted, "prev_kvs", None) and getattr(read, "kvs", None):
                     self._granted(waiter, Hold.parse(self.key, waiter.hold.handle, read.kvs[0]))  # type: ignore[union-attr]
                 return
-        backend.delete_later(key)
+        self.cleanup.delete_later(key)
         if waiter.granted is None:
-            backend.delete_later(hold_key)
-            backend.delete_later(backend.layout.binding(self.key, waiter.hold.handle))
+            self.cleanup.delete_later(hold_key)
+            self.cleanup.delete_later(self.layout.binding(self.key, waiter.hold.handle))
 
     def _granted(self, waiter: LocalWaiter, hold: Hold, *, seen: bool = False) -> None:
         """``waiter`` has its hold (granted by us or by another daemon): wake its acquire.
@@ -202,7 +213,7 @@ class KeyQueue:
         if waiter.granted is not None:
             return
         if seen and self.records is not None and waiter.record.etcd_key in self.records:
-            self.backend.delete_later(waiter.record.etcd_key)
+            self.cleanup.delete_later(waiter.record.etcd_key)
         waiter.granted = hold
         self.waiters.pop(waiter.record.etcd_key, None)
         hold_key = self._hold_key(waiter)
@@ -299,7 +310,7 @@ class KeyQueue:
     def _view(self) -> Directory:
         assert self.records is not None
         records = list(self.records.values())
-        return Directory.parse(self.backend.layout, self.key, records, self.revision)
+        return Directory.parse(self.layout, self.key, records, self.revision)
 
     async def _watch(self) -> None:
         """Follow the directory from the first read on; a deletion may let a waiter go."""
@@ -307,7 +318,7 @@ class KeyQueue:
         while True:
             start = self._watch_from
             try:
-                async with self.backend.etcd.watch(replace(request, start_revision=start)) as w:
+                async with self.etcd.watch(replace(request, start_revision=start)) as w:
                     try:
                         async for response in w:
                             self._apply(response.events)
@@ -340,7 +351,7 @@ class KeyQueue:
 
     def _untied(self, binding_key: bytes) -> bool:
         """True when ``binding_key`` is a binding whose hold is known and needs none."""
-        layout, directory = self.backend.layout, self.directory_key
+        layout, directory = self.layout, self.directory_key
         if self.records is None or not binding_key.startswith(directory + b"b/"):
             return False
         handle = binding_key[len(directory) + 2 :].decode()
@@ -358,7 +369,7 @@ class KeyQueue:
         can go and its daemon does not serve it (an orphan), this daemon
         must see it to remove it (``_sweep``), or the queue stalls.
         """
-        layout, keys = self.backend.layout, set(self.waiters)
+        layout, keys = self.layout, set(self.waiters)
         holds = layout.directory(self.key) + b"h/"
         for blockers in decision.wake_on.values():
             for blocker in blockers:
@@ -368,13 +379,11 @@ class KeyQueue:
         return frozenset(keys)
 
     async def _read(self) -> Directory:
-        backend = self.backend
-        result = await backend.etcd.range(RangeOp(self.directory_key, prefix=True))
-        return Directory.parse(backend.layout, self.key, result.kvs, result.header.revision)
+        result = await self.etcd.range(RangeOp(self.directory_key, prefix=True))
+        return Directory.parse(self.layout, self.key, result.kvs, result.header.revision)
 
     async def _decide(self) -> None:
         """Grant what the rules grant our waiters now; re-queue waiters that were lost."""
-        backend = self.backend
         # Until this decision settles what our waiters wait for, any deletion
         # (one that arrives while it awaits etcd, too) decides again.
         self.wake_keys = None
@@ -389,7 +398,7 @@ class KeyQueue:
                 self._learn(await self._requeue(lost))
                 continue
             decision = queue.decide(
-                directory.hold_claims(backend.layout), [w.claim for w in directory.waiters]
+                directory.hold_claims(self.layout), [w.claim for w in directory.waiters]
             )
             mine = [
                 self.waiters[c.etcd_key] for c in decision.granted if c.etcd_key in self.waiters
@@ -442,7 +451,7 @@ class KeyQueue:
             if now - since >= UNSERVED_AFTER
         ]
         for key, revision in due:
-            result = await self.backend.etcd.txn(
+            result = await self.etcd.txn(
                 [Compare(key, "create_revision", "==", revision)], [DeleteOp(key)]
             )
             del self.unserved[key]
@@ -461,7 +470,6 @@ class KeyQueue:
         are then found by the next read (or the watch) and delivered, or by
         a leaving waiter's :meth:`_withdraw`; nothing is cleaned up here.
         """
-        backend = self.backend
         holds: list[Hold] = []
         refreshes: list[Refresh | None] = []
         ops: list[Op] = [DeleteOp(key) for key in directory.dead]
@@ -470,28 +478,26 @@ class KeyQueue:
             ops += self._deletes_of(replaced)
         try:
             for waiter in mine:
-                hold, refresh = await backend.new_hold(waiter.hold, waiter.ttl_s)
+                hold, refresh = await self.supply.new_hold(waiter.hold, waiter.ttl_s)
                 holds.append(hold)
                 refreshes.append(refresh)
                 ops.append(DeleteOp(waiter.record.etcd_key))
-                ops += await backend.hold_puts(hold)
+                ops += await self.supply.hold_puts(hold)
             guard = Compare(
                 self.directory_key, "mod_revision", "<", directory.revision + 1, prefix=True
             )
-            result = await backend.etcd.txn(
-                [guard], ops, [RangeOp(self.directory_key, prefix=True)]
-            )
+            result = await self.etcd.txn([guard], ops, [RangeOp(self.directory_key, prefix=True)])
         except BaseException:
             self.records = None  # read again: the read shows what committed
             raise
         if not result.succeeded:
             for hold, refresh in zip(holds, refreshes, strict=True):
-                backend.recycle(hold, refresh)
+                self.supply.recycle(hold, refresh)
             return self._directory_of(result)
         for replaced in retaken:
-            backend.revoke_later(replaced.lease)
+            self.cleanup.revoke_later(replaced.lease)
         settled = [
-            await backend.settle(replace(hold, fence=result.header.revision), refresh)
+            await self.supply.settle(replace(hold, fence=result.header.revision), refresh)
             for hold, refresh in zip(holds, refreshes, strict=True)
         ]
         self.own_revision = result.header.revision
@@ -504,13 +510,13 @@ class KeyQueue:
         self, directory: Directory, granted: list[bytes], replaces: dict[bytes, bytes]
     ) -> list[Hold]:
         """The holds that the grants of ``granted`` (waiter keys) take back."""
-        layout = self.backend.layout
+        layout = self.layout
         by_key = {layout.hold(self.key, h.handle): h for h in directory.holds}
         return [by_key[replaces[w]] for w in granted if w in replaces]
 
     def _deletes_of(self, hold: Hold) -> list[Op]:
         """Delete a hold taken back, and its binding (the lease is revoked once committed)."""
-        layout = self.backend.layout
+        layout = self.layout
         return [
             DeleteOp(layout.hold(self.key, hold.handle)),
             DeleteOp(layout.binding(self.key, hold.handle)),
@@ -518,13 +524,13 @@ class KeyQueue:
 
     def _prepare_leases(self) -> None:
         for waiter in self.waiters.values():  # the next hand-off's lease, ahead
-            self.backend.prepare_lease(waiter.ttl_s)
+            self.supply.prepare_lease(waiter.ttl_s)
 
     def _directory_of(self, result: TxnResult) -> Directory:
         """The directory a transaction read (its last response)."""
         read = result.responses[-1]
         assert isinstance(read, RangeResult)
-        return Directory.parse(self.backend.layout, self.key, read.kvs, result.header.revision)
+        return Directory.parse(self.layout, self.key, read.kvs, result.header.revision)
 
     # --------------------------------------------------- the one-write hand-off
 
@@ -548,7 +554,7 @@ class KeyQueue:
         hold's and its binding's deletions), or None when there is nothing
         to grant or no view yet: then the caller releases plainly.
         """
-        layout = self.backend.layout
+        layout = self.layout
         async with self.lock:
             for _ in range(HAND_OFF_TRIES):
                 if not await self._caught_up():
@@ -584,7 +590,7 @@ class KeyQueue:
         A hold this queue granted may be released before the watch showed
         the grant; a view without it would grant its waiter again.
         """
-        with trio.move_on_after(self.backend.timeout):
+        with trio.move_on_after(self.timeout):
             while self.records is None or self.revision < self.own_revision:
                 if self.records is None:
                     self._learn(await self._read())
@@ -601,7 +607,7 @@ class KeyQueue:
 
         ``retaken``: holds the grants take back (deleted in the same transaction).
         """
-        backend, layout = self.backend, self.backend.layout
+        layout = self.layout
         binding_key = layout.binding(self.key, hold_key[len(layout.holds(self.key)) :].decode())
         # No hold *created* since the view: a rewrite (renew, untie, unbind)
         # keeps a hold's mode, limit and place, so it does not change who fits.
@@ -616,27 +622,25 @@ class KeyQueue:
             for head in heads:
                 mine = self.waiters.get(head.etcd_key)
                 template = mine.hold if mine is not None else head.hold(self.key)
-                hold, refresh = await backend.new_hold(template, head.ttl_ms // 1000)
+                hold, refresh = await self.supply.new_hold(template, head.ttl_ms // 1000)
                 granted.append((mine, hold, refresh))
                 compares.append(
                     Compare(head.etcd_key, "create_revision", "==", head.create_revision)
                 )
                 ops.append(DeleteOp(head.etcd_key))
                 if mine is not None:
-                    ops += await backend.hold_puts(hold)
+                    ops += await self.supply.hold_puts(hold)
                     continue
                 # Another daemon's waiter: its record must say the TTL's true
                 # end, so a kept lease's keepalive answers first (no raft write).
-                hold = await backend.settle(hold, refresh)
+                hold = await self.supply.settle(hold, refresh)
                 granted[-1] = (None, hold, None)
                 hold = replace(hold, tied=not hold.bound)
                 ops += [
                     PutOp(layout.hold(self.key, hold.handle), hold.value(), lease=hold.lease),
                     PutOp(layout.binding(self.key, hold.handle), head.node, lease=head.lease),
                 ]
-            result = await backend.etcd.txn(
-                compares, ops, [RangeOp(self.directory_key, prefix=True)]
-            )
+            result = await self.etcd.txn(compares, ops, [RangeOp(self.directory_key, prefix=True)])
         except EtcdError as exc:
             # Refused, so not committed (a kept lease that ended under the
             # grant): the caller releases plainly, the waiters' daemons grant.
@@ -651,16 +655,16 @@ class KeyQueue:
             raise
         if not result.succeeded:
             for _mine, hold, refresh in granted:
-                backend.recycle(hold, refresh)
+                self.supply.recycle(hold, refresh)
             return result
         self.own_revision = result.header.revision
         for replaced in retaken:
-            backend.revoke_later(replaced.lease)
+            self.cleanup.revoke_later(replaced.lease)
         for mine, hold, refresh in granted:
             hold = replace(hold, fence=result.header.revision)
-            backend.track(hold)
+            self.track(hold)
             if mine is not None:
-                self._granted(mine, await backend.settle(hold, refresh))
+                self._granted(mine, await self.supply.settle(hold, refresh))
         self._prepare_leases()
         return result
 
@@ -671,12 +675,11 @@ class KeyQueue:
         also gone when another daemon granted it, and then the read that a
         failed guard returns delivers the grant instead.
         """
-        backend = self.backend
         ops: list[Op] = []
         compares: list[Compare] = []
         renewed: list[Waiter] = []
         for waiter in lost:
-            record = await backend.new_waiter_record(self.key, waiter.record)
+            record = await self.supply.new_waiter_record(self.key, waiter.record)
             renewed.append(record)
             compares.append(Compare(self._hold_key(waiter), "create_revision", "==", 0))
             # Deleting the old key too: a queue must never keep a waiter nobody serves.
@@ -686,11 +689,11 @@ class KeyQueue:
             ]
         read = RangeOp(self.directory_key, prefix=True)
         try:
-            result = await backend.etcd.txn(compares, [*ops, read], [read])
+            result = await self.etcd.txn(compares, [*ops, read], [read])
         except BaseException:
             for record in renewed:
                 # Maybe written: deleted later (the old key is lost already).
-                backend.delete_later(record.etcd_key)
+                self.cleanup.delete_later(record.etcd_key)
             self.records = None  # read again: a hold granted meanwhile is delivered
             raise
         if result.succeeded:

@@ -1,0 +1,416 @@
+"""Taking a lock key on etcd: at once when the rules allow, else in the key's queue.
+
+:meth:`Acquirer.acquire` first tries to take the key in one transaction:
+a free key's directory must be empty (``lockd.core.admit_free``); else it
+reads the directory, asks ``lockd.core.admit`` about what it shows, and
+commits guarded by that read's revision, retrying when the guard fails. A
+blocking acquire that must wait writes a waiter record (on the session
+lease) and joins the key's :class:`~lockd.daemon.backends.etcd.waiting.KeyQueue`
+until it is granted, its deadline passes or it is cancelled; a grant that
+crosses a leave is discarded, never left behind. A tied grant (its record
+ends with this daemon's session until delivered) is untied before it is
+answered (:meth:`Acquirer._confirm`).
+
+It is separate from the backend (:mod:`lockd.daemon.backends.etcd.backend`),
+which answers the other ops and keeps the books of what it granted,
+because the acquire is the one op with a queue, retries and a wait.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+import trio
+
+from lockd import core
+from lockd.config import BackendSettings
+from lockd.core import Refused
+from lockd.daemon.backends import BackendUnavailable
+from lockd.daemon.backends.etcd.cleanup import CleanupList
+from lockd.daemon.backends.etcd.gateway import (
+    EtcdError,
+    EtcdGateway,
+    EtcdUnavailable,
+    LeaseNotFound,
+)
+from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
+from lockd.daemon.backends.etcd.sessionkeeper import SessionKeeper
+from lockd.daemon.backends.etcd.supply import HoldSupply, kept_lease, lease_seconds
+from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
+from lockd.daemon.backends.etcd.wire import (
+    Compare,
+    DeleteOp,
+    Op,
+    PutOp,
+    RangeOp,
+    RangeResult,
+)
+from lockd.daemon.clock import Clock
+from lockd.daemon.leases import new_handle_id
+from lockd.daemon.protocol import Acquire
+from lockd.identity import Caller
+from lockd.logfmt import kv
+
+log = logging.getLogger("lockd.etcd")
+
+
+def guard(layout: Layout, key: str, revision: int) -> Compare:
+    """Nothing in the key's directory was written after ``revision``."""
+    return Compare(layout.directory(key), "mod_revision", "<", revision + 1, prefix=True)
+
+
+def directory_of(layout: Layout, key: str, read: object, revision: int) -> Directory:
+    """The key's directory from a range read over it in a transaction's results."""
+    assert isinstance(read, RangeResult)
+    return Directory.parse(layout, key, read.kvs, revision)
+
+
+class Acquirer:
+    """Acquires of one daemon: tried at once, queued, confirmed, or discarded."""
+
+    def __init__(
+        self,
+        etcd: EtcdGateway,
+        layout: Layout,
+        clock: Clock,
+        settings: BackendSettings,
+        pid_place: str,
+        sessions: SessionKeeper,
+        supply: HoldSupply,
+        cleanup: CleanupList,
+        *,
+        track: Callable[[Hold, int | None], None],
+        queue_for: Callable[[str, int], KeyQueue],
+    ) -> None:
+        self._etcd = etcd
+        self._layout = layout
+        self._clock = clock
+        self._node = settings.node_name
+        self._timeout = settings.etcd_timeout
+        self._pid_place = pid_place
+        self._sessions = sessions
+        self._supply = supply
+        self._cleanup = cleanup
+        #: the backend's books: a grant's fence, a bound hold's connection.
+        self._track = track
+        #: the key's queue on this daemon, made and started if it has none.
+        self._queue_for = queue_for
+
+    async def acquire(
+        self,
+        req: Acquire,
+        caller: Caller,
+        conn: int,
+        timeout: float | None,
+        parked: trio.Event | None = None,
+    ) -> Hold | Refused | None:
+        template = Hold(
+            key=req.key,
+            handle="",
+            principal=caller.principal,
+            owner=req.owner,
+            mode=req.mode,
+            limit=req.limit,
+            node=self._node,
+            pid=caller.pid,
+            process=caller.process,
+            ttl_ms=0,
+            expires_at=0,
+            lease=0,
+            bound=req.release_on_close,
+            pid_start=caller.start if caller.pid > 0 else None,
+            pid_place=self._pid_place or None,
+        )
+        ttl_s = lease_seconds(req.ttl_ms)
+        if timeout is None:
+            tried = await self._try(template, ttl_s, conn, waiting=False)
+            assert not isinstance(tried, Directory)
+            return tried
+        # A blocking acquire tries once whatever its timeout (0 included), as
+        # the embedded engine does; while etcd is down it keeps trying,
+        # within its timeout.
+        deadline = trio.current_time() + timeout
+        parked = parked if parked is not None else trio.Event()
+        outcome: Hold | Refused | Directory | None = None
+        try:
+            outcome = await self._try(template, ttl_s, conn, waiting=True)
+        except EtcdUnavailable as exc:
+            log.debug(kv(event="acquire_retry", key=req.key, error=exc))
+            parked.set()  # it waits for etcd now: the connection goes on
+            with trio.move_on_at(deadline):
+                while True:
+                    await trio.sleep(RETRY_INTERVAL)
+                    try:
+                        outcome = await self._try(template, ttl_s, conn, waiting=True)
+                        break
+                    except EtcdUnavailable as again:
+                        log.debug(kv(event="acquire_retry", key=req.key, error=again))
+        if isinstance(outcome, Directory):  # must wait
+            return await self._wait(template, ttl_s, conn, outcome, deadline, parked)
+        return outcome
+
+    async def _try(
+        self, template: Hold, ttl_s: int, conn: int, *, waiting: bool
+    ) -> Hold | Refused | Directory | None:
+        hold, refresh = await self._supply.new_hold(template, ttl_s)
+        for attempt in range(3):
+            session = self._sessions.lease
+            try:
+                outcome = await self._take_now(hold, conn, waiting=waiting)
+                break
+            except LeaseNotFound:
+                # A lease the transaction put a key on is gone. A kept lease
+                # may have ended before its keepalive arrived: once more with
+                # a new one. A new lease cannot be gone yet, so then it was
+                # the session, for a bound hold's binding (SessionKeeper.refused).
+                # Either way the failed hold's lease is being revoked: the
+                # next try gets a new one.
+                if attempt == 2 or (refresh is None and not hold.bound):
+                    raise
+                if refresh is None and session is not None:
+                    self._sessions.refused(session)
+                hold, refresh = await self._supply.new_hold(template, ttl_s, reuse=False)
+        if isinstance(outcome, Hold):
+            try:
+                return await self._supply.settle(outcome, refresh)
+            except BaseException:  # cancelled after the commit: nobody gets the handle
+                self.release_undelivered(outcome)
+                raise
+        self._supply.recycle(hold, refresh)
+        return outcome
+
+    async def _take_now(
+        self, hold: Hold, conn: int, *, waiting: bool
+    ) -> Hold | Refused | Directory | None:
+        """Take the key now if the rules allow; else busy (None) or the directory to queue on."""
+        key, directory_key = hold.key, self._layout.directory(hold.key)
+        # The fast path: what the core answers on a free key, committed only
+        # if the key is free (its directory empty), in one transaction.
+        verdict = core.admit_free(key, hold.mode, hold.limit)
+        if isinstance(verdict, Refused):
+            return verdict
+        puts = await self._supply.hold_puts(hold)
+        compares = [Compare(directory_key, "create_revision", "==", 0, prefix=True)]
+        ops: list[Op] = puts
+        retaken: Hold | None = None  # the caller's own hold a re-take replaces
+        while True:
+            try:
+                result = await self._etcd.txn(compares, ops, [RangeOp(directory_key, prefix=True)])
+            except BaseException:
+                self.release_undelivered(hold)
+                raise
+            if result.succeeded:
+                if retaken is not None:  # only now: a failed guard leaves it held
+                    self._cleanup.revoke_later(retaken.lease)
+                granted = replace(hold, fence=result.header.revision)
+                self._track(granted, conn)
+                return granted
+            directory = directory_of(self._layout, key, result.responses[0], result.header.revision)
+            own = directory.own_hold(hold.principal, hold.owner)
+            holds = directory.holds
+            verdict = core.admit(
+                key,
+                hold.mode,
+                hold.limit,
+                held_mode=holds[0].mode if holds else None,
+                held_count=len(holds),
+                key_limit=directory.limit_in_force(),
+                queued=len(directory.waiters),
+                own_hold=own,
+                blocking=waiting,
+            )
+            if isinstance(verdict, Refused):
+                return verdict
+            if verdict == core.BUSY:
+                return None
+            if verdict == core.PARK:
+                return directory
+            ops = [DeleteOp(dead) for dead in directory.dead]
+            retaken = None
+            if verdict == core.RETAKE:
+                assert own is not None
+                hold = replace(hold, retake=True)
+                ops += [
+                    DeleteOp(self._layout.hold(key, own.handle)),
+                    DeleteOp(self._layout.binding(key, own.handle)),
+                ]
+                retaken = own
+            ops += puts
+            compares = [guard(self._layout, key, directory.revision)]
+
+    async def _wait(
+        self,
+        template: Hold,
+        ttl_s: int,
+        conn: int,
+        directory: Directory,
+        deadline: float,
+        parked: trio.Event,
+    ) -> Hold | None:
+        """Queue behind the key's waiters until granted or the deadline (trio clock).
+
+        ``parked`` is set once the waiter key is written and its queue knows it.
+        """
+        key = template.key
+        waiter: LocalWaiter | None = None
+        key_queue: KeyQueue | None = None
+        # The record names the whole hold, so whichever daemon releases the
+        # key can grant it (KeyQueue.hand_off).
+        template = replace(template, handle=new_handle_id())
+        like = Waiter(
+            b"",
+            0,
+            template.principal,
+            template.owner,
+            template.mode,
+            template.limit,
+            self._node,
+            handle=template.handle,
+            ttl_ms=ttl_s * 1000,
+            pid=template.pid,
+            process=template.process,
+            bound=template.bound,
+            since=self._clock.wall_ms(),
+            pid_start=template.pid_start,
+            pid_place=template.pid_place,
+        )
+        try:
+            with trio.move_on_at(deadline):
+                record = await self._supply.new_waiter_record(key, like)
+                waiter, directory = await self._enqueue(key, record, template, ttl_s, parked)
+                key_queue = self._queue_for(key, directory.revision)
+                key_queue.join(waiter, directory)
+                parked.set()
+                self._supply.prepare_lease(ttl_s)
+                await waiter.done.wait()
+            granted = waiter.granted if waiter is not None else None
+            if granted is None and waiter is not None and key_queue is not None:
+                granted = await key_queue.leave(waiter)  # the grant may have come first
+        except BaseException:
+            # Cancelled (connection gone, cancel, stop): leave; a grant that
+            # crossed is released, nobody will get its handle.
+            if waiter is not None and key_queue is not None:
+                crossed = await key_queue.leave(waiter)
+                if crossed is not None:
+                    await self.discard(crossed)
+            raise
+        if granted is not None and granted.tied:
+            try:
+                confirmed = await self._confirm(granted, max(deadline, trio.current_time() + 1))
+            except BaseException:
+                await self.discard(granted)
+                raise
+            if confirmed is None:
+                await self.discard(granted)
+                return None
+            granted = confirmed
+        if granted is not None:
+            self._track(granted, conn)
+        return granted
+
+    async def _enqueue(
+        self, key: str, record: Waiter, template: Hold, ttl_s: int, parked: trio.Event
+    ) -> tuple[LocalWaiter, Directory]:
+        """Write the waiter key (retrying while etcd is down) and read the queue after it."""
+        directory_key = self._layout.directory(key)
+        while True:
+            put = PutOp(record.etcd_key, record.value(), lease=record.lease)
+            try:
+                result = await self._etcd.txn([], [put, RangeOp(directory_key, prefix=True)])
+            except (EtcdUnavailable, LeaseNotFound) as exc:
+                self._cleanup.delete_later(record.etcd_key)
+                log.debug(kv(event="enqueue_retry", key=key, error=exc))
+                parked.set()  # it waits for etcd now: the connection goes on
+                if isinstance(exc, LeaseNotFound):  # the session is over (its only lease)
+                    self._sessions.refused(record.lease)
+                else:
+                    await trio.sleep(RETRY_INTERVAL)
+                record = await self._supply.next_waiter_record(key, record)
+                continue
+            except BaseException:
+                self._cleanup.delete_later(record.etcd_key)
+                raise
+            directory = directory_of(self._layout, key, result.responses[1], result.header.revision)
+            record = replace(record, create_revision=result.header.revision)
+            return LocalWaiter(record, template, ttl_s), directory
+
+    async def _untie_txn(self, hold: Hold) -> bool:
+        """Rewrite a tied hold untied, if it is unchanged and still live (its binding there).
+
+        The binding must exist: once it is gone (the session ended) the hold
+        is dead, and other daemons' decisions delete it; untying it then
+        would bring back a hold they may be granting over.
+        """
+        hold_key = self._layout.hold(hold.key, hold.handle)
+        binding_key = self._layout.binding(hold.key, hold.handle)
+        result = await self._etcd.txn(
+            [
+                Compare(hold_key, "mod_revision", "==", hold.mod_revision),
+                Compare(binding_key, "version", ">", 0),
+            ],
+            [
+                PutOp(hold_key, replace(hold, tied=False).value(), lease=hold.lease),
+                DeleteOp(binding_key),
+            ],
+            [RangeOp(hold_key)],
+        )
+        if result.succeeded:
+            return True
+        # An earlier attempt whose outcome was unknown may have untied it:
+        # then the same grant (its create revision, the fence) is there untied.
+        read = result.responses[0]
+        assert isinstance(read, RangeResult)
+        if read.kvs and read.kvs[0].create_revision == hold.fence:
+            return not Hold.parse(hold.key, hold.handle, read.kvs[0]).needs_binding
+        return False
+
+    async def _confirm(self, hold: Hold, deadline: float) -> Hold | None:
+        """Untie a tied hold before its grant is answered (docs/contract.md: an acknowledged hold
+        lasts
+        its TTL whichever daemon dies when).
+
+        Until then it ends with this daemon's session, like any grant that was
+        never delivered. Retried while etcd does not answer, up to the
+        acquire's ``deadline``; None when that passed first (the caller then
+        discards the grant and times out). ``EtcdUnavailable`` when the hold
+        was dead already (this daemon's session ended under it).
+        """
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    if await self._untie_txn(hold):
+                        return replace(hold, tied=False)
+                except (EtcdUnavailable, EtcdError) as exc:
+                    log.info(kv(event="untie_retry", key=hold.key, error=exc))
+                    await trio.sleep(RETRY_INTERVAL)
+                    continue
+                raise EtcdUnavailable(
+                    f"the grant of {hold.key!r} ended with this daemon's etcd session"
+                )
+        return None
+
+    async def discard(self, hold: Hold) -> None:
+        """Delete a grant nobody will get, before the caller answers (``cancel``: CANCELLED
+        comes once the key is free of it). Shielded and bounded by the etcd timeout; the
+        clean-up list takes it when etcd does not answer in time."""
+        hold_key, binding_key = (
+            self._layout.hold(hold.key, hold.handle),
+            self._layout.binding(hold.key, hold.handle),
+        )
+        with trio.CancelScope(shield=True), trio.move_on_after(self._timeout):
+            try:
+                await self._etcd.txn([], [DeleteOp(hold_key), DeleteOp(binding_key)])
+            except (BackendUnavailable, EtcdError) as exc:
+                log.info(kv(event="discard_later", key=hold.key, error=exc))
+            else:
+                self._supply.keep_lease(kept_lease(hold))
+                return
+        self.release_undelivered(hold)
+
+    def release_undelivered(self, hold: Hold) -> None:
+        """A grant nobody will get: its records deleted and its lease revoked, once etcd answers."""
+        self._cleanup.delete_later(self._layout.hold(hold.key, hold.handle))
+        self._cleanup.delete_later(self._layout.binding(hold.key, hold.handle))
+        self._cleanup.revoke_later(hold.lease)
