@@ -45,8 +45,8 @@ from typing import Any
 ROOT = Path(os.environ.get("LOCKD_ROOT") or Path(__file__).resolve().parents[1])
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import DaemonProcess  # noqa: E402
-from tests.helpers_users import Accounts, User, missing_prerequisite, share_socket  # noqa: E402
+from lockd.testing.daemon import DaemonProcess  # noqa: E402
+from lockd.testing.users import Accounts, User, missing_prerequisite, share_socket  # noqa: E402
 
 #: ~20 ms per evaluation with cel-python's interpreter on this box (~0.15 ms an element),
 #: under the 50 ms rule_budget_ms (over it, the daemon stops evaluating for the caller).

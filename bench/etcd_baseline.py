@@ -101,7 +101,7 @@ from common import (  # noqa: E402  (bench modules are run as scripts)
     table,
 )
 
-from tests.etcd_cluster import EtcdBackend, EtcdCluster, data_root  # noqa: E402
+from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster, data_root  # noqa: E402
 
 LOCKD = "lockd-etcd"
 HANDOFF_PROCS = 4

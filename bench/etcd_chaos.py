@@ -1,6 +1,6 @@
 """Chaos on lockd-on-etcd: real etcd members and lockd daemons, faults one after another.
 
-Issue 23. Three etcd members (``tests/etcd_cluster.py``) and three ``lockd
+Issue 23. Three etcd members (``lockd/testing/etcd_cluster.py``) and three ``lockd
 serve`` daemons on them; workers (threads, each with its own
 ``lockd_client.LockClient``, spread over the daemons) take two hot keys over
 and over: a blocking acquire, a hold of a few milliseconds, a release. Meanwhile
@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client"))
 from lockd_client import Handle, LockClient, LockdError
 
 from bench.common import LockdDaemon
-from tests.etcd_cluster import EtcdBackend, EtcdCluster, EtcdMember
+from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster, EtcdMember
 
 KEYS = ("hot-a", "hot-b")
 #: the faults of one round, in order (leader kills three times as often: the

@@ -225,7 +225,7 @@ def measure_sync(
 
 def measure_etcd(trials: int, expiries: int) -> dict[str, list[float]]:
     """Embedded baseline, then etcd with the loss made through the other daemon."""
-    from tests.etcd_cluster import EtcdBackend, EtcdCluster, data_root
+    from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster, data_root
 
     baseline = LockdDaemon()
     with baseline.running():

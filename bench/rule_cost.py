@@ -43,8 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import DaemonProcess  # noqa: E402
-from tests.helpers_users import Accounts, Agent, User, missing_prerequisite, share_socket  # noqa: E402
+from lockd.testing.daemon import DaemonProcess  # noqa: E402
+from lockd.testing.users import Accounts, Agent, User, missing_prerequisite, share_socket  # noqa: E402
 
 SPEC_RULE = "record.key.startsWith('user:' + user.userId + ':')"
 RULE_SET = (

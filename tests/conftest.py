@@ -4,13 +4,16 @@ Integration tests talk to a real daemon process through the real client and
 CLI. Paths live under a short /tmp folder because AF_UNIX paths are limited
 to 107 bytes and pytest's tmp_path can be longer.
 
+The daemon runner itself, :class:`lockd.testing.daemon.DaemonProcess`, lives
+in the ``lockd.testing`` package so that ``bench/`` can use it too; this file
+holds the pytest side (fixtures, markers, hooks).
+
 No process may outlive the session. Every process the tests start carries
-``LOCKD_TEST_SESSION=<token of this session>`` in its environment (set in
-``os.environ`` here, so children inherit it, and added explicitly by
-:meth:`DaemonProcess.start`); at the end, :func:`pytest_sessionfinish` looks
-for live processes with this session's token in ``/proc/*/environ``, kills
-them and fails the run naming them. Other test sessions running on the same
-machine at the same time have other tokens and are left alone.
+``LOCKD_TEST_SESSION=<token of this session>`` in its environment (see
+``lockd.testing.daemon``); at the end, :func:`pytest_sessionfinish` looks for
+live processes with this session's token, kills them and fails the run naming
+them. Other test sessions running on the same machine at the same time have
+other tokens and are left alone.
 
 Both backends (docs/contract.md §11): the ``backend`` fixture says which store a test's
 daemons serve from. It is ``sqlite`` unless the test (or its module) is
@@ -27,169 +30,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from lockd.testing.daemon import DaemonProcess, session_processes
+from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
+from lockd.testing.polling import wait_for
 from tests.backend_differences import difference
-from tests.etcd_cluster import EtcdBackend, EtcdCluster
-
-LOCKD = [sys.executable, "-m", "lockd"]
-
-#: Marks every process this test session starts (see the module docstring).
-SESSION_ENV = "LOCKD_TEST_SESSION"
-SESSION_TOKEN = os.environ.setdefault(SESSION_ENV, secrets.token_hex(8))
 
 # The etcd cluster fixtures (etcd_cluster, new_etcd_cluster).
 pytest_plugins = ["tests.etcd_fixtures"]
-
-
-@dataclass
-class DaemonProcess:
-    """A ``lockd serve`` subprocess and the paths it uses."""
-
-    root: Path
-    socket: Path
-    db: Path
-    config: Path
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    extra_args: list[str] = field(default_factory=list)
-    #: serve from etcd with this ``[backend]`` table (None: the embedded SQLite store).
-    etcd: EtcdBackend | None = None
-
-    @classmethod
-    def in_folder(cls, root: Path, etcd: EtcdBackend | None = None) -> DaemonProcess:
-        """A daemon whose socket, database, config and log all live under ``root``."""
-        return cls(
-            root=root,
-            socket=root / "lockd.sock",
-            db=root / "state" / "lockd.db",
-            config=root / "config",
-            log=root / "lockd.log",
-            etcd=etcd,
-        )
-
-    def terminate(self) -> None:
-        """SIGTERM if still running; SIGKILL if it does not stop within 10 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "LOCKD_SOCKET": str(self.socket)}
-
-    def serve_command(
-        self, *extra: str, socket: Path | None = None, db: Path | None = None
-    ) -> list[str]:
-        """``lockd serve`` on this daemon's paths (``socket``/``db`` replace its own)."""
-        return [
-            *LOCKD,
-            "serve",
-            "--socket",
-            str(socket or self.socket),
-            "--db",
-            str(db or self.db),
-            "--config",
-            str(self.config),
-            *extra,
-        ]
-
-    def serve_once(
-        self,
-        *extra: str,
-        socket: Path | None = None,
-        db: Path | None = None,
-        timeout: float = 30,
-    ) -> subprocess.CompletedProcess[str]:
-        """Run ``lockd serve`` expecting it to exit (a refused start); its output."""
-        return subprocess.run(
-            self.serve_command(*extra, socket=socket, db=db),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def start(
-        self,
-        *,
-        wait: bool = True,
-        env: dict[str, str] | None = None,
-        preexec_fn: Callable[[], object] | None = None,
-    ) -> DaemonProcess:
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        if self.etcd is not None and not (self.config / "lockd.toml").exists():
-            self.write_config("")
-        logf = self.log.open("ab")
-        self.proc = subprocess.Popen(
-            self.serve_command(*self.extra_args),
-            stdout=logf,
-            stderr=logf,
-            env={**(env if env is not None else os.environ), SESSION_ENV: SESSION_TOKEN},
-            preexec_fn=preexec_fn,
-        )
-        logf.close()
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lockd exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.connect(str(self.socket))
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"lockd did not come up:\n{self.read_log()}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def read_log(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def write_rules(self, name: str, text: str) -> Path:
-        folder = self.config / "rule-sets"
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, folder / name)
-        return folder / name
-
-    def write_config(self, text: str) -> None:
-        """Write ``lockd.toml`` (top-level keys): the ``[backend]`` table is added after them."""
-        self.config.mkdir(parents=True, exist_ok=True)
-        backend = "" if self.etcd is None else "\n" + self.etcd.toml()
-        (self.config / "lockd.toml").write_text(text + backend)
 
 
 # ------------------------------------------------------------ backends
@@ -328,37 +185,13 @@ def daemon(daemon_paths: DaemonProcess) -> DaemonProcess:
 # ------------------------------------------------------------ leftover processes
 
 
-def session_processes(token: str = SESSION_TOKEN) -> dict[int, str]:
-    """Live processes (pid -> command line) started with this session's token.
-
-    The pytest process itself is not one: its token was set after exec, so
-    its ``/proc/PID/environ`` does not show it.
-    """
-    marker = f"{SESSION_ENV}={token}".encode()
-    found: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if cmdline:  # a zombie has none: it is dead, only not reaped yet
-            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
-    return found
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a process started by it is still alive; kill it."""
-    deadline = time.monotonic() + 5.0  # processes stopped a moment ago may still be exiting
-    left = session_processes()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = session_processes()
-    if not left:
+    # Processes stopped a moment ago may still be exiting: give them 5 s.
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not session_processes(), 5.0, interval=0.1)
         return
+    left = session_processes()
     for pid in left:
         with contextlib.suppress(OSError):  # gone meanwhile
             os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""pytest fixtures for a real etcd cluster (tests/etcd_cluster.py).
+"""pytest fixtures for a real etcd cluster (lockd/testing/etcd_cluster.py).
 
 Registered as a plugin from ``tests/conftest.py``. They skip with a reason
 when ``etcd`` is not installed; CI installs it in ``.ci/run``, so there they run.
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.etcd_cluster import ETCD, OPENSSL, EtcdCluster, TlsFiles, data_root
+from lockd.testing.etcd_cluster import ETCD, OPENSSL, EtcdCluster, TlsFiles, data_root
 
 
 @pytest.fixture(scope="session")

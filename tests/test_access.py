@@ -32,15 +32,15 @@ from typing import Any
 import pytest
 from lockd_client import LockClient
 
-from .conftest import DaemonProcess
-from .helpers_users import (
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
+from lockd.testing.users import (
     Accounts,
     Agent,
     AgentError,
     User,
     missing_prerequisite,
     share_socket,
-    wait_for,
 )
 
 _WHY = missing_prerequisite()

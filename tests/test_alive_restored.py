@@ -24,9 +24,9 @@ from lockd_client import Handle, LockClient
 
 from lockd.daemon.backends.etcd.records import Hold
 from lockd.daemon.backends.etcd.wire import KeyValue
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.etcd_cluster import EtcdCluster
 
-from .conftest import DaemonProcess
-from .etcd_cluster import EtcdCluster
 from .test_cli_run import wait_until
 from .test_etcd_hosts import two_hosts
 

@@ -15,8 +15,8 @@ import pytest
 from lockd_client import LockClient
 
 from lockd.daemon.protocol import Cancel, ProtocolError, parse_request
+from lockd.testing.daemon import DaemonProcess
 
-from .conftest import DaemonProcess
 from .test_protocol_live import RawConn
 
 pytestmark = pytest.mark.both_backends

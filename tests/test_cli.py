@@ -54,8 +54,8 @@ from lockd.exitcodes import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
-
-from .conftest import Backend, DaemonProcess
+from lockd.testing.daemon import DaemonProcess
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.both_backends
 

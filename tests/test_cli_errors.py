@@ -20,8 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from lockd.cli import main
+from lockd.testing.daemon import LOCKD, DaemonProcess
+from tests.conftest import Backend
 
-from .conftest import LOCKD, Backend, DaemonProcess
 from .test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends

@@ -18,9 +18,8 @@ from click.testing import CliRunner
 
 from lockd.cli import main
 from lockd.logfmt import kv
+from lockd.testing.daemon import DaemonProcess
 from lockd.textsafe import visible
-
-from .conftest import DaemonProcess
 
 pytestmark = pytest.mark.both_backends
 

@@ -26,8 +26,7 @@ from lockd_client import MAX_LIMIT, LockClient
 
 from lockd.cli.fast import RunCall, StatusCall, recognise
 from lockd.run.options import MIN_TTL_MS, OnLost, RunOptions
-
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 #: Stand-in for the daemon's socket in the table (replaced per run).
 S = "@SOCKET@"

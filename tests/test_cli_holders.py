@@ -17,8 +17,7 @@ from click.testing import CliRunner, Result
 from lockd_client import LockClient, LockStatus
 
 from lockd.cli import main
-
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 EXPIRES = "2026-12-01T12:00:00.000Z"
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from lockd_client import LockClient
 
-from .conftest import LOCKD, DaemonProcess
+from lockd.testing.daemon import LOCKD, DaemonProcess
 
 NOBODY = 65534
 

@@ -20,8 +20,7 @@ from click.testing import CliRunner, Result
 
 from lockd.cli import main
 from lockd.exitcodes import EXIT_DENIED, EXIT_USAGE
-
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 GOOD = """\
 [ruleSet]

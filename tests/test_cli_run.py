@@ -49,8 +49,8 @@ from lockd.exitcodes import (
 from lockd.run.lease import take_lease
 from lockd.run.options import Reporter, RunOptions
 from lockd.run.process import exit_status
-
-from .conftest import LOCKD, Backend, DaemonProcess
+from lockd.testing.daemon import LOCKD, DaemonProcess
+from tests.conftest import Backend
 
 PY = sys.executable
 

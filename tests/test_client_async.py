@@ -27,7 +27,7 @@ from lockd_client import (
 from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 pytestmark = pytest.mark.both_backends
 

@@ -20,7 +20,7 @@ from lockd_client import LockClient
 from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from lockd_client import DaemonUnavailableError, LockClient, UntrustedDaemonErro
 from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 #: a uid nobody on the test box has: an attacker's.
 STRANGER = 54321

@@ -10,7 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 CLIENT_DIR = Path(__file__).resolve().parent.parent / "client"
 

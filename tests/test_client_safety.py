@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from lockd_client import Handle, LockClient, LockdError, LockLostError
 
-from .conftest import LOCKD, Backend, DaemonProcess
+from lockd.testing.daemon import LOCKD, DaemonProcess
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.both_backends
 

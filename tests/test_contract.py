@@ -23,8 +23,7 @@ from lockd.cli.common import TTL, WAIT
 from lockd.config import user_socket_path
 from lockd.daemon.protocol import ProtocolError, parse_request
 from lockd.exitcodes import ERROR_STATUS, EXIT_CODE_MEANINGS
-
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 pytestmark = pytest.mark.both_backends
 

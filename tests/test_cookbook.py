@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Backend, DaemonProcess
+from lockd.testing.daemon import DaemonProcess
+from tests.conftest import Backend
+
 from .test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends

@@ -35,9 +35,8 @@ from lockd_client import Handle, LockClient, LockdError
 from lockd.config import Paths, load_settings
 from lockd.daemon.clock import SystemClock
 from lockd.daemon.serve import StartupError, _open_store
-
-from .conftest import DaemonProcess
-from .helpers_users import wait_for
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 
 #: Size of a WAL header and of a frame (24-byte frame header + 1 KiB page).
 WAL_HEADER = 32

@@ -18,8 +18,8 @@ from typing import Any
 from lockd_client import DaemonUnavailableError, Handle, LockClient, LockdError
 
 from lockd.daemon.verify import row_checksum
+from lockd.testing.daemon import DaemonProcess
 
-from .conftest import DaemonProcess
 from .test_integration import wait_for
 
 #: Restarting rebuilds a deadline from the boot clock and the wall clock; both

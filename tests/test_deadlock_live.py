@@ -19,9 +19,10 @@ from lockd_client.aio import AsyncLockClient
 
 from lockd.cli.common import failure_for
 from lockd.exitcodes import EXIT_DEADLOCK
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
+from tests.conftest import Backend
 
-from .conftest import Backend, DaemonProcess
-from .helpers_users import wait_for
 from .test_protocol_live import RawConn, check_error, running_daemon, unique
 
 pytestmark = pytest.mark.both_backends

@@ -30,6 +30,7 @@ import trio
 from hypothesis import HealthCheck, example, given, settings
 
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
+from lockd.testing.etcd_cluster import EtcdCluster
 from tests.differential import (
     CLIENTS,
     KEYS,
@@ -46,7 +47,6 @@ from tests.differential import (
     pick,
 )
 from tests.differential_etcd import EtcdRun
-from tests.etcd_cluster import EtcdCluster
 from tests.fake_etcd import FakeEtcd
 
 # ------------------------------------------------------------------ the model

@@ -28,7 +28,7 @@ from lockd.daemon.clock import SystemClock
 from lockd.daemon.holds import Refused
 from lockd.daemon.protocol import Acquire
 from lockd.identity import Caller
-from tests.etcd_cluster import EtcdCluster
+from lockd.testing.etcd_cluster import EtcdCluster
 
 _ids = itertools.count()
 

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from bench.etcd_chaos import ROUND, chaos, table
-from tests.etcd_cluster import ETCD
+from lockd.testing.etcd_cluster import ETCD
 
 pytestmark = [
     pytest.mark.slow,

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 from lockd_client import LockClient, LockdError
 
-from tests.conftest import LOCKD, DaemonProcess
-from tests.etcd_cluster import EtcdCluster
+from lockd.testing.daemon import LOCKD, DaemonProcess
+from lockd.testing.etcd_cluster import EtcdCluster
 
 
 @pytest.fixture

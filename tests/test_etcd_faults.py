@@ -30,7 +30,7 @@ from lockd.daemon.backends.etcd.gateway import (
 from lockd.daemon.backends.etcd.reconcile import Reconciler
 from lockd.daemon.backends.etcd.records import Hold
 from lockd.daemon.clock import SystemClock
-from tests.etcd_cluster import EtcdCluster
+from lockd.testing.etcd_cluster import EtcdCluster
 from tests.etcd_faults import FaultyPool, inject
 from tests.test_etcd_backend import ALICE, BOB, acquired, records, request, until
 

@@ -1,4 +1,4 @@
-"""The etcd gateway client against a real 3-member etcd cluster (tests/etcd_cluster.py).
+"""The etcd gateway client against a real 3-member etcd cluster (lockd/testing/etcd_cluster.py).
 
 Each test writes under its own key prefix, so tests sharing the session's
 cluster never see each other's keys. Tests that kill members start their own
@@ -34,7 +34,7 @@ from lockd.daemon.backends.etcd.wire import (
     RangeResult,
     WatchRequest,
 )
-from tests.etcd_cluster import EtcdCluster, free_ports
+from lockd.testing.etcd_cluster import EtcdCluster, free_ports
 
 _prefixes = itertools.count()
 

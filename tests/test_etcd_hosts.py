@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 from lockd_client import Handle, LockClient, LockdError, LockTimeoutError
 
-from .conftest import DaemonProcess
-from .etcd_cluster import EtcdBackend, EtcdCluster
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
+
 from .test_integration import PROMPT, park, wait_for, waiters
 from .test_protocol_live import RawConn, check_error
 

@@ -26,7 +26,7 @@ from lockd.daemon.backends.etcd.nodeclaim import (
     provably_gone,
 )
 from lockd.daemon.backends.etcd.wire import PutOp
-from tests.etcd_cluster import EtcdCluster
+from lockd.testing.etcd_cluster import EtcdCluster
 
 ME = Claimant.this_process()
 ELSEWHERE = Claimant("far", "another-boot", "pid:[1]", 7, 1, 0)

@@ -11,7 +11,7 @@ import trio
 
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
 from lockd.daemon.backends.etcd.session import Session
-from tests.etcd_cluster import EtcdCluster
+from lockd.testing.etcd_cluster import EtcdCluster
 
 _names = itertools.count()
 

@@ -26,7 +26,7 @@ from lockd.daemon.backends.etcd.transport import (
     Wire,
 )
 from lockd.daemon.backends.etcd.wire import b64
-from tests.etcd_cluster import EtcdCluster, free_ports
+from lockd.testing.etcd_cluster import EtcdCluster, free_ports
 from tests.http_stub import CLOSE, SILENT, Raw, Reply, Request, Stream, StubServer
 
 CONNECT = 2.0  # connect timeout: loopback answers at once or refuses at once

@@ -36,7 +36,7 @@ from lockd.daemon.backends.etcd.wire import (
     txn_body,
     unb64,
 )
-from tests.etcd_cluster import free_ports
+from lockd.testing.etcd_cluster import free_ports
 from tests.http_stub import CLOSE, SILENT, Handler, Raw, Reply, Request, Stream, StubServer
 
 

@@ -30,7 +30,7 @@ from lockd.daemon.backends.etcd.wire import (
     TxnResult,
     WatchRequest,
 )
-from tests.etcd_cluster import EtcdCluster
+from lockd.testing.etcd_cluster import EtcdCluster
 from tests.fake_etcd import FakeEtcd
 
 Etcd = FakeEtcd | EtcdGateway

@@ -22,7 +22,7 @@ import pytest
 from lockd_client import LockClient
 
 from lockd.daemon import fdlimit
-from tests.conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 #: generous: a refused connection sees EOF at once, a hanging one never does.
 REFUSAL_TIMEOUT = 10.0

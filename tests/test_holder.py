@@ -22,8 +22,8 @@ from lockd_client import LockClient
 from lockd.daemon.protocol import MAX_PID, Acquire, ProtocolError, parse_request
 from lockd.identity import verified_holder_pid
 from lockd.run import guardian
+from lockd.testing.daemon import LOCKD, DaemonProcess
 
-from .conftest import LOCKD, DaemonProcess
 from .test_cli_run import LOCKD_RUN, RUN_EXIT, wait_until
 
 pytestmark = pytest.mark.both_backends

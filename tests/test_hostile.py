@@ -37,16 +37,15 @@ from lockd_client import LockClient, UntrustedDaemonError
 
 from lockd.cli import main
 from lockd.daemon import serve as _serve_module  # imported while root, for forked children
-
-from .conftest import DaemonProcess
-from .helpers_users import (
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
+from lockd.testing.users import (
     Accounts,
     Agent,
     AgentError,
     User,
     missing_prerequisite,
     share_socket,
-    wait_for,
 )
 
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -18,15 +18,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from lockd_client import LockClient
 
-from .conftest import LOCKD, DaemonProcess
-from .helpers_users import (
-    Accounts,
-    Agent,
-    User,
-    missing_prerequisite,
-    share_socket,
-    wait_for,
-)
+from lockd.testing.daemon import LOCKD, DaemonProcess
+from lockd.testing.polling import wait_for
+from lockd.testing.users import Accounts, Agent, User, missing_prerequisite, share_socket
 
 _WHY = missing_prerequisite()
 if _WHY is not None:

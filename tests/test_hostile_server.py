@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from lockd_client import LockClient
 
-from .conftest import DaemonProcess
-from .helpers_users import Accounts, Agent, User, missing_prerequisite, share_socket
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.users import Accounts, Agent, User, missing_prerequisite, share_socket
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 

@@ -120,3 +120,22 @@ def test_shared_modules_import_no_program_package() -> None:
         if name.startswith(("lockd.daemon", "lockd.cli", "lockd.rules", "lockd.run"))
     }
     assert offenders == set()
+
+
+def test_product_code_never_imports_the_test_support_package() -> None:
+    """``lockd.testing`` serves tests and benchmarks; the daemon, CLI and runner never need it."""
+    product = [p for p in sorted(LOCKD_DIR.rglob("*.py")) if "testing" not in p.parts]
+    assert product, "no product modules found"
+    offenders = {
+        f"{path.relative_to(LOCKD_DIR)}: {name}"
+        for path in product
+        for name in _imported_names(path)
+        if name == "lockd.testing" or name.startswith("lockd.testing.")
+    }
+    assert offenders == set()
+
+
+def test_polling_helpers_import_neither_pytest_nor_trio() -> None:
+    """``lockd.testing.polling`` is for any test or benchmark: trio only when a trio test waits."""
+    loaded = modules_after_import("lockd.testing.polling")
+    assert _within(loaded, ("trio", "pytest", "_pytest", "sqlite3")) == set()

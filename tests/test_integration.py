@@ -32,7 +32,9 @@ from lockd_client import (
     LockTimeoutError,
 )
 
-from .conftest import LOCKD, Backend, DaemonProcess
+from lockd.testing.daemon import LOCKD, DaemonProcess
+from tests.conftest import Backend
+
 from .test_protocol_live import RawConn, running_daemon
 
 #: Generous bounds for "at once" on a loaded 2-core box.

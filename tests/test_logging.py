@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 from lockd_client import LockClient
 
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
+
 from .test_systemd_live import PROMPT, Wire, wait_until, wire
 
 LINE = re.compile(

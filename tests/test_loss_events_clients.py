@@ -21,7 +21,8 @@ from lockd_client import LockClient, LockLostError
 from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
-from tests.conftest import Backend, DaemonProcess
+from lockd.testing.daemon import DaemonProcess
+from tests.conftest import Backend
 from tests.test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends

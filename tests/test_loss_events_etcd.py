@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from lockd.daemon.backends.etcd.records import Layout
-from tests.conftest import DaemonProcess
-from tests.etcd_cluster import EtcdBackend, EtcdCluster
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
 from tests.test_etcd_hosts import Hosts, two_hosts
 from tests.test_protocol_live import RawConn
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 from tests.test_protocol_live import RawConn
 
 

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from lockd_client import LockClient
 
 from lockd.daemon.protocol import Acquire, Break, ProtocolError, parse_request
-
-from .conftest import Backend, DaemonProcess
+from lockd.testing.daemon import DaemonProcess
+from tests.conftest import Backend
 
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 HANDLE_FIELDS = {"key", "handle", "fence", "owner", "ttlMs", "leaseExpiresAt"}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SESSION_ENV, SESSION_TOKEN
+from lockd.testing.daemon import SESSION_ENV, SESSION_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
 

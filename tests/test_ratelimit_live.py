@@ -28,15 +28,9 @@ from dataclasses import dataclass, field
 import pytest
 from lockd_client import LockClient
 
-from .conftest import DaemonProcess
-from .helpers_users import (
-    Accounts,
-    Agent,
-    User,
-    missing_prerequisite,
-    share_socket,
-    wait_for,
-)
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
+from lockd.testing.users import Accounts, Agent, User, missing_prerequisite, share_socket
 
 _WHY = missing_prerequisite()
 if _WHY is not None:

@@ -27,9 +27,9 @@ from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
 from lockd.run import guardian
+from lockd.testing.daemon import DaemonProcess
 
 from . import test_cli_run
-from .conftest import DaemonProcess
 from .test_cli_run import LOCKD_RUN, RUN_EXIT, held, start_run, wait_until
 
 # The daemon and client fixtures of test_cli_run (one daemon for the module).

@@ -15,8 +15,9 @@ import pytest
 from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
+from lockd.testing.daemon import DaemonProcess
+from tests.conftest import Backend
 
-from .conftest import Backend, DaemonProcess
 from .test_cli_run import (
     IGNORE_TERM,
     PID_THEN_SLEEP,

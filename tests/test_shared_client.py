@@ -13,7 +13,7 @@ import pytest
 from lockd_client import InvalidRequestError, LockClient
 from lockd_client.aio import AsyncLockClient
 
-from .conftest import LOCKD, DaemonProcess
+from lockd.testing.daemon import LOCKD, DaemonProcess
 
 pytestmark = pytest.mark.both_backends
 

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from .conftest import Backend, DaemonProcess
-from .helpers_users import wait_for
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
+from tests.conftest import Backend
+
 from .test_protocol_live import RawConn, check_error, running_daemon, unique
 
 pytestmark = pytest.mark.both_backends

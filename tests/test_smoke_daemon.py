@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lockd_client import LockClient, LockTimeoutError
 
-from .conftest import DaemonProcess
+from lockd.testing.daemon import DaemonProcess
 
 pytestmark = pytest.mark.both_backends
 

@@ -16,8 +16,8 @@ import shutil
 import pytest
 from lockd_client import LockClient, StorageUnavailableError
 
-from .conftest import DaemonProcess
-from .helpers_users import wait_for
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 
 
 def _grants(client: LockClient, prefix: str, count: int) -> int:

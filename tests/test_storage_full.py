@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import DaemonProcess
-from .helpers_users import wait_for
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
+
 from .test_protocol_live import RawConn, check_error, unique
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

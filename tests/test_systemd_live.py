@@ -47,8 +47,7 @@ from typing import Any
 import pytest
 
 from lockd.config import BackendSettings, Settings
-
-from .conftest import LOCKD, DaemonProcess
+from lockd.testing.daemon import LOCKD, DaemonProcess
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "operations.md"

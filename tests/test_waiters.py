@@ -18,10 +18,11 @@ from lockd_client import LockStatus
 from lockd.cli import main
 from lockd.cli.top import rates, render_frame
 from lockd.daemon.waiterview import QueuedWaiter, concerns, waiter_list
+from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 from lockd.waitline import WaitLine, wait_text
+from tests.conftest import Backend
 
-from .conftest import Backend, DaemonProcess
-from .helpers_users import wait_for
 from .test_protocol_live import RawConn, running_daemon, unique
 
 pytestmark = pytest.mark.both_backends

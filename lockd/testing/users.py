@@ -3,7 +3,7 @@
 Access rules and rate limits are about *other* uids: docs/contract.md §1 makes root and
 the daemon's own uid ``owner``, so a test running as root can only play a
 member through a second process with another uid. This module gives the live
-tests (and ``bench/rule_cost.py``) what they need for that:
+tests (and ``bench/rule_cost.py``, ``bench/abuse.py``) what they need for that:
 
 - :class:`Accounts` creates ``lockdt_<random>`` users and groups with
   ``useradd``/``groupadd`` and removes every one it created, also when the
@@ -23,7 +23,8 @@ root, imports everything it will ever need, then calls ``setgroups``,
 ``setgid`` and ``setuid`` (which, as root, set real, effective and saved
 ids) and checks it cannot get root back -- all before it connects, so the
 daemon's SO_PEERCRED sees only the throwaway user. Run as a script
-(``python helpers_users.py agent CONFIG``) this file *is* the agent.
+(``python -m lockd.testing.users agent CONFIG``, or by its path) this file
+*is* the agent.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def _run_tool(args: list[str], *, attempts: int = 20) -> None:
             return
         if proc.returncode not in _BUSY_EXIT or "lock" not in proc.stderr.lower():
             break
+        # Back off while another process holds the lock on /etc/passwd (no event to wait on).
         time.sleep(0.05 * (attempt + 1))
     raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
 
@@ -162,18 +164,6 @@ def share_socket(socket_path: Path) -> None:
     """
     os.chmod(socket_path, 0o666)
     os.chmod(socket_path.parent, 0o755)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> float:
-    """Poll until ``predicate()`` is true; the seconds it took. Raises TimeoutError."""
-    started = time.monotonic()
-    deadline = started + timeout
-    while True:
-        if predicate():
-            return time.monotonic() - started
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 # --------------------------------------------------------------------- agent
@@ -434,5 +424,5 @@ def _agent_main(config: dict[str, Any]) -> None:  # pragma: no cover - runs as a
 
 if __name__ == "__main__":  # pragma: no cover - the agent process
     if len(sys.argv) != 3 or sys.argv[1] != "agent":
-        raise SystemExit("usage: helpers_users.py agent CONFIG_JSON")
+        raise SystemExit("usage: python -m lockd.testing.users agent CONFIG_JSON")
     _agent_main(json.loads(sys.argv[2]))

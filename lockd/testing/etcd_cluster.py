@@ -11,10 +11,10 @@ the daemon's own gateway client cannot make the fixture lie about the
 cluster's state.
 
 :class:`EtcdBackend` is the ``[backend]`` table of a lockd serving from such a
-cluster (docs/contract.md §11); ``tests/conftest.py`` writes it into a daemon's
-``lockd.toml``.
+cluster (docs/contract.md §11); :class:`lockd.testing.daemon.DaemonProcess`
+writes it into a daemon's ``lockd.toml``.
 
-Standard library only, so ``bench/`` uses it too; the pytest fixtures are in
+Standard library only; ``bench/`` uses it too. The pytest fixtures are in
 ``tests/etcd_fixtures.py``.
 """
 
