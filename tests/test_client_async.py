@@ -12,8 +12,9 @@ import os
 import random
 import subprocess
 import sys
-import time
+from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 import trio
@@ -21,6 +22,7 @@ from lockd_client import (
     Handle,
     LockClient,
     LockLostError,
+    LockStatus,
     LockTimeoutError,
     UntrustedDaemonError,
 )
@@ -28,10 +30,36 @@ from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
 from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for, wait_for_asyncio, wait_for_trio
 
 pytestmark = pytest.mark.both_backends
 
 RACES = 300
+#: The cancel races' jitter (seconds): before the first of release/cancel, and between them.
+RACE_LEADS = (0, 0, 0.0005, 0.002)
+RACE_GAPS = (0, 0, 0.0001, 0.0005, 0.001)
+
+
+class StatusClient(Protocol):
+    """The status call both async clients have (asyncio's and trio's)."""
+
+    async def status(self, key: str) -> LockStatus: ...
+
+
+async def parked(client: StatusClient, key: str, waiters: int) -> bool:
+    return (await client.status(key)).waiters == waiters
+
+
+async def idle(client: StatusClient, key: str) -> bool:
+    status = await client.status(key)
+    return not status.held and status.waiters == 0
+
+
+async def renewed_past(client: StatusClient, key: str, first_end: datetime, ttl_ms: int) -> bool:
+    """The daemon's end of the lease on ``key`` lies a whole TTL past the grant's, ``first_end``."""
+    expires = (await client.status(key)).lease_expires_at
+    assert expires is not None
+    return (expires - first_end).total_seconds() * 1000 >= ttl_ms
 
 
 def held(socket: object, key: str) -> bool:
@@ -41,12 +69,11 @@ def held(socket: object, key: str) -> bool:
 
 def settles_free(socket: object, key: str, timeout: float = 10.0) -> bool:
     """The key is free (a crossing grant's release may take a moment to land)."""
-    deadline = time.monotonic() + timeout
     with LockClient(str(socket)) as client:
-        while client.status(key).held:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
+        try:
+            wait_for(lambda: not client.status(key).held, timeout, interval=0.005)
+        except TimeoutError:
+            return False
     return True
 
 
@@ -82,21 +109,16 @@ def test_asyncio_many_tasks_share_one_connection(daemon: DaemonProcess) -> None:
 
             async def worker(n: int) -> None:
                 async with client.lock("aio:shared-conn", ttl=30, timeout=30):
+                    if not order:
+                        # The first holder waits, on the same connection, until the 49
+                        # others are parked at the daemon: the loop and the connection
+                        # stay free for other requests while acquires wait.
+                        await wait_for_asyncio(
+                            lambda: parked(client, "aio:shared-conn", 49), 20, "49 parked"
+                        )
                     order.append(n)
-                    await asyncio.sleep(0)
 
-            ticks = 0
-
-            async def ticker() -> None:  # runs while everyone waits on the daemon
-                nonlocal ticks
-                while True:
-                    ticks += 1
-                    await asyncio.sleep(0.001)
-
-            tick_task = asyncio.create_task(ticker())
             await asyncio.gather(*(worker(n) for n in range(50)))
-            tick_task.cancel()
-            assert ticks > 0
             with LockClient(daemon.socket) as sync:
                 assert sync.stats()["connections"] >= 1
 
@@ -107,19 +129,29 @@ def test_asyncio_many_tasks_share_one_connection(daemon: DaemonProcess) -> None:
 
 def test_asyncio_lock_renews_and_reports_loss(daemon: DaemonProcess) -> None:
     async def main() -> None:
-        async with AsyncLockClient(daemon.socket) as client:
+        async with (
+            AsyncLockClient(daemon.socket) as client,
+            AsyncLockClient(daemon.socket) as observer,  # leaves the renewer's line alone
+        ):
             async with client.lock("aio:renew", ttl=0.3, timeout=1) as handle:
-                await asyncio.sleep(0.8)  # past the TTL: renewed in the background
+                # Renewed in the background until the daemon's end of the lease lies the
+                # asked TTL past the grant's: the key was kept past that TTL (etcd's
+                # leases are longer, whole seconds: there it takes a renewal or two).
+                first_end = handle.lease_expires_at
+                assert first_end is not None
+                await wait_for_asyncio(
+                    lambda: renewed_past(observer, "aio:renew", first_end, 300),
+                    20,
+                    "renewals past the first TTL",
+                    interval=0.05,
+                )
                 assert (await client.status("aio:renew")).fence == handle.fence
             lost: list[Handle] = []
             with pytest.raises(LockLostError):
                 async with client.lock("aio:lost", ttl=0.6, timeout=1, on_lost=lost.append):
                     with LockClient(daemon.socket) as admin:
                         assert admin.break_lock("aio:lost", "test").broken
-                    for _ in range(200):
-                        if lost:
-                            break
-                        await asyncio.sleep(0.01)
+                    await wait_for_asyncio(lambda: lost, 2, "on_lost called")
             assert lost
 
     asyncio.run(main())
@@ -136,10 +168,7 @@ def test_asyncio_wait_for_timeout_withdraws_the_waiter(daemon: DaemonProcess) ->
             h = await holder.acquire("aio:withdraw", ttl=30, timeout=1)
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(client.acquire("aio:withdraw", ttl=30, timeout=20), 0.2)
-            for _ in range(300):
-                if (await holder.status("aio:withdraw")).waiters == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_for_asyncio(lambda: parked(holder, "aio:withdraw", 0), 3, "no waiter")
             assert (await holder.status("aio:withdraw")).waiters == 0  # not after 20 s
             assert (await holder.release(h)).released
             assert not (await holder.status("aio:withdraw")).held  # nobody was handed it
@@ -161,16 +190,20 @@ def test_asyncio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess) ->
                 key = f"aio:race:{i % 7}"
                 h = await holder.acquire(key, ttl=30, timeout=5)
                 task = asyncio.create_task(client.acquire(key, ttl=30, timeout=10))
-                await asyncio.sleep(rng.choice([0, 0, 0.0005, 0.002]))
-                delay = rng.choice([0, 0, 0.0001, 0.0005, 0.001])
-                if rng.random() < 0.5:
+
+                async def release(h: Handle = h) -> None:
                     await holder.release(h)
-                    await asyncio.sleep(delay)
+
+                async def cancel(task: asyncio.Task[Handle] = task) -> None:
                     task.cancel()
-                else:
-                    task.cancel()
-                    await asyncio.sleep(delay)
-                    await holder.release(h)
+
+                lead, gap = rng.choice(RACE_LEADS), rng.choice(RACE_GAPS)
+                first, second = (release, cancel) if rng.random() < 0.5 else (cancel, release)
+                # The jitter IS the test: it moves the cancel around the grant's instant.
+                await asyncio.sleep(lead)
+                await first()
+                await asyncio.sleep(gap)  # the jitter again (see above)
+                await second()
                 try:
                     got = await task
                 except asyncio.CancelledError:
@@ -178,13 +211,9 @@ def test_asyncio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess) ->
                 else:
                     outcomes["granted"] += 1
                     assert (await client.release(got)).released
-                for _ in range(1000):
-                    status = await holder.status(key)
-                    if not status.held and status.waiters == 0:
-                        break
-                    await asyncio.sleep(0.002)
-                else:
-                    raise AssertionError(f"race {i}: {key} left held: {status}")
+                await wait_for_asyncio(
+                    lambda key=key: idle(holder, key), 2, f"race {i}: {key} free", 0.002
+                )
 
     asyncio.run(main())
     assert outcomes["cancelled"] > 0 and outcomes["granted"] > 0, outcomes
@@ -224,7 +253,7 @@ async def test_trio_many_tasks_share_one_connection(daemon: DaemonProcess) -> No
         async def worker(n: int) -> None:
             async with client.lock("trio:shared-conn", ttl=30, timeout=30):
                 order.append(n)
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()  # let the others run while this one holds
 
         async with trio.open_nursery() as nursery:
             for n in range(50):
@@ -238,14 +267,12 @@ async def test_trio_cancel_scope_withdraws_and_lock_cleans_up(daemon: DaemonProc
         with trio.move_on_after(0.2) as scope:
             await client.acquire("trio:withdraw", ttl=30, timeout=20)
         assert scope.cancelled_caught
-        with trio.fail_after(5):
-            while (await holder.status("trio:withdraw")).waiters:
-                await trio.sleep(0.01)
+        await wait_for_trio(lambda: parked(holder, "trio:withdraw", 0), 5, "no waiter")
         assert (await holder.release(h)).released
         # A block cancelled from outside still releases (shielded cleanup).
         with trio.move_on_after(0.2):
             async with client.lock("trio:cancelled-block", ttl=30, timeout=1):
-                await trio.sleep(10)
+                await trio.sleep_forever()  # until move_on_after cancels the block
         assert not (await holder.status("trio:cancelled-block")).held
 
 
@@ -266,29 +293,28 @@ async def test_trio_cancel_race_never_leaves_the_key_held(daemon: DaemonProcess)
                     got.append(await client.acquire(key, ttl=30, timeout=10))
 
             scope = trio.CancelScope()
+
+            async def release(h: Handle = h) -> None:
+                await holder.release(h)
+
+            async def cancel(scope: trio.CancelScope = scope) -> None:
+                scope.cancel()
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(take, scope, key, got)
-                await trio.sleep(rng.choice([0, 0, 0.0005, 0.002]))
-                delay = rng.choice([0, 0, 0.0001, 0.0005, 0.001])
-                if rng.random() < 0.5:
-                    await holder.release(h)
-                    await trio.sleep(delay)
-                    scope.cancel()
-                else:
-                    scope.cancel()
-                    await trio.sleep(delay)
-                    await holder.release(h)
+                lead, gap = rng.choice(RACE_LEADS), rng.choice(RACE_GAPS)
+                first, second = (release, cancel) if rng.random() < 0.5 else (cancel, release)
+                # The jitter IS the test: it moves the cancel around the grant's instant.
+                await trio.sleep(lead)
+                await first()
+                await trio.sleep(gap)  # the jitter again (see above)
+                await second()
             if got:
                 granted += 1
                 assert (await client.release(got[0])).released
             else:
                 cancelled += 1
-            with trio.fail_after(5):
-                while True:
-                    status = await holder.status(key)
-                    if not status.held and status.waiters == 0:
-                        break
-                    await trio.sleep(0.002)
+            await wait_for_trio(lambda key=key: idle(holder, key), 5, f"{key} free", 0.002)
     assert cancelled > 0 and granted > 0
 
 

@@ -24,11 +24,13 @@ from lockd.daemon.backends.etcd.leases import HEADROOM_S, KeptLease
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.session import Session
 from lockd.daemon.backends.etcd.wire import RangeOp
-from lockd.daemon.clock import SystemClock
+from lockd.daemon.clock import Clock, SystemClock
 from lockd.daemon.holds import Refused
 from lockd.daemon.protocol import Acquire
 from lockd.identity import Caller
+from lockd.testing.clock import SkippedClock
 from lockd.testing.etcd_cluster import EtcdCluster
+from lockd.testing.polling import AsyncPredicate, wait_for_trio
 
 _ids = itertools.count()
 
@@ -63,6 +65,7 @@ async def backends(etcd_cluster: EtcdCluster) -> AsyncIterator[Backends]:
             timeout: float = 5.0,
             endpoints: list[str] | None = None,
             session_ttl: int = 2,
+            clock: Clock | None = None,
         ) -> EtcdBackend:
             settings = BackendSettings(
                 kind="etcd",
@@ -73,7 +76,7 @@ async def backends(etcd_cluster: EtcdCluster) -> AsyncIterator[Backends]:
                 session_ttl=session_ttl,
             )
             gateway = EtcdGateway(GatewaySettings(settings.endpoints, timeout=timeout))
-            backend = EtcdBackend(gateway, settings, SystemClock())
+            backend = EtcdBackend(gateway, settings, clock or SystemClock())
             await nursery.start(backend.run)
             return backend
 
@@ -110,16 +113,16 @@ async def parked(
 
         before = len(await records(backend, req.key))
         nursery.start_soon(run)
-        with trio.fail_after(10):  # its waiter key is written
-            while len(await records(backend, req.key)) <= before:
-                await trio.sleep(0.01)
+
+        async def written() -> bool:
+            return len(await records(backend, req.key)) > before
+
+        await wait_for_trio(written, 10, "its waiter key written")
         yield scope
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
+async def until(predicate: AsyncPredicate, timeout: float = 10.0) -> None:
+    await wait_for_trio(predicate, timeout)
 
 
 # ---------------------------------------------------------------- grants
@@ -202,9 +205,10 @@ async def test_shared_holds_and_semaphores(backends: Backends) -> None:
 
 
 async def test_renew_keeps_the_fence_and_moves_the_expiry(backends: Backends) -> None:
-    backend = await backends()
+    clock = SkippedClock()
+    backend = await backends(clock=clock)
     hold = await acquired(backend, request("n", ttl_ms=2000))
-    await trio.sleep(0.3)
+    clock.skip(300)  # the renewal comes 0.3 s after the grant, as far as the backend knows
     found = await backend.find("n", hold.handle)
     assert found is not None
     same = await backend.renew(found, 2000)
@@ -213,7 +217,10 @@ async def test_renew_keeps_the_fence_and_moves_the_expiry(backends: Backends) ->
     assert found is not None and found.expires_at == same.expires_at
     longer = await backend.renew(found, 10_000)
     assert longer is not None and longer.ttl_ms == 10_000 and longer.fence == hold.fence
-    await trio.sleep(2.5)  # the first lease (2 s) is revoked, the new one holds
+    # The record now lives on the new lease: the first one's end cannot take it.
+    assert longer.lease != hold.lease
+    record = await backend.etcd.range(RangeOp(backend.layout.hold("n", hold.handle)))
+    assert [kv.lease for kv in record.kvs] == [longer.lease]
     found = await backend.find("n", hold.handle)
     assert found is not None and found.lease == longer.lease
 
@@ -221,13 +228,14 @@ async def test_renew_keeps_the_fence_and_moves_the_expiry(backends: Backends) ->
 async def test_a_hold_ends_with_its_ttl(backends: Backends) -> None:
     backend = await backends()
     hold = await acquired(backend, request("e", ttl_ms=1))
-    await trio.sleep(2.0)  # the hold's lease: etcd's shortest TTL
-    # etcd ends an expired lease a moment later (its lessor looks every 500 ms
-    # and the revoke is a raft write): a fixed 3.5 s was not always enough on a
-    # loaded box (test_integration saw over 3 s).
-    with trio.fail_after(15):
-        while await backend.find("e", hold.handle) is not None:
-            await trio.sleep(0.1)
+
+    # The hold's lease has etcd's shortest TTL (2 s); etcd ends an expired lease a
+    # moment later (its lessor looks every 500 ms and the revoke is a raft write):
+    # over 3 s on a loaded box. Nothing else deletes the hold.
+    async def gone() -> bool:
+        return await backend.find("e", hold.handle) is None
+
+    await wait_for_trio(gone, 15, "the hold's end", interval=0.1)
     assert (await backend.status("e")).holds == []
 
 
@@ -283,10 +291,17 @@ async def test_a_deletion_wakes_only_the_waiters_it_concerns(backends: Backends)
         # n1's hand-off granted n2's waiter, deleting the waiter just before
         # ours: that woke it, once (n2 untying the delivered hold does not).
         await until(lambda: mine.decisions == decided + 1)
-        await trio.sleep(0.2)
-        assert mine.decisions == decided + 1
         first = results[0]
         assert isinstance(first, Hold) and first.node == "n2"
+        # Once our view shows n2's untie (a rewrite of the hold's record), still one.
+        hold_key = one.layout.hold("wk", first.handle)
+
+        def untie_seen() -> bool:
+            record = (mine.records or {}).get(hold_key)
+            return record is not None and record.mod_revision > record.create_revision
+
+        await until(untie_seen)
+        assert mine.decisions == decided + 1
         assert await two.release("wk", first.handle)
         await until(lambda: len(results) == 2)
     assert isinstance(results[1], Hold) and results[1].node == "n1"
@@ -334,10 +349,15 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_takes_nothing(backends: B
     assert (await backend.status("c")).holds == []
 
 
+async def waiters(backend: EtcdBackend, key: str, count: int) -> bool:
+    return (await backend.status(key)).waiters == count
+
+
 async def until_records(backend: EtcdBackend, key: str, count: int) -> None:
-    with trio.fail_after(10):
-        while len(await records(backend, key)) != count:
-            await trio.sleep(0.02)
+    async def counted() -> bool:
+        return len(await records(backend, key)) == count
+
+    await wait_for_trio(counted, 10, f"{count} records of {key}", interval=0.02)
 
 
 # ------------------------------------------------------ ends of holds
@@ -415,16 +435,30 @@ async def test_an_unreachable_cluster_fails_within_the_timeout(backends: Backend
 # ---------------------------------------------------------------- leases
 
 
-async def test_released_leases_are_reused_with_a_fresh_ttl(backends: Backends) -> None:
-    backend = await backends()
+async def test_released_leases_are_reused_with_a_fresh_ttl(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = SkippedClock()
+    backend = await backends(clock=clock)
+    keepalive = backend.etcd.lease_keepalive
+    answered: list[tuple[int, int]] = []
+
+    async def counted(lease_id: int) -> int:
+        ttl = await keepalive(lease_id)
+        answered.append((lease_id, ttl))
+        return ttl
+
+    monkeypatch.setattr(backend.etcd, "lease_keepalive", counted)
     first = await acquired(backend, request("p", ttl_ms=3000))
     assert await backend.release("p", first.handle)
     assert len(backend.leases) == 1
-    await trio.sleep(1.2)  # the kept lease has ~1.8 s left: a keepalive renews it
+    clock.skip(1200)  # the kept lease has ~1.8 s left: its reuse renews it first
     again = await acquired(backend, request("p", ttl_ms=3000))
     assert again.lease == first.lease and len(backend.leases) == 0
     assert again.expires_at >= first.expires_at + 1000
-    await trio.sleep(2.0)  # past the first grant's end: the keepalive kept it alive
+    # etcd renewed the lease to its whole TTL (at least the grant's 3 s): it outlives
+    # the first grant's end.
+    assert [lease for lease, _ in answered] == [first.lease] and answered[0][1] >= 3
     assert await backend.find("p", again.handle) is not None
     # A busy try gives its lease back too.
     assert await backend.acquire(request("p", ttl_ms=3000), BOB, 1, None) is None
@@ -434,7 +468,8 @@ async def test_released_leases_are_reused_with_a_fresh_ttl(backends: Backends) -
 async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
     backends: Backends, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = await backends()
+    clock = SkippedClock()
+    backend = await backends(clock=clock)
     keepalive = backend.etcd.lease_keepalive
     sent: list[int] = []
 
@@ -461,7 +496,7 @@ async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
 
     original_fresh = KeptLease.fresh
     monkeypatch.setattr(KeptLease, "fresh", never_fresh)
-    await trio.sleep(0.05)
+    clock.skip(50)
     third = await acquired(backend, request("f", ttl_ms=600_000))
     assert third.lease == first.lease and sent == [first.lease]
     assert third.expires_at >= first.expires_at + 50
@@ -515,9 +550,7 @@ async def test_waiters_survive_the_loss_of_their_session(backends: Backends) -> 
         # The bound hold died with the session; the waiter is queued again.
         assert await two.find("lost-bound", bound.handle) is None
         await until(lambda: one.session_lease not in (None, session))
-        with trio.fail_after(10):
-            while (await two.status("lost")).waiters != 1:
-                await trio.sleep(0.02)
+        await until(lambda: waiters(two, "lost", 1))
         assert await two.release("lost", holder.handle)
         await until(lambda: len(results) == 1)
     assert isinstance(results[0], Hold) and results[0].principal == "user:bob"
@@ -617,15 +650,23 @@ async def test_a_grant_cancelled_after_its_commit_is_released(
         return False
 
     monkeypatch.setattr(KeptLease, "fresh", never_fresh)  # its reuse sends a keepalive
-    await trio.sleep(0.01)
-    keepalive = backend.etcd.lease_keepalive
+    keepalive_out = trio.Event()
 
-    async def slow_keepalive(lease_id: int) -> int:
-        await trio.sleep(1.0)
-        return await keepalive(lease_id)
+    async def unanswered_keepalive(lease_id: int) -> int:
+        keepalive_out.set()
+        await trio.sleep_forever()  # etcd has not answered when the caller is cancelled
 
-    monkeypatch.setattr(backend.etcd, "lease_keepalive", slow_keepalive)
-    with trio.move_on_after(0.5) as scope:
-        await backend.acquire(request("late", ttl_ms=30_000), ALICE, 1, None)
+    monkeypatch.setattr(backend.etcd, "lease_keepalive", unanswered_keepalive)
+    scope = trio.CancelScope()
+
+    async def take() -> None:
+        with scope:
+            await backend.acquire(request("late", ttl_ms=30_000), ALICE, 1, None)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take)
+        await keepalive_out.wait()
+        await until_records(backend, "late", 1)  # the grant is committed
+        scope.cancel()
     assert scope.cancelled_caught
     await until_records(backend, "late", 0)

@@ -5,6 +5,8 @@
   token that lets a test run find every process it started.
 - :mod:`lockd.testing.etcd_cluster`: a throwaway 3-member etcd cluster on
   loopback ports, and the ``[backend]`` table of a lockd serving from it.
+- :mod:`lockd.testing.clock`: the daemon's clock, moved by the test instead of
+  by time.
 - :mod:`lockd.testing.polling`: wait for a condition with a deadline,
   returning as soon as it holds (sync, trio and asyncio flavours).
 - :mod:`lockd.testing.users`: throwaway Unix users and client processes that

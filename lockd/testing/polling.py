@@ -10,8 +10,9 @@ it generous. The poll interval is the only sleep, and it is here once.
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 def _timed_out(what: str, timeout: float) -> TimeoutError:
@@ -31,15 +32,26 @@ def wait_for(
     return time.monotonic() - started
 
 
+async def _holds(predicate: Callable[[], object]) -> bool:
+    result = predicate()
+    if inspect.isawaitable(result):
+        result = await result
+    return bool(result)
+
+
+#: a condition for the async helpers: a plain function, or one to await (``status`` calls).
+AsyncPredicate = Callable[[], object] | Callable[[], Awaitable[object]]
+
+
 async def wait_for_trio(
-    predicate: Callable[[], object], timeout: float = 10.0, what: str = "", interval: float = 0.01
+    predicate: AsyncPredicate, timeout: float = 10.0, what: str = "", interval: float = 0.01
 ) -> float:
-    """:func:`wait_for` inside trio: other tasks run while it waits."""
+    """:func:`wait_for` inside trio: other tasks run while it waits; ``predicate`` may be async."""
     import trio  # only trio tests need it: keep this module importable without trio's cost
 
     started = trio.current_time()
     deadline = started + timeout
-    while not predicate():
+    while not await _holds(predicate):
         if trio.current_time() >= deadline:
             raise _timed_out(what, timeout)
         await trio.sleep(interval)  # the poll interval (under a MockClock it costs no time)
@@ -47,15 +59,15 @@ async def wait_for_trio(
 
 
 async def wait_for_asyncio(
-    predicate: Callable[[], object], timeout: float = 10.0, what: str = "", interval: float = 0.01
+    predicate: AsyncPredicate, timeout: float = 10.0, what: str = "", interval: float = 0.01
 ) -> float:
-    """:func:`wait_for` inside asyncio: other tasks run while it waits."""
+    """:func:`wait_for` inside asyncio (other tasks run meanwhile); ``predicate`` may be async."""
     import asyncio
 
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline = started + timeout
-    while not predicate():
+    while not await _holds(predicate):
         if loop.time() >= deadline:
             raise _timed_out(what, timeout)
         await asyncio.sleep(interval)  # the poll interval
