@@ -48,6 +48,8 @@ from lockd_client import (
     default_socket_path,
 )
 
+from lockd.testing.polling import wait_for
+
 EXPIRES = "2099-11-30T03:31:00.123Z"  # far ahead: a lease that ended would be renewed at once
 EXPIRES_DT = datetime(2099, 11, 30, 3, 31, 0, 123000, tzinfo=UTC)
 HANDLE_ID = "h" * 22
@@ -236,6 +238,10 @@ def serve(sock_path: str) -> Iterator[Callable[[Script], FakeServer]]:
     for server in servers:
         server.stop()
         assert not server.errors, server.errors
+
+
+def renew_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lockd-renew")]
 
 
 def make_client(path: str, **kwargs: Any) -> LockClient:
@@ -461,6 +467,8 @@ def test_replies_split_across_reads_and_joined_in_one(
         line = json.dumps({"id": first["id"], **answer(first)}).encode() + b"\n"
         for part in (line[:5], line[5:40], line[40:]):  # one reply in three pieces
             peer.sock.sendall(part)
+            # A pause, so that each piece reaches the client in a read of its own (the
+            # client shows no sign of having read; nothing to wait on).
             time.sleep(0.01)
         a, b = peer.recv(), peer.recv()
         assert a is not None and b is not None
@@ -741,7 +749,9 @@ def test_blocking_acquire_outlives_request_timeout(serve: Callable[[Script], Fak
     def script(peer: Peer, index: int) -> None:
         request = peer.recv()
         assert request is not None
-        time.sleep(0.25)  # longer than request_timeout, shorter than timeoutMs + margin
+        # The behaviour under test: a reply later than request_timeout (0.1 s), within
+        # timeoutMs + margin. The client gives no sign of how long it has waited.
+        time.sleep(0.25)
         peer.reply(request, answer(request))
         peer.recv()
 
@@ -753,13 +763,14 @@ def test_blocking_acquire_outlives_request_timeout(serve: Callable[[Script], Fak
 def test_no_reply_times_out_and_late_grant_is_released(
     serve: Callable[[Script], FakeServer],
 ) -> None:
+    gave_up = threading.Event()
     grant_sent = threading.Event()
     released = threading.Event()
 
     def script(peer: Peer, index: int) -> None:
         request = peer.recv()
         assert request is not None and request["op"] == "acquire"
-        time.sleep(1.0)
+        assert gave_up.wait(10)  # the grant comes only after the client has given up
         peer.reply(request, ok(grant(request)))
         grant_sent.set()
         while (request := peer.recv()) is not None:
@@ -770,10 +781,10 @@ def test_no_reply_times_out_and_late_grant_is_released(
 
     server = serve(script)
     with make_client(server.path, request_timeout=0.05) as client:
-        started = time.monotonic()
         with pytest.raises(DaemonUnavailableError, match="no reply"):
             client.acquire("k", ttl=1, timeout=0.05)
-        assert time.monotonic() - started < 0.9  # the timeout, not the grant 1 s later
+        assert not grant_sent.is_set()  # the timeout, not the grant (held back until now)
+        gave_up.set()
         assert grant_sent.wait(3)
         assert client.status("k").key == "k"  # same connection still works
         assert released.wait(2)
@@ -808,10 +819,7 @@ def test_late_grant_is_released_while_another_thread_reads(
         box: list[Handle] = []
         waiter = threading.Thread(target=lambda: box.append(client.acquire("slow", 1, 10)))
         waiter.start()
-        deadline = time.monotonic() + 2
-        while "acquire" not in server.ops():
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: "acquire" in server.ops(), 2, "the parked acquire", interval=0.005)
         with pytest.raises(DaemonUnavailableError, match="no reply"):
             client.acquire("k", ttl=1, timeout=0)
         gave_up.set()
@@ -893,7 +901,7 @@ def test_retried_acquire_waits_only_for_the_rest(serve: Callable[[Script], FakeS
     def script(peer: Peer, index: int) -> None:
         if index == 0:
             peer.recv()
-            time.sleep(0.1)
+            time.sleep(0.1)  # time that passes before the drop: the retry must not wait it again
             peer.close()
             return
         responder(answer)(peer, index)
@@ -971,14 +979,16 @@ def test_unsent_request_is_sent_once_at_once_on_a_new_connection(
     def sleep(seconds: float) -> None:
         if threading.current_thread() is threading.main_thread():
             slept.append(seconds)
-        real_sleep(seconds)
+        real_sleep(seconds)  # not a wait of the test's: the client's own, passed on
 
     with make_client(server.path) as client:
         client.hello()
-        deadline = time.monotonic() + 2
-        while server.connections < 1 or server._peers[0].sock.fileno() != -1:
-            assert time.monotonic() < deadline
-            real_sleep(0.005)  # until the daemon side is closed
+        wait_for(
+            lambda: server.connections >= 1 and server._peers[0].sock.fileno() == -1,
+            2,
+            "the daemon side closed",
+            interval=0.005,
+        )
         monkeypatch.setattr(time, "sleep", sleep)
         if op == "tryAcquire":
             assert client.try_acquire("k", ttl=1) is not None
@@ -1015,9 +1025,7 @@ def test_stuck_send_is_not_sent_and_goes_again_on_a_new_connection(
     with make_client(server.path, request_timeout=2, retry_window=6) as client:
         assert client.list(prefix=prefix) == []
         done.set()
-    deadline = time.monotonic() + 5
-    while not first_bytes and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: first_bytes, 5, "the first connection's bytes")
     assert first_bytes and first_bytes[0] and b"\n" not in first_bytes[0]
     assert server.ops() == ["list"] and server.connections == 2
 
@@ -1161,7 +1169,9 @@ def test_blocking_acquire_reparks_after_shutting_down(
         request = peer.recv()
         assert request is not None
         if index == 0:
-            time.sleep(0.2)  # parked for a while, then the daemon stops
+            # Parked for a while, then the daemon stops: the time that passes is what the
+            # re-parked request's shorter timeout must account for.
+            time.sleep(0.2)
             peer.reply(request, err("SHUTTING_DOWN", 503))
             peer.close()
         else:
@@ -1292,17 +1302,16 @@ def test_auto_renew_renews_and_stops(serve: Callable[[Script], FakeServer]) -> N
         # lease counts as lost. (A 60 ms TTL left a renew 34 ms: a test process
         # starved of CPU on a loaded box lost the lease, "no reply within 0.01 s".)
         with client.lock("k", ttl=1.5, timeout=1, auto_renew=True, on_lost=lost.append) as h:
-            deadline = time.monotonic() + 10
-            while server.ops().count("renew") < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: server.ops().count("renew") >= 3, 10, "three renewals")
         ops_at_exit = server.ops()
-        time.sleep(0.6)  # longer than the renew interval
-        assert server.ops() == ops_at_exit  # the renew thread has stopped
+        # The renew thread has ended (leaving the block joins it): nothing can renew now.
+        wait_for(lambda: not renew_threads(), 5, "the renew thread's end")
+        assert server.ops() == ops_at_exit
     assert ops_at_exit.count("renew") >= 3 and ops_at_exit[-1] == "release"
     assert not lost and not h.lost
     renew = next(r for r in server.requests if r["op"] == "renew")
     assert renew["ttlMs"] == 1500 and renew["handle"] == HANDLE_ID
-    assert not [t for t in threading.enumerate() if t.name.startswith("lockd-renew")]
+    assert not renew_threads()
 
 
 def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], FakeServer]) -> None:
@@ -1330,7 +1339,8 @@ def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], Fak
             client.lock("k", ttl=1.5, timeout=1, auto_renew=True, on_lost=on_lost) as handle,
         ):
             assert called.wait(10)
-            time.sleep(0.6)  # it must not renew again or report twice
+            # It must not renew again or report twice: its thread ends after the report.
+            wait_for(lambda: not renew_threads(), 5, "the renew thread's end")
         assert lost == [handle] and handle.lost
         # This daemon sends no events: the renewal still sees the loss.
         assert server.ops() == ["hello", "acquire", "renew", "release"]
@@ -1350,7 +1360,7 @@ def test_auto_renew_is_paced_by_the_ttl_the_grant_reports(
 
     def handler(request: dict[str, Any]) -> dict[str, Any]:
         if request["op"] == "renew":
-            time.sleep(0.5)
+            time.sleep(0.5)  # the behaviour under test: a renew slower than the TTL asked
             return ok({"renewed": True, "leaseExpiresAt": stamp(2.0)})
         reply = answer(request)
         if request["op"] == "acquire":
@@ -1359,9 +1369,7 @@ def test_auto_renew_is_paced_by_the_ttl_the_grant_reports(
 
     server = serve(responder(handler))
     with make_client(server.path) as client, client.lock("k", ttl=0.3, timeout=1) as handle:
-        deadline = time.monotonic() + 5
-        while server.ops().count("renew") < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: server.ops().count("renew") >= 2, 5, "two renewals", interval=0.02)
         assert not handle.lost
     renews = [r for r in server.requests if r["op"] == "renew"]
     assert len(renews) >= 2 and renews[0]["ttlMs"] == 300  # it asks for what it asked
