@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,7 @@ from lockd.run.lease import take_lease
 from lockd.run.options import Reporter, RunOptions
 from lockd.run.process import exit_status
 from lockd.testing.daemon import LOCKD, DaemonProcess
+from lockd.testing.polling import wait_for
 from tests.conftest import Backend
 
 PY = sys.executable
@@ -71,7 +73,8 @@ LOCKD_RUN = _run_argv()
 #: over 5 s on a 2-core box at load 9 (test_signals_are_forwarded, in CI).
 RUN_EXIT = 20.0
 
-# Child programs (run by lockd run as COMMAND). argv[1] is a marker file.
+# Child programs (run by lockd run as COMMAND). argv[1] is a marker file. Each then
+# waits for a signal (signal.pause): lockd run's, or the SIGKILL of a test's end.
 TRAP_TERM = """
 import signal, sys, time, pathlib
 p = pathlib.Path(sys.argv[1])
@@ -81,18 +84,18 @@ def on(sig, frame):
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, on)
 p.write_text("ready")
-time.sleep(60)
+signal.pause()
 """
 IGNORE_TERM = """
-import os, signal, sys, time, pathlib
+import os, signal, sys, pathlib
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 pathlib.Path(sys.argv[1]).write_text(f"ready {os.getpid()}")
-time.sleep(60)
+signal.pause()
 """
 PID_THEN_SLEEP = """
-import os, sys, time, pathlib
+import os, signal, sys, pathlib
 pathlib.Path(sys.argv[1]).write_text(f"ready {os.getpid()}")
-time.sleep(60)
+signal.pause()
 """
 
 
@@ -109,11 +112,16 @@ def _default_signal_dispositions() -> None:
 
 
 def start_run(
-    daemon: DaemonProcess, *args: str, stdout: int | None = subprocess.PIPE
+    daemon: DaemonProcess,
+    *args: str,
+    stdout: int | None = subprocess.PIPE,
+    stdin: int | None = None,
 ) -> subprocess.Popen[str]:
+    """``lockd run`` in the background; ``stdin=PIPE`` reaches COMMAND (it inherits it)."""
     return subprocess.Popen(
         [*LOCKD_RUN, *args],
         env=daemon.env,
+        stdin=stdin,
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
@@ -130,11 +138,22 @@ def lockd_run(
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+    wait_for(pred, timeout, what)
+
+
+def stderr_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The next line ``lockd run`` writes to stderr, waiting up to ``timeout`` s for it."""
+    assert proc.stderr is not None
+    readable, _, _ = select.select([proc.stderr], [], [], timeout)
+    assert readable, f"lockd run wrote nothing to stderr within {timeout} s"
+    return proc.stderr.readline()
+
+
+def tell(proc: subprocess.Popen[str], line: str = "go") -> None:
+    """A line on COMMAND's stdin: what it waits for before going on."""
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
 
 
 def wait_ready(marker: Path, timeout: float = 5.0) -> str:
@@ -400,6 +419,7 @@ def test_wait_gets_the_key_in_fifo_order(
     assert holder is not None
     script = (
         "import sys, time; f = open(sys.argv[1], 'a'); f.write(sys.argv[2] + '+'); f.flush();"
+        # COMMAND's work: a window in which an overlapping next holder would write.
         "time.sleep(0.15); f.write(sys.argv[2] + '-'); f.flush()"
     )
     procs = []
@@ -451,10 +471,10 @@ def test_sigkill_frees_the_key_at_once_and_kills_command(
 # COMMAND that starts a worker (its own child, same process group) and waits.
 # argv[1] is a marker file: "ready <worker pid>".
 WORKER_IN_GROUP = """
-import subprocess, sys, time, pathlib
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+import signal, subprocess, sys, pathlib
+worker = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
 pathlib.Path(sys.argv[1]).write_text(f"ready {worker.pid}")
-time.sleep(60)
+signal.pause()
 """
 
 
@@ -596,17 +616,24 @@ def test_on_lost_ignore_lets_command_finish_then_exits_6(
 ) -> None:
     marker = short_tmp / "m"
     script = (
-        "import sys, time, pathlib; p = pathlib.Path(sys.argv[1]); p.write_text('ready');"
-        "time.sleep(0.8); p.write_text('done')"
+        "import sys, pathlib; p = pathlib.Path(sys.argv[1]); p.write_text('ready');"
+        "sys.stdin.readline(); p.write_text('done')"
     )
     proc = start_run(
-        shared, "--ttl", "300ms", "--on-lost", "ignore", "ig", "--", PY, "-c", script, str(marker)
+        shared,
+        *("--ttl", "300ms", "--on-lost", "ignore", "ig", "--", PY, "-c", script, str(marker)),
+        stdin=subprocess.PIPE,
     )
     wait_ready(marker)
     assert client.break_lock("ig", "test").broken
+    # lockd run says it saw the loss, and COMMAND still runs: it finishes when told.
+    said = stderr_line(proc, 10)
+    assert "--on-lost ignore" in said
+    assert marker.read_text() == "ready"
+    tell(proc)
     assert proc.wait(10) == EXIT_LOST
     assert marker.read_text() == "done"
-    stderr = proc.stderr.read() if proc.stderr else ""
+    stderr = said + (proc.stderr.read() if proc.stderr else "")
     assert "--on-lost ignore" in stderr
     assert "COMMAND exited with status 0" in stderr
 
@@ -669,15 +696,20 @@ def test_release_on_close_lease_survives_a_clean_daemon_restart(daemon: DaemonPr
 def test_daemon_restart_keeps_the_run_going(
     daemon: DaemonProcess, short_tmp: Path, how: str, backend: Backend
 ) -> None:
-    go, marker = short_tmp / "go", short_tmp / "m"
-    script = (
-        "import sys, time, pathlib; p = pathlib.Path(sys.argv[1])\n"
-        "pathlib.Path(sys.argv[2]).write_text('ready')\n"
-        "while not p.exists(): time.sleep(0.01)"
-    )
+    marker = short_tmp / "m"
+    script = "import sys, pathlib; pathlib.Path(sys.argv[1]).write_text('ready'); input()"
     # A TTL long enough for a daemon restart on a loaded machine (1.5 s was not).
     proc = start_run(
-        daemon, "--ttl", "10s", "restart", "--", PY, "-c", script, str(go), str(marker)
+        daemon,
+        "--ttl",
+        "10s",
+        "restart",
+        "--",
+        PY,
+        "-c",
+        script,
+        str(marker),
+        stdin=subprocess.PIPE,
     )
     with LockClient(daemon.socket) as own:
         # The COMMAND runs only once lockd run has its grant. The key shows as
@@ -707,6 +739,6 @@ def test_daemon_restart_keeps_the_run_going(
             10.0,
             "a renewal after the restart",
         )
-        go.touch()
+        tell(proc)
         assert proc.wait(10) == 0, proc.stderr.read() if proc.stderr else ""
         assert not own.status("restart").held
