@@ -90,7 +90,7 @@ def _asyncio_block(socket: str, key: str, reason: str) -> tuple[LockLostError, f
                 async with client.lock(key, ttl=60, timeout=5):
                     breaker.start()
                     started = time.monotonic()
-                    await asyncio.sleep(60)
+                    await asyncio.Event().wait()  # until the loss cancels the block
             except LockLostError as exc:
                 assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
                 await asyncio.sleep(0)  # no cancellation left over for the caller
@@ -115,7 +115,7 @@ def test_asyncio_block_that_never_awaits_ends_in_lock_lost(daemon: DaemonProcess
                 async with client.lock("busy", ttl=60, timeout=5):
                     breaker, _ = _break_in_thread(daemon.socket, "busy", "r")
                     breaker.start()
-                    time.sleep(0.3)  # CPU-bound work, no await: the break is told meanwhile
+                    breaker.join(10)  # blocking, no await: the break is done (and told) meanwhile
             await asyncio.sleep(0)  # no stray cancellation reaches the caller
             breaker.join(10)
             return caught.value
@@ -132,7 +132,7 @@ async def test_trio_block_is_cancelled_with_the_reason(daemon: DaemonProcess) ->
             async with client.lock("trio", ttl=60, timeout=5):
                 breaker.start()
                 started = time.monotonic()
-                await trio.sleep(60)
+                await trio.sleep_forever()  # until the loss cancels the block
         took = time.monotonic() - started
     assert caught.value.cause == "break" and "rack moved" in str(caught.value)
     assert took < PROMPT
@@ -145,6 +145,6 @@ async def test_trio_expiry_cancels_the_block(daemon: DaemonProcess) -> None:
         with pytest.raises(LockLostError) as caught:
             # Not renewed: only the daemon's event can end the block early.
             async with client.lock("short", ttl=0.3, timeout=5, auto_renew=False):
-                await trio.sleep(60)
+                await trio.sleep_forever()  # until the loss cancels the block
     assert caught.value.cause == "expired"
     assert "ran out" in caught.value.reason
