@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
+import trio.testing
 
 from lockd.config import BackendSettings
 from lockd.daemon.backends import BackendUnavailable
@@ -45,6 +46,17 @@ async def kill(backend: EtcdBackend, survivor: EtcdBackend) -> None:
     _scopes[id(backend)].cancel()
     assert lease is not None
     await survivor.etcd.lease_revoke(lease)
+
+
+#: where the daemon calls etcd from its background tasks (keepalives, watches).
+BACKGROUND = ("/v3/lease/keepalive", "/v3/watch")
+
+
+@pytest.fixture
+def real_speed_clock() -> trio.testing.MockClock:
+    """trio's clock for the test (pytest-trio runs it on any Clock fixture): real time,
+    which the test may jump ahead. etcd keeps its own time."""
+    return trio.testing.MockClock(rate=1)
 
 
 @pytest.fixture
@@ -131,10 +143,10 @@ async def test_code_1_at_every_background_call_site_and_the_daemon_lives(start: 
         with pytest.raises(BackendUnavailable):  # a write whose outcome is unknown
             await a.acquire(request("x"), ALICE, 2, None)
         assert await b.release("k", held.handle)  # the queue's watch is interrupted
-        await trio.sleep(2.5)
+        # Until every background call site has met the fault (a keepalive comes after
+        # its interval, about 1.7 s).
+        await until(lambda: all(faults.hits[path] > 0 for path in BACKGROUND), timeout=15)
         faults.fail(False)
-        for path in ("/v3/lease/keepalive", "/v3/watch"):
-            assert faults.hits[path] > 0, (path, faults.hits)
         # Writes met it too: sent (a transaction) or, once a write's outcome
         # was unknown, held at the status read that asks who leads. The
         # clean-up's transactions meet it in the ghost test below.
@@ -142,9 +154,7 @@ async def test_code_1_at_every_background_call_site_and_the_daemon_lives(start: 
 
         # Every task lived through it: the waiter is granted from the watch,
         # the clean-up deleted the undelivered hold, the session is kept.
-        with trio.fail_after(10):
-            while not waiting:
-                await trio.sleep(0.01)
+        await until(lambda: waiting)
         granted = waiting[0]
         assert isinstance(granted, Hold)
         await until(lambda: not a._doomed_keys)
@@ -182,8 +192,8 @@ async def test_a_tied_grant_is_answered_once_untied_and_code_1_delays_it(start: 
         [tied] = [h for h in (await b.status("t")).holds]
         assert isinstance(tied, Hold) and tied.tied
         binding = a.layout.binding("t", tied.handle)
-        await trio.sleep(1.0)
-        assert faults.hits["/v3/kv/txn"] > 0
+        # a has seen the grant and tried to untie it, twice, and failed both times.
+        await until(lambda: faults.hits["/v3/kv/txn"] >= 2)
         assert len(results) == 1  # not answered while still tied
         assert binding in await records(a, "t")
         faults.fail(False)
@@ -230,8 +240,7 @@ async def test_a_ghost_waiter_does_not_block_a_free_key(start: Start) -> None:
         assert ghost not in a._queues["g"].waiters and ghost in a.doomed_keys
         nursery.start_soon(wait, "b", b, BOB)
         await until(lambda: bool(b._queues.get("g") and b._queues["g"].waiters))
-        await trio.sleep(0.5)
-        assert faults.hits["/v3/kv/txn"] >= 2  # the enqueue and a's clean-up failed
+        await until(lambda: faults.hits["/v3/kv/txn"] >= 2)  # the enqueue and a's clean-up failed
         assert ghost in await records(a, "g")
         released = trio.current_time()
         assert await c.release("g", held.handle)
@@ -251,7 +260,9 @@ async def test_a_ghost_waiter_does_not_block_a_free_key(start: Start) -> None:
         assert await b.release("g", results[1][1].handle)  # type: ignore[union-attr]
 
 
-async def test_an_orphan_on_the_session_is_found_and_deleted(start: Start) -> None:
+async def test_an_orphan_on_the_session_is_found_and_deleted(
+    start: Start, real_speed_clock: trio.testing.MockClock
+) -> None:
     """A waiter key on our session that no queue knows (a late commit) is deleted."""
     a, _ = await start("a")
     lease = a.session_lease
@@ -262,7 +273,7 @@ async def test_an_orphan_on_the_session_is_found_and_deleted(start: Start) -> No
         await a.etcd.put(key, b"{}", lease=lease)
     reconciler = Reconciler(a)
     assert await reconciler.look() == []  # once unknown is not enough: it may be in flight
-    await trio.sleep(a.timeout)
+    real_speed_clock.jump(a.timeout)  # unknown for a whole etcd timeout, on trio's clock
     assert sorted(await reconciler.look()) == sorted([orphan, binding])
     await until(lambda: not a.doomed_keys)
     assert await records(a, "o") == []
