@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -22,17 +21,9 @@ import pytest
 from lockd_client import Handle, LockClient, LockdError, LockLostError
 
 from lockd.testing.daemon import LOCKD, DaemonProcess
-from tests.conftest import Backend
+from lockd.testing.polling import wait_for
 
 pytestmark = pytest.mark.both_backends
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def waiters(client: LockClient, key: str) -> int:
@@ -42,15 +33,12 @@ def waiters(client: LockClient, key: str) -> int:
 # -- lock() ---------------------------------------------------------------------------------
 
 
-def test_lock_raises_lock_lost_when_the_ttl_ran_out_inside(
-    daemon: DaemonProcess, backend: Backend
-) -> None:
+def test_lock_raises_lock_lost_when_the_ttl_ran_out_inside(daemon: DaemonProcess) -> None:
     with LockClient(daemon.socket) as client:
         lock = client.lock("safe:ttl", ttl=0.2, timeout=1, auto_renew=False)
         with pytest.raises(LockLostError) as caught, lock as handle:
-            time.sleep(backend.effective_ttl_ms(200) / 1000)
-            # etcd ends an expired lease a moment later (leaseExpiresAt is the earliest end)
-            wait_for(lambda: not client.status("safe:ttl").held, "the lease to run out")
+            # Not renewed: the lease runs out (on etcd a moment after leaseExpiresAt).
+            wait_for(lambda: not client.status("safe:ttl").held, 20, "the lease to run out")
         assert caught.value.key == "safe:ttl" and caught.value.fence == handle.fence
         assert "not_holder" in str(caught.value) and handle.lost
 
@@ -85,18 +73,30 @@ def test_lock_raises_lock_lost_after_a_break_and_calls_on_lost_at_once(
 
 
 def test_lock_renews_by_default(daemon: DaemonProcess) -> None:
-    with LockClient(daemon.socket) as client, client.lock("safe:renew", ttl=0.3, timeout=1) as h:
-        time.sleep(0.8)  # well past the TTL: the renewer kept it
+    with (
+        LockClient(daemon.socket) as client,
+        LockClient(daemon.socket) as observer,
+        client.lock("safe:renew", ttl=0.3, timeout=1) as h,
+    ):
+        first_end = h.lease_expires_at
+        assert first_end is not None
+
+        def renewed_past_the_ttl() -> bool:
+            # The daemon's end of the lease lies the TTL past the grant's: kept past it.
+            end = observer.status("safe:renew").lease_expires_at
+            return end is not None and (end - first_end).total_seconds() >= 0.3
+
+        wait_for(renewed_past_the_ttl, 20, "renewals past the TTL", interval=0.05)
         assert client.status("safe:renew").fence == h.fence and not h.lost
 
 
 def test_killed_process_inside_lock_frees_the_key_at_once(daemon: DaemonProcess) -> None:
     code = (
-        "import sys, time\n"
+        "import signal, sys\n"
         "from lockd_client import LockClient\n"
         "with LockClient(sys.argv[1]) as c, c.lock('safe:kill', ttl=600, timeout=5):\n"
         "    print('held', flush=True)\n"
-        "    time.sleep(600)\n"
+        "    signal.pause()  # until killed\n"
     )
     child = subprocess.Popen(
         [sys.executable, "-c", code, str(daemon.socket)], stdout=subprocess.PIPE, text=True
@@ -149,7 +149,7 @@ def test_parked_acquires_survive_restarts_under_load(daemon: DaemonProcess, how:
     for w in waiters_:
         w.start()
     with LockClient(daemon.socket) as probe:
-        wait_for(lambda: waiters(probe, key) == 12, "12 parked waiters")
+        wait_for(lambda: waiters(probe, key) == 12, 20, "12 parked waiters")
     stop_load = threading.Event()
     load_errors: list[BaseException] = []
 
@@ -161,7 +161,9 @@ def test_parked_acquires_survive_restarts_under_load(daemon: DaemonProcess, how:
                     if h is not None:
                         c.release(h)
                 except LockdError:
-                    time.sleep(0.01)  # mid-restart; the waiters are what we test
+                    # Mid-restart: a pause before the next try, the load's own pacing (the
+                    # waiters are what we test).
+                    time.sleep(0.01)
                 except BaseException as exc:
                     load_errors.append(exc)
                     return
@@ -177,7 +179,7 @@ def test_parked_acquires_survive_restarts_under_load(daemon: DaemonProcess, how:
                 daemon.kill9()
             daemon.start()
             with LockClient(daemon.socket) as probe:
-                wait_for(lambda: waiters(probe, key) == 12, "the waiters to park again")
+                wait_for(lambda: waiters(probe, key) == 12, 20, "the waiters to park again")
         with LockClient(daemon.socket) as probe:
             assert probe.status(key).fence == held.fence  # the lease survived both
         assert holder.release(held).released
@@ -212,11 +214,11 @@ def test_cli_waits_survive_a_restart(daemon: DaemonProcess) -> None:
         held = client.acquire("repark:cli", ttl=60, timeout=1)
         acquire = _cli(daemon, "locks", "acquire", "repark:cli", "--ttl", "30s", "--wait", "60s")
         run = _cli(daemon, "run", "--wait", "60s", "repark:cli", "--", "sh", "-c", "echo ran")
-        wait_for(lambda: waiters(client, "repark:cli") == 2, "both CLI waiters")
+        wait_for(lambda: waiters(client, "repark:cli") == 2, 20, "both CLI waiters")
     assert daemon.stop(signal.SIGTERM) == 0
     daemon.start()
     with LockClient(daemon.socket) as client:
-        wait_for(lambda: waiters(client, "repark:cli") == 2, "both CLI waiters again")
+        wait_for(lambda: waiters(client, "repark:cli") == 2, 20, "both CLI waiters again")
         assert client.release(held).released
         # Whichever got it first: the CLI acquire prints a handle and exits 0,
         # holding the key until released; run finishes once it gets its turn.
