@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,8 +35,18 @@ from lockd.daemon.backends.etcd.wire import (
     WatchRequest,
 )
 from lockd.testing.etcd_cluster import EtcdCluster, free_ports
+from lockd.testing.polling import wait_for_trio
 
 _prefixes = itertools.count()
+
+
+async def succeeds(call: Awaitable[object]) -> bool:
+    """``call`` went through; False when etcd was unavailable (try again)."""
+    try:
+        await call
+    except EtcdUnavailable:
+        return False
+    return True
 
 
 @pytest.fixture
@@ -233,7 +243,10 @@ async def test_keepalive_keeps_a_lease_alive_and_revoke_ends_it(
     assert lease.ttl == 2  # etcd 3.4's minimum TTL
     key = prefix + "session"
     await etcd.put(key, "alive", lease=lease.id)
+
     # Kept alive for 1.5 times the TTL: without the keepalives the key would be gone.
+    # These sleeps stay: a real cluster's lease outliving its TTL is what is tested,
+    # and etcd's time cannot be moved.
     for _ in range(6):
         await trio.sleep(0.5)
         assert await etcd.lease_keepalive(lease.id) == 2
@@ -330,13 +343,7 @@ async def test_quorum_loss_raises_unavailable_within_the_timeout_then_recovers(
         cluster.wait_healthy()
         # Only a hang fails here: on a loaded 2-core box the members' first
         # election after the restart has taken more than 15 s.
-        with trio.fail_after(60):
-            while True:
-                try:
-                    await etcd.put("/quorum/k", "3")
-                    break
-                except EtcdUnavailable:
-                    await trio.sleep(0.1)
+        await wait_for_trio(lambda: succeeds(etcd.put("/quorum/k", "3")), 60, interval=0.1)
         assert (await etcd.get("/quorum/k")).kvs[0].value == b"3"
 
 
@@ -357,23 +364,23 @@ async def test_a_member_seen_down_that_comes_back_as_leader_takes_writes(
         await etcd.put("/back/k", "1")  # through the leader: its member id is known
         cluster.kill(first)
         # A read finds the member gone and moves on (reads never ask for the leader).
-        with trio.fail_after(30):
-            while True:
-                try:
-                    await etcd.get("/back/k")
-                    break
-                except EtcdUnavailable:
-                    await trio.sleep(0.1)
+        await wait_for_trio(lambda: succeeds(etcd.get("/back/k")), 30, interval=0.1)
         cluster.restart(first)
         status = first.status()
         assert status is not None
         header = status["header"]
         assert isinstance(header, dict)
         target = {"targetID": str(header["member_id"])}
-        with trio.fail_after(30):  # the member leading now hands the lead to it (a new term)
-            while (leader := cluster.leader()) is not first:
-                leader.post("/v3/maintenance/transfer-leadership", target, timeout=5.0)
-                await trio.sleep(0.2)
+
+        def leads_after_a_transfer() -> bool:
+            """The member leading now hands the lead to it (a new term)."""
+            leader = cluster.leader()
+            if leader is first:
+                return True
+            leader.post("/v3/maintenance/transfer-leadership", target, timeout=5.0)
+            return False
+
+        await wait_for_trio(leads_after_a_transfer, 30, "the lead handed back", interval=0.2)
         with trio.fail_after(20):
             await etcd.put("/back/k", "2")
         assert (await etcd.get("/back/k")).kvs[0].value == b"2"
