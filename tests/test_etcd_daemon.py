@@ -20,6 +20,7 @@ from lockd_client import LockClient, LockdError
 
 from lockd.testing.daemon import LOCKD, DaemonProcess
 from lockd.testing.etcd_cluster import EtcdCluster
+from lockd.testing.polling import wait_for
 
 
 @pytest.fixture
@@ -72,10 +73,7 @@ def test_release_on_close_and_renew_through_the_daemon(
         assert bound is not None
         renewed = other.renew(bound, ttl=30)
         assert renewed.renewed
-    deadline = time.monotonic() + 10
-    while client.status("bound").held and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not client.status("bound").held
+    wait_for(lambda: not client.status("bound").held, 10, "the bound hold's release")
 
 
 def send(sock: socket.socket, **message: object) -> None:
@@ -95,9 +93,7 @@ def park(sock: socket.socket, daemon: DaemonProcess, client: LockClient, key: st
     """Send a blocking acquire (id 1) of ``key`` on ``sock``; return once it waits."""
     sock.connect(str(daemon.socket))
     send(sock, id=1, op="acquire", key=key, ttlMs=5000, timeoutMs=60000)
-    deadline = time.monotonic() + 10
-    while client.status(key).waiters == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: client.status(key).waiters > 0, 10, f"a waiter on {key}", interval=0.02)
 
 
 def test_cancel_withdraws_a_parked_acquire(etcd_daemon: DaemonProcess, client: LockClient) -> None:
@@ -109,10 +105,7 @@ def test_cancel_withdraws_a_parked_acquire(etcd_daemon: DaemonProcess, client: L
         answers = {r["id"]: r for r in replies(sock, 2)}
     assert answers[2]["result"] == {"cancelled": True}
     assert answers[1]["error"]["code"] == "CANCELLED"  # type: ignore[index]
-    deadline = time.monotonic() + 10
-    while client.status("busy").waiters and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert client.status("busy").waiters == 0
+    wait_for(lambda: client.status("busy").waiters == 0, 10, "no waiter", interval=0.02)
     assert client.release(held).released
 
 

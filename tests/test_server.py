@@ -39,6 +39,7 @@ from lockd.daemon.server import INLINE_READS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller, IdentityConfig, IdentityUnavailable
+from lockd.testing.polling import wait_for_trio
 
 from .test_protocol_live import RawConn
 
@@ -193,11 +194,9 @@ async def running(
 
 async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> bool:
     """Poll ``predicate`` until true or ``timeout`` s passed; its last value."""
-    with trio.move_on_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
-        return True
-    return predicate()
+    with contextlib.suppress(TimeoutError):
+        await wait_for_trio(predicate, timeout)
+    return bool(predicate())
 
 
 def acquire(rid: int, key: str, **extra: Any) -> dict[str, Any]:
@@ -704,10 +703,13 @@ async def test_a_connection_with_an_acquire_waiting_does_not_poll(
 async def test_sigterm_answers_rate_waiting_acquire_with_shutting_down(short_tmp: Path) -> None:
     """A blocking acquire waiting for rate-limit room is a parked acquire too
     (docs/contract.md §7)."""
-    async with running(short_tmp, limiter=ScriptedLimiter([60_000] * 3)) as h:
+    limiter = ScriptedLimiter([60_000] * 3)
+    async with running(short_tmp, limiter=limiter) as h:
         client = await h.connect()
         await client.send(acquire(1, "k", timeoutMs=120_000))
-        await trio.sleep(0.05)
+        # Shut down only once the acquire waits for room (a request that came during
+        # the shutdown would be answered SHUTTING_DOWN too: the test would prove nothing).
+        assert await until(lambda: len(limiter.answers) < 3)
         h.server.shutdown()
         reply = await client.recv()
     assert reply is not None and reply["error"]["code"] == "SHUTTING_DOWN"
@@ -750,7 +752,7 @@ async def test_a_trickled_line_is_closed_a_bound_after_its_first_byte(
             with contextlib.suppress(OSError):
                 for byte in b'{"id":1,"op":"hello"':
                     await client.sock.send(bytes([byte]))
-                    await trio.sleep(8)
+                    await trio.sleep(8)  # the behaviour under test; autojump_clock: no real time
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trickle)
