@@ -593,7 +593,9 @@ def test_sighup_reloads_at_once(start: Callable[..., Live], cast: Cast) -> None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, second.encode(), 0)
         os.fsync(fd)
-        time.sleep(0.3)  # give a watcher the chance to (wrongly) react
+        # A negative check: give a watcher the chance to (wrongly) react; no event
+        # marks "it did not", so time it is.
+        time.sleep(0.3)
         assert live.root.rules()["policy"]["sha256"] == sha(first), "premise broken"
         assert live.daemon.proc is not None
         live.daemon.proc.send_signal(signal.SIGHUP)
@@ -667,10 +669,7 @@ def test_a_member_lists_only_the_keys_it_holds_or_waits_for(
     other = live.root.try_acquire("m:nobody-of-alice", 30)
     assert root_hold is not None and other is not None
     alice_waiting.send("acquire", "m:root-holds", 30, 20)  # parks behind root
-    deadline = time.monotonic() + 10
-    while live.root.status("m:root-holds").waiters != 1:
-        assert time.monotonic() < deadline, "alice's acquire never parked"
-        time.sleep(0.02)
+    wait_for(lambda: live.root.status("m:root-holds").waiters == 1, 10, "alice's acquire parked")
     listed = alice.call("list")
     assert [lock["key"] for lock in listed] == ["m:alice-holds", "m:root-holds"]
     waiting = listed[1]["waiterList"]

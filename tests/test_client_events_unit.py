@@ -86,6 +86,8 @@ def test_a_pushed_loss_wakes_the_waiting_renewer(pair: tuple[Connection, socket.
     got: list[Loss | None] = []
     waiter = threading.Thread(target=lambda: got.append(conn.wait_for_loss("h" * 22, 10, stop)))
     waiter.start()
+    # Let the renewer be waiting when the loss comes (it shows no sign that it is):
+    # a loss sent before would be found by another path, already in the book.
     time.sleep(0.05)
     sent = time.monotonic()
     daemon.sendall(line({**EVENT, "handle": "other" * 5}) + line(EVENT))
@@ -101,7 +103,7 @@ def test_wake_ends_the_wait_at_once(pair: tuple[Connection, socket.socket]) -> N
     got: list[Loss | None] = []
     waiter = threading.Thread(target=lambda: got.append(conn.wait_for_loss("h" * 22, 30, stop)))
     waiter.start()
-    time.sleep(0.05)
+    time.sleep(0.05)  # let it be waiting (as above)
     started = time.monotonic()
     stop.set()
     conn.wake()

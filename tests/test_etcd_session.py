@@ -12,6 +12,7 @@ import trio
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
 from lockd.daemon.backends.etcd.session import Session
 from lockd.testing.etcd_cluster import EtcdCluster
+from lockd.testing.polling import wait_for_trio
 
 _names = itertools.count()
 
@@ -33,9 +34,10 @@ async def test_keeps_its_lease_alive_past_the_ttl(etcd: EtcdGateway) -> None:
         await nursery.start(session.run)
         assert session.ttl == 2 and session.lease_id
         await etcd.put(key, "waiter", lease=session.lease_id)
-        await trio.sleep(3.5)  # 1.75 TTLs: the key lives only through keepalives
+        # Four keepalives, one every third of the TTL: past the TTL (by 1.33 times), so
+        # the key lives only through them.
+        await wait_for_trio(lambda: session.keepalives >= 4, 20, "four keepalives")
         assert (await etcd.get(key)).kvs[0].lease == session.lease_id
-        assert session.keepalives >= 3
         assert not session.lost.is_set()
         await session.close()
         nursery.cancel_scope.cancel()
@@ -60,9 +62,11 @@ async def test_a_dead_daemons_session_keys_go_within_the_ttl(etcd: EtcdGateway) 
         await etcd.put(key, "waiter", lease=session.lease_id)
         nursery.cancel_scope.cancel()  # the keeper stops, as when the host dies
     stopped = trio.current_time()
-    with trio.fail_after(10):  # docs/contract.md: within 10 s
-        while (await etcd.get(key)).kvs:
-            await trio.sleep(0.1)
+
+    async def gone() -> bool:
+        return not (await etcd.get(key)).kvs
+
+    await wait_for_trio(gone, 10, "the key's end", interval=0.1)  # docs/contract.md: within 10 s
     assert trio.current_time() - stopped >= 0.5  # it lived on until the lease ran out
 
 

@@ -397,6 +397,7 @@ def test_client_waits_in_a_full_backlog_instead_of_failing(daemon: DaemonProcess
 
         thread = threading.Thread(target=connect)
         thread.start()
+        # A negative check (the client must still wait): nothing to wait on but time.
         time.sleep(0.5)
         assert not outcome, f"the client did not wait in the backlog: {outcome}"
     finally:
@@ -548,7 +549,9 @@ def test_an_admin_is_never_taken_for_a_member_when_lookups_fail(
         # allowed descriptor number is exactly one free descriptor.
         while True:
             fds = _open_fds(pid)
-            time.sleep(0.2)  # closes the daemon has yet to do would open holes later
+            # The same descriptors 0.2 s apart: closes the daemon has yet to do would open
+            # holes later (a steady state has no event of its own).
+            time.sleep(0.2)
             if fds == _open_fds(pid) and len(fds) == max(fds) + 1:
                 break
             filler = socket.socket(socket.AF_UNIX)

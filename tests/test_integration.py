@@ -19,7 +19,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +33,13 @@ from lockd_client import (
 )
 
 from lockd.testing.daemon import LOCKD, DaemonProcess
+from lockd.testing.polling import wait_for
 from tests.conftest import Backend
 
 from .test_protocol_live import RawConn, running_daemon
 
 #: Generous bounds for "at once" on a loaded 2-core box.
 PROMPT = 3.0
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``predicate`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 def waiters(client: LockClient, key: str) -> int:
@@ -352,6 +344,7 @@ def test_short_ttl_expires_and_status_says_so_right_after(
     assert status.held and status.expires_in_ms is not None and status.expires_in_ms <= ttl_ms
     # Wait out the lease itself, then one status must say free (on etcd, once
     # etcd has ended the lease: leaseExpiresAt is the earliest end, docs/contract.md §11).
+    # This sleep stays: a live daemon's real clock running past the TTL is the subject.
     time.sleep(max(0.0, granted + ttl + 0.01 - time.monotonic()))
     if backend.differs("expiry_ends_in_etcd"):  # idle: ~0.5 s late; loaded: over 3 s
         wait_for(lambda: not client.status("short").held, timeout=15, what="etcd's expiry")

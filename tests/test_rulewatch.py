@@ -15,6 +15,7 @@ import trio
 from lockd.daemon import rulewatch
 from lockd.daemon.rulewatch import watch_rule_sets
 from lockd.rules.policy import PolicyManager
+from lockd.testing.polling import wait_for_trio
 
 RULES = '[ruleSet]\nname = "p"\nresourceType = "lock"\n[rules.lock]\nacquire = "true"\n'
 
@@ -38,6 +39,8 @@ class Recorder:
     async def quiet(self, period: float = 0.25) -> None:
         """Assert no call happens for ``period`` seconds."""
         before = self.calls
+        # A negative check: no event marks "the watcher decided to ignore it" (a
+        # sentinel change could be coalesced with a wrong call), so time it is.
         await trio.sleep(period)
         assert self.calls == before
 
@@ -195,7 +198,7 @@ async def test_on_change_errors_are_logged_and_watch_goes_on(
         )
         with caplog.at_level(logging.ERROR, logger="lockd.daemon.rulewatch"):
             (tmp_path / "a.toml").write_text(RULES)
-            await trio.sleep(0.2)
+            await wait_for_trio(lambda: calls, 1, "the first (failing) call")
             (tmp_path / "b.toml").write_text(RULES)
             with trio.fail_after(1):
                 await done.wait()
