@@ -152,6 +152,7 @@ async def test_a_semaphore_slot_goes_to_the_head_only(backends: Backends) -> Non
         await until(lambda: len(results) == 1)
         head = results[0]
         assert isinstance(head, Hold) and head.node == "n2" and await one_write(one, first, head)
+        # A negative check (no second grant): nothing marks "it was not", so time.
         await trio.sleep(0.2)
         assert len(results) == 1 and (await one.status("s")).waiters == 1
         assert await two.release("s", head.handle)

@@ -116,7 +116,7 @@ async def test_a_holder_whose_lease_is_kept_alive_refuses_the_claim(etcd: EtcdGa
 
     async def keep_alive() -> None:
         while True:
-            await trio.sleep(0.3)
+            await trio.sleep(0.3)  # the other holder's keeper, at its own pace
             await etcd.lease_keepalive(old)
 
     async with trio.open_nursery() as nursery:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 
 from lockd.daemon.backends.etcd.transport import (
     Connection,
@@ -98,7 +99,7 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced_before_send
     # The server answers, then closes without saying so (as an idle timeout would).
     server = await serve(nursery, lambda request: Reply(json={"ok": True}, drop=True))
     await pool.request(server.url, "/a", b"{}", connect_timeout=CONNECT)
-    await trio.sleep(0.05)  # the close reaches the client
+    await trio.testing.wait_all_tasks_blocked()  # the server's close is done
     reply = await pool.request(server.url, "/b", b"{}", connect_timeout=CONNECT)
     assert json.loads(reply.body) == {"ok": True}
     # Sent once, on a new connection: nothing went out on the dead one.

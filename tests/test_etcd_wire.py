@@ -13,6 +13,7 @@ import json
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -296,7 +297,7 @@ async def test_after_a_member_refuses_writes_wait_for_a_member_that_follows_a_li
     async with _gateway(one.url, two.url, timeout=5) as etcd:
         await etcd.put("k", "1")  # learns that the first endpoint is member 1
         one.stop()  # member 1 dies: its kept connection closes, new ones are refused
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the close has happened
         result = await etcd.put("k", "2")
     assert result.header.revision == 6
     # The first write asks who leads (member 1) and goes there.

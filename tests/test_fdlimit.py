@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from lockd_client import LockClient
 
 from lockd.daemon import fdlimit
 from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 
 #: generous: a refused connection sees EOF at once, a hanging one never does.
 REFUSAL_TIMEOUT = 10.0
@@ -188,10 +188,7 @@ def test_max_connections_is_lowered_to_fit_the_descriptor_limit(
         served: list[socket.socket] = []
         try:
             # observer is one of the 8; the readiness probe may still count.
-            deadline = time.monotonic() + REFUSAL_TIMEOUT
-            while observer.stats()["connections"] != 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: observer.stats()["connections"] == 1, REFUSAL_TIMEOUT, "one left")
             served = [_open_served(daemon_paths.socket) for _ in range(7)]
             assert _connect_and_hello(daemon_paths.socket) == "refused"
             assert observer.stats()["counters"]["connectionsRefused"] == 1

@@ -16,12 +16,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from lockd.testing.daemon import SESSION_ENV, SESSION_TOKEN
+from lockd.testing.polling import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,11 +99,12 @@ def test_quick_start_verbatim_after_pip_install(tmp_path: Path) -> None:
     )
     try:
         socket = run_dir / "lockd" / "lockd.sock"
-        deadline = time.monotonic() + 60
-        while not socket.exists():
+
+        def socket_made() -> bool:
             assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
-            assert time.monotonic() < deadline, "the daemon did not create its socket"
-            time.sleep(0.05)
+            return socket.exists()
+
+        wait_for(socket_made, 60, "the daemon's socket", interval=0.05)
         done = subprocess.run(
             ["bash", "-ec", "\n".join(commands)],
             cwd=tmp_path,

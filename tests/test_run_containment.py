@@ -172,12 +172,16 @@ def test_flock_default_keeps_the_key_until_background_children_exit(
     shell, sleeper = (int(p) for p in pids.read_text().split())
     wait_until(lambda: not exists(shell), 10.0, "COMMAND itself to exit")
     saw_held = False
-    while exists(sleeper):
+
+    def child_done_and_key_kept_until_then() -> bool:
+        nonlocal saw_held
         if held(client, "c-flock"):
             saw_held = True
         else:
             assert not exists(sleeper), "the key was freed while COMMAND's child still ran"
-        time.sleep(0.02)
+        return not exists(sleeper)
+
+    wait_until(child_done_and_key_kept_until_then, 10.0, "COMMAND's child to exit")
     assert saw_held
     assert proc.wait(RUN_EXIT) == 0
     assert not held(client, "c-flock")
@@ -214,7 +218,8 @@ def on_int(*_):
     os._exit(42)
 signal.signal(signal.SIGINT, on_int)
 os.write(tty, ("probe fg=%s own-group=%s same-session=%s\\n" % facts).encode())
-time.sleep(60)
+while True:
+    signal.pause()  # until SIGINT (or the test's end)
 """
 
 #: After lockd run: is the terminal back with the shell's (and lockd run's) group?
@@ -317,7 +322,8 @@ def on_int(*_):
 signal.signal(signal.SIGCONT, on_cont)
 signal.signal(signal.SIGINT, on_int)
 os.write(tty, b"tstp-probe ready=%d\\n" % (6 * 7))
-time.sleep(60)
+while True:
+    signal.pause()  # SIGCONT's handler returns here; SIGINT ends it
 """
 
 

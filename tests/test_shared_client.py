@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 
 import pytest
 from lockd_client import InvalidRequestError, LockClient
 from lockd_client.aio import AsyncLockClient
 
 from lockd.testing.daemon import LOCKD, DaemonProcess
+from lockd.testing.polling import wait_for
 
 pytestmark = pytest.mark.both_backends
 
@@ -94,10 +94,7 @@ def test_run_limit_lets_n_commands_run_at_once(daemon: DaemonProcess) -> None:
     ]
     try:
         with LockClient(daemon.socket) as client:
-            deadline = time.monotonic() + 20
-            while client.status("sh:run").holder_count < 2:
-                assert time.monotonic() < deadline, "the two runs did not both start"
-                time.sleep(0.02)
+            wait_for(lambda: client.status("sh:run").holder_count >= 2, 20, "both runs holding")
         third = lockd(daemon, "run", "--limit", "2", "sh:run", "--", "true")
         assert third.returncode == 1
         assert "2 holders (2 slots)" in third.stderr and "pid" in third.stderr

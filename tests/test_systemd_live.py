@@ -48,6 +48,7 @@ import pytest
 
 from lockd.config import BackendSettings, Settings
 from lockd.testing.daemon import LOCKD, DaemonProcess
+from lockd.testing.polling import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "operations.md"
@@ -244,10 +245,7 @@ def serve_args(daemon: DaemonProcess) -> list[str]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    wait_for(predicate, timeout, what)
 
 
 # --------------------------------------------------------------------------
@@ -594,12 +592,12 @@ def test_rule_set_written_during_start_up_is_loaded(
             assert "event=rules_loaded" in first_line and "open default" in first_line
             notify.wait_for(is_ready, START)
             with wire(notified.socket) as conn:
-                deadline = time.monotonic() + PROMPT
-                while conn.result("rules")["policy"] is None:
-                    assert time.monotonic() < deadline, (
-                        "the rule set written at start-up never loaded"
-                    )
-                    time.sleep(0.05)
+                wait_for(
+                    lambda: conn.result("rules")["policy"] is not None,
+                    PROMPT,
+                    "the rule set written at start-up loaded",
+                    interval=0.05,
+                )
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(10) == 0
     finally:

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from lockd.daemon import systemd
+from lockd.testing.polling import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "systemd"
@@ -438,11 +439,12 @@ def test_listen_fds_under_systemd_socket_activate(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 10
-        while not path.exists():
+
+        def socket_made() -> bool:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "activator never created its socket"
-            time.sleep(0.01)
+            return path.exists()
+
+        wait_for(socket_made, 10, "the activator's socket")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(20)
             client.connect(str(path))
