@@ -199,7 +199,7 @@ class EtcdRun:
                 await trio.testing.wait_all_tasks_blocked()
                 if not self._quiet():
                     quiet_since = None
-                    await trio.sleep(0.001)
+                    await trio.sleep(0.001)  # etcd's replies are in flight: look again
                     continue
                 barrier = await self._barrier()
                 if not self._quiet():

@@ -8,7 +8,6 @@ answers ``{"cancelled": false}`` and leaves the answer that was sent alone.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from lockd_client import LockClient
 
 from lockd.daemon.protocol import Cancel, ProtocolError, parse_request
 from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 
 from .test_protocol_live import RawConn
 
@@ -35,10 +35,7 @@ def waiters(client: LockClient, key: str) -> int:
 
 
 def wait_for_waiters(client: LockClient, key: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while waiters(client, key) != n:
-        assert time.monotonic() < deadline, f"{key}: waiters != {n}"
-        time.sleep(0.005)
+    wait_for(lambda: waiters(client, key) == n, 10, f"{n} waiters on {key}", interval=0.005)
 
 
 def test_parse_cancel() -> None:

@@ -12,7 +12,6 @@ import hashlib
 import json
 import pwd
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from click.testing import CliRunner, Result
 from lockd.cli import main
 from lockd.exitcodes import EXIT_DENIED, EXIT_USAGE
 from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 
 GOOD = """\
 [ruleSet]
@@ -296,14 +296,14 @@ def test_show_policy_then_a_broken_reload(daemon_paths: DaemonProcess) -> None:
         assert fields["Last error"] == "none"
 
         daemon_paths.write_rules("policy.toml", BAD_NAME)
-        deadline = time.monotonic() + 10
         doc: dict[str, object] = {}
-        while time.monotonic() < deadline:
+
+        def broken_reload_reported() -> bool:
+            nonlocal doc
             doc = json.loads(invoke("rules", "show", "--json", *sock).stdout)
-            if doc["lastError"] is not None:
-                break
-            time.sleep(0.05)
-        assert doc["lastError"] is not None, "the daemon never reported the broken reload"
+            return doc["lastError"] is not None
+
+        wait_for(broken_reload_reported, 10, "the broken reload reported", interval=0.05)
         assert doc["policy"]["name"] == "lock-policy"  # the old policy stays in force
         text = invoke("rules", "show", *sock).stdout
         assert f"{path}:6:" in text and "unknown name 'usr'" in text

@@ -65,7 +65,7 @@ class FullBacklog:
         """Accept (and answer hello on) every connection from ``after`` seconds on."""
 
         def serve() -> None:
-            time.sleep(after)
+            time.sleep(after)  # the behaviour under test: a daemon that answers late
             self.listener.settimeout(0.1)
             while not self._stop.is_set():
                 try:

@@ -15,13 +15,13 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lockd.testing.daemon import DaemonProcess
+from lockd.testing.polling import wait_for
 from tests.conftest import Backend
 
 from .test_protocol_live import running_daemon
@@ -151,10 +151,12 @@ def test_ci_deploy_recipe_waits_its_turn_and_a_retry_takes_back(daemon: DaemonPr
             stderr=subprocess.PIPE,
             text=True,
         )
-        deadline = time.monotonic() + 30
-        while client.status("deploy:prod").waiters != 1:
-            assert waiting.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+
+        def parked() -> bool:
+            assert waiting.poll() is None
+            return client.status("deploy:prod").waiters == 1
+
+        wait_for(parked, 30, "pipeline 2 parked", interval=0.05)
         # A retried job of pipeline 1 takes its own hold back at once.
         retry = subprocess.run(
             ["bash", "-c", script],

@@ -20,7 +20,7 @@ from lockd_client.aio import AsyncLockClient
 from lockd.cli.common import failure_for
 from lockd.exitcodes import EXIT_DEADLOCK
 from lockd.testing.daemon import DaemonProcess
-from lockd.testing.polling import wait_for
+from lockd.testing.polling import wait_for, wait_for_asyncio
 from tests.conftest import Backend
 
 from .test_protocol_live import RawConn, check_error, running_daemon, unique
@@ -142,6 +142,10 @@ def test_a_plain_queue_of_clients_is_served_in_order(clients: list[LockClient]) 
         c.release(c_waits.result(timeout=15))
 
 
+async def parked(client: AsyncLockClient, key: str) -> bool:
+    return (await client.status(key)).waiters > 0
+
+
 @pytest.mark.differs("no_deadlock_detection")
 def test_the_asyncio_client_raises_deadlock_error_too(lockd: DaemonProcess) -> None:
     async def main() -> None:
@@ -151,8 +155,7 @@ def test_the_asyncio_client_raises_deadlock_error_too(lockd: DaemonProcess) -> N
             b2 = await b.try_acquire(k2, ttl=60)
             assert a1 is not None and b2 is not None
             b_waits = asyncio.create_task(b.acquire(k1, ttl=60, timeout=30))
-            while (await a.status(k1)).waiters == 0:
-                await asyncio.sleep(0.01)
+            await wait_for_asyncio(lambda: parked(a, k1), 10, "b's acquire parked")
             with pytest.raises(DeadlockError) as raised:
                 await a.acquire(k2, ttl=60, timeout=30)
             assert raised.value.cycle == [k2, k1]
