@@ -101,10 +101,11 @@ def test_locks_acquire_names_the_calling_shell_and_alive_follows_it(
 ) -> None:
     """The CLI exits at once; the holder shown is the shell that will use the handle."""
     said = tmp_path / "shell"
-    go = tmp_path / "go"
     acquire = subprocess.list2cmdline([*LOCKD, "locks", "acquire", "by-shell", "--ttl", "1m"])
-    script = f"{acquire} >/dev/null && echo $$ > {said}; while [ ! -e {go} ]; do sleep 0.05; done"
-    shell = subprocess.Popen(["sh", "-c", script], env=daemon.env)
+    # The shell stays until its stdin closes.
+    script = f"{acquire} >/dev/null && echo $$ > {said}; read line || :"
+    shell = subprocess.Popen(["sh", "-c", script], env=daemon.env, stdin=subprocess.PIPE)
+    assert shell.stdin is not None
     try:
         wait_until(said.exists, RUN_EXIT, "the shell to take the key")
         shell_pid = int(said.read_text())
@@ -115,7 +116,7 @@ def test_locks_acquire_names_the_calling_shell_and_alive_follows_it(
             [*LOCKD, "locks", "list"], env=daemon.env, capture_output=True, text=True
         ).stdout
         assert str(shell_pid) in table and "(gone)" not in table
-        go.touch()
+        shell.stdin.close()
         assert shell.wait(RUN_EXIT) == 0
         st = status(daemon, "by-shell")
         assert st["held"] and st["pid"] == shell_pid and st["alive"] is False
@@ -129,7 +130,7 @@ def test_locks_acquire_names_the_calling_shell_and_alive_follows_it(
         ).stdout
         assert f"{shell_pid} (gone)" in table
     finally:
-        go.touch()
+        shell.stdin.close()
         if shell.poll() is None:
             shell.kill()
             shell.wait(5)

@@ -165,25 +165,19 @@ def test_break_hands_the_key_on_only_after_every_descendant_is_reaped(
 def test_flock_default_keeps_the_key_until_background_children_exit(
     shared: DaemonProcess, client: LockClient, tmp_path: Path
 ) -> None:
-    pids = tmp_path / "pids"
-    script = f'sleep 1.5 & echo "$$ $!" > {pids}'
+    pids, go = tmp_path / "pids", tmp_path / "go"
+    os.mkfifo(go)
+    # The background child lives until the test writes to the FIFO.
+    script = f'(read line < {go}) & echo "$$ $!" > {pids}'
     proc = start_run(shared, "c-flock", "--", "sh", "-c", script)
     wait_until(lambda: pids.exists() and len(pids.read_text().split()) == 2, 10.0, "COMMAND")
-    shell, sleeper = (int(p) for p in pids.read_text().split())
+    shell, child = (int(p) for p in pids.read_text().split())
     wait_until(lambda: not exists(shell), 10.0, "COMMAND itself to exit")
-    saw_held = False
-
-    def child_done_and_key_kept_until_then() -> bool:
-        nonlocal saw_held
-        if held(client, "c-flock"):
-            saw_held = True
-        else:
-            assert not exists(sleeper), "the key was freed while COMMAND's child still ran"
-        return not exists(sleeper)
-
-    wait_until(child_done_and_key_kept_until_then, 10.0, "COMMAND's child to exit")
-    assert saw_held
+    assert exists(child) and held(client, "c-flock")  # kept while COMMAND's child runs
+    assert proc.poll() is None
+    go.write_text("go\n")  # the child reads it and exits
     assert proc.wait(RUN_EXIT) == 0
+    assert not exists(child)
     assert not held(client, "c-flock")
 
 
