@@ -52,6 +52,7 @@ from lockd.daemon.backends.etcd.wire import PutOp, RangeOp, WatchRequest
 from lockd.daemon.holds import Refused
 from lockd.daemon.protocol import Acquire as AcquireRequest
 from lockd.identity import Caller
+from lockd.testing.polling import wait_for_trio
 from tests.differential import (
     CLIENTS,
     KEYS,
@@ -199,7 +200,8 @@ class EtcdRun:
                 await trio.testing.wait_all_tasks_blocked()
                 if not self._quiet():
                     quiet_since = None
-                    await trio.sleep(0.001)  # etcd's replies are in flight: look again
+                    # etcd's replies are in flight: until they have come and been seen.
+                    await wait_for_trio(self._quiet, 60, "nothing in flight", interval=0.001)
                     continue
                 barrier = await self._barrier()
                 if not self._quiet():

@@ -20,6 +20,8 @@ from lockd_client._async import Pipeline, Slot
 from lockd_client._connection import Connection, ConnectionLost
 from lockd_client._events import Loss, LossBook, loss_from
 
+from lockd.testing.polling import wait_for
+
 EVENT: dict[str, Any] = {
     "event": "lost",
     "key": "k",
@@ -86,9 +88,9 @@ def test_a_pushed_loss_wakes_the_waiting_renewer(pair: tuple[Connection, socket.
     got: list[Loss | None] = []
     waiter = threading.Thread(target=lambda: got.append(conn.wait_for_loss("h" * 22, 10, stop)))
     waiter.start()
-    # Let the renewer be waiting when the loss comes (it shows no sign that it is):
-    # a loss sent before would be found by another path, already in the book.
-    time.sleep(0.05)
+    # The renewer is waiting, as the connection's reader, when the loss comes (a loss
+    # sent before would be found by another path, already in the book).
+    wait_for(lambda: conn._reading, 5, "the renewer reading")
     sent = time.monotonic()
     daemon.sendall(line({**EVENT, "handle": "other" * 5}) + line(EVENT))
     waiter.join(5)
@@ -103,7 +105,7 @@ def test_wake_ends_the_wait_at_once(pair: tuple[Connection, socket.socket]) -> N
     got: list[Loss | None] = []
     waiter = threading.Thread(target=lambda: got.append(conn.wait_for_loss("h" * 22, 30, stop)))
     waiter.start()
-    time.sleep(0.05)  # let it be waiting (as above)
+    wait_for(lambda: conn._reading, 5, "the renewer reading")  # waiting (as above)
     started = time.monotonic()
     stop.set()
     conn.wake()

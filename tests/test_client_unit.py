@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import random
 import select
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import warnings
@@ -238,6 +241,11 @@ def serve(sock_path: str) -> Iterator[Callable[[Script], FakeServer]]:
     for server in servers:
         server.stop()
         assert not server.errors, server.errors
+
+
+def unread_by_peer(sock: socket.socket) -> int:
+    """What the peer of this Unix socket has yet to read of what we sent (0: all of it)."""
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0])
 
 
 def renew_threads() -> list[threading.Thread]:
@@ -467,9 +475,8 @@ def test_replies_split_across_reads_and_joined_in_one(
         line = json.dumps({"id": first["id"], **answer(first)}).encode() + b"\n"
         for part in (line[:5], line[5:40], line[40:]):  # one reply in three pieces
             peer.sock.sendall(part)
-            # A pause, so that each piece reaches the client in a read of its own (the
-            # client shows no sign of having read; nothing to wait on).
-            time.sleep(0.01)
+            # The client has read this piece before the next is sent: a read of its own.
+            wait_for(lambda: unread_by_peer(peer.sock) == 0, 5, "the piece read", interval=0.001)
         a, b = peer.recv(), peer.recv()
         assert a is not None and b is not None
         both_in.set()

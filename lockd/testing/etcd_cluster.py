@@ -28,11 +28,12 @@ import socket
 import ssl
 import subprocess
 import tempfile
-import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from lockd.testing.polling import wait_for
 
 ETCD = shutil.which("etcd")
 OPENSSL = shutil.which("openssl")
@@ -236,8 +237,8 @@ class EtcdCluster:
     ) -> None:
         """Wait until each of ``members`` (default: all) answers healthy; RuntimeError if not."""
         waiting = list(self.members if members is None else members)
-        deadline = time.monotonic() + timeout
-        while waiting:
+
+        def all_healthy() -> bool:
             for member in list(waiting):
                 if not member.running:
                     raise RuntimeError(
@@ -245,16 +246,19 @@ class EtcdCluster:
                     )
                 if member.healthy():
                     waiting.remove(member)
-            if waiting and time.monotonic() > deadline:
-                names = ", ".join(m.name for m in waiting)
-                raise RuntimeError(f"etcd members not healthy after {timeout} s: {names}")
-            if waiting:
-                time.sleep(0.05)
+            return not waiting
+
+        try:
+            wait_for(all_healthy, timeout, interval=0.05)
+        except TimeoutError:
+            names = ", ".join(m.name for m in waiting)
+            raise RuntimeError(f"etcd members not healthy after {timeout} s: {names}") from None
 
     def leader(self, timeout: float = 10.0) -> EtcdMember:
         """The member that leads, as the running members agree; waits through an election."""
-        deadline = time.monotonic() + timeout
-        while True:
+        found: list[EtcdMember] = []
+
+        def agreed() -> bool:
             by_id: dict[str, EtcdMember] = {}
             leaders: set[str] = set()
             for member in self.members:
@@ -269,11 +273,16 @@ class EtcdCluster:
                 leader_id = str(status.get("leader", "0"))
                 if leader_id != "0":
                     leaders.add(leader_id)
-            if len(leaders) == 1 and (found := by_id.get(leaders.pop())) is not None:
-                return found
-            if time.monotonic() > deadline:
-                raise RuntimeError("no etcd leader that the running members agree on")
-            time.sleep(0.05)
+            if len(leaders) == 1 and (agreed_on := by_id.get(leaders.pop())) is not None:
+                found.append(agreed_on)
+                return True
+            return False
+
+        try:
+            wait_for(agreed, timeout, interval=0.05)
+        except TimeoutError:
+            raise RuntimeError("no etcd leader that the running members agree on") from None
+        return found[-1]
 
     def followers(self) -> list[EtcdMember]:
         """The running members that do not lead."""
