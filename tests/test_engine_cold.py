@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockd.daemon.cold import ColdLeases
-from lockd.daemon.engine import EXCLUSIVE, SHARED, Busy, KeyStatus, Lease, LockEngine
+from lockd.daemon.engine import EXCLUSIVE, SHARED, Busy, Lease, LockEngine
 
+from .engine_twins import apply_op, written
 from .test_engine import grant, make_engine, park
 
 
@@ -356,23 +357,6 @@ ops = st.one_of(
 )
 
 
-def view(status: KeyStatus) -> Any:
-    return (
-        status.key,
-        status.mode,
-        status.limit,
-        status.holder_count,
-        status.waiters,
-        [(h.fence, h.handle, h.slot, h.owner, h.principal, h.expires_at) for h in status.holders],
-    )
-
-
-def answer(result: object) -> Any:
-    if isinstance(result, Lease):
-        return ("lease", result.fence, result.handle, result.slot, result.expires_at)
-    return type(result).__name__
-
-
 @settings(max_examples=150, deadline=None)
 @given(leases=stored_leases(), steps=st.lists(st.tuples(st.integers(0, 60), ops), max_size=25))
 def test_cold_restore_answers_exactly_as_restore(leases: list[Lease], steps: list[Any]) -> None:
@@ -387,29 +371,7 @@ def test_cold_restore_answers_exactly_as_restore(leases: list[Lease], steps: lis
         now += dt
         answers = []
         for e in (eager, cold):
-            kind = op[0]
-            if kind == "status":
-                answers.append(view(e.status(now, op[1])))
-            elif kind == "list":
-                page = e.list_held(now, prefix=op[1], limit=op[2], after=op[3])
-                answers.append(([view(s) for s in page.locks], page.next))
-            elif kind == "acquire":
-                result = e.acquire(
-                    now, op[1], ttl_ms=100, principal="user:a", owner=op[3], mode=op[2]
-                )
-                answers.append(answer(result))
-                if isinstance(result, Lease) and e is cold:
-                    handles.append(result.handle)
-            elif kind in ("release", "renew"):
-                handle = handles[op[2] % len(handles)] if handles else "none"
-                if kind == "release":
-                    answers.append(e.release(now, op[1], handle))
-                else:
-                    answers.append(answer(e.renew(now, op[1], handle, 100)))
-            elif kind == "break":
-                answers.append([lease.fence for lease in e.break_lock(now, op[1])])
-            else:
-                answers.append(e.advance(now, budget=op[1]))
+            answers.append(apply_op(e, now, op, handles, record=e is cold))
             e.check_invariants()
         if op[0] != "advance":  # how far a bounded pass gets may differ; not what it shows
             assert answers[0] == answers[1], op
@@ -419,7 +381,4 @@ def test_cold_restore_answers_exactly_as_restore(leases: list[Lease], steps: lis
         e.advance(now + 10_000)
         mine.update(e.drain().rows)
         assert e.held_count == 0 and e.lease_count == 0
-    written = [
-        {k: None if v is None else (v.fence, v.expires_at) for k, v in r.items()} for r in rows
-    ]
-    assert written[0] == written[1]
+    assert written(rows)[0] == written(rows)[1]

@@ -24,8 +24,8 @@ from lockd.daemon.cold import ColdLeases
 from lockd.daemon.demoted import MAX_DEADLINE, DemotedKeys, _pop, _push
 from lockd.daemon.engine import EXCLUSIVE, SHARED, Changes, Lease, LockEngine
 
+from .engine_twins import apply_op, written
 from .test_engine import grant, make_engine, park
-from .test_engine_cold import answer, view
 
 
 class FakeStore:
@@ -266,40 +266,7 @@ def compare_with_demotion(steps: list[Any]) -> None:
         now += dt
         answers = []
         for e in (plain, demoting):
-            kind = op[0]
-            if kind == "status":
-                answers.append(view(e.status(now, op[1])))
-            elif kind == "list":
-                page = e.list_held(now, prefix=op[1], limit=op[2], after=op[3])
-                answers.append(([view(s) for s in page.locks], page.next))
-            elif kind == "acquire":
-                _, key, mode, owner, wait_ms, conn, ttl = op
-                result = e.acquire(
-                    now,
-                    key,
-                    ttl_ms=ttl,
-                    principal="user:a",
-                    owner=owner,
-                    mode=mode,
-                    wait_ms=wait_ms,
-                    conn=conn,
-                    release_on_close=conn > 0,
-                )
-                answers.append(answer(result))
-                if isinstance(result, Lease) and e is plain:
-                    handles.append(result.handle)
-            elif kind in ("release", "renew"):
-                handle = handles[op[2] % len(handles)] if handles else "none"
-                if kind == "release":
-                    answers.append(e.release(now, op[1], handle))
-                else:
-                    answers.append(answer(e.renew(now, op[1], handle, 100)))
-            elif kind == "break":
-                answers.append([lease.fence for lease in e.break_lock(now, op[1])])
-            elif kind == "close":
-                answers.append(sorted(lease.fence for lease in e.connection_closed(now, op[1])))
-            else:
-                answers.append(e.advance(now, budget=op[1]))
+            answers.append(apply_op(e, now, op, handles, record=e is plain))
             e.check_invariants()
         if op[0] != "advance":  # how far a bounded pass gets may differ; not what it shows
             assert answers[0] == answers[1], op
@@ -319,7 +286,4 @@ def compare_with_demotion(steps: list[Any]) -> None:
                 store.apply(changes)
             mine.update(changes.rows)
         assert e.held_count == 0 and e.lease_count == 0
-    written = [
-        {k: None if v is None else (v.fence, v.expires_at) for k, v in r.items()} for r in rows
-    ]
-    assert written[0] == written[1]
+    assert written(rows)[0] == written(rows)[1]

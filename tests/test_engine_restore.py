@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from lockd.daemon import engine as engine_module
 from lockd.daemon.engine import Lease, LockEngine
 
+from .engine_twins import apply_op, written
 from .test_engine import make_engine
-from .test_engine_cold import answer, ops, stored, stored_leases, view
+from .test_engine_cold import ops, stored, stored_leases
 from .test_engine_demote import FakeStore
 
 
@@ -123,29 +124,7 @@ def compare_with_eager(leases: list[Lease], steps: list[Any]) -> None:
         now += dt
         answers = []
         for e in (eager, lazy):
-            kind = op[0]
-            if kind == "status":
-                answers.append(view(e.status(now, op[1])))
-            elif kind == "list":
-                page = e.list_held(now, prefix=op[1], limit=op[2], after=op[3])
-                answers.append(([view(s) for s in page.locks], page.next))
-            elif kind == "acquire":
-                result = e.acquire(
-                    now, op[1], ttl_ms=100, principal="user:a", owner=op[3], mode=op[2]
-                )
-                answers.append(answer(result))
-                if isinstance(result, Lease) and e is lazy:
-                    handles.append(result.handle)
-            elif kind in ("release", "renew"):
-                handle = handles[op[2] % len(handles)] if handles else "none"
-                if kind == "release":
-                    answers.append(e.release(now, op[1], handle))
-                else:
-                    answers.append(answer(e.renew(now, op[1], handle, 100)))
-            elif kind == "break":
-                answers.append([lease.fence for lease in e.break_lock(now, op[1])])
-            else:
-                answers.append(e.advance(now, budget=op[1]))
+            answers.append(apply_op(e, now, op, handles, record=e is lazy))
             e.check_invariants()
         if op[0] != "advance":  # how far a bounded pass gets may differ; not what it shows
             assert answers[0] == answers[1], op
@@ -162,7 +141,4 @@ def compare_with_eager(leases: list[Lease], steps: list[Any]) -> None:
         e.advance(now + 10_000)
         mine.update(e.drain().rows)
         assert e.held_count == 0 and e.lease_count == 0
-    written = [
-        {k: None if v is None else (v.fence, v.expires_at) for k, v in r.items()} for r in rows
-    ]
-    assert written[0] == written[1]
+    assert written(rows)[0] == written(rows)[1]
