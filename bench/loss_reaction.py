@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -129,7 +129,16 @@ def sync_trial(client: LockClient, actor: Actor, cause: str, key: str) -> float:
     return seen[0] - started[0]
 
 
-async def asyncio_trial(client: AsyncLockClient, actor: Actor, cause: str, key: str) -> float:
+async def async_trial(
+    client: AsyncLockClient | TrioLockClient,
+    actor: Actor,
+    cause: str,
+    key: str,
+    *,
+    sleep: Callable[[float], Awaitable[object]],
+    join: Callable[[threading.Thread], Awaitable[object]],
+) -> float:
+    """One trial with an async client; ``sleep`` and ``join`` are its library's (asyncio, trio)."""
     started: list[float] = []
     thread: threading.Thread | None = None
     owner = OWNER if cause == "retake" else None
@@ -141,34 +150,27 @@ async def asyncio_trial(client: AsyncLockClient, actor: Actor, cause: str, key: 
         ):
             if not expiring:
                 thread = actor.act(cause, key, started)
-            await asyncio.sleep(10)
+            await sleep(10)
         raise RuntimeError("the block was not cancelled")
     except LockLostError:
         seen = time.monotonic()
     if thread is not None:
-        await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
+        await join(thread)
     return seen - (sent + SHORT_TTL if expiring else started[0])
+
+
+async def asyncio_trial(client: AsyncLockClient, actor: Actor, cause: str, key: str) -> float:
+    def join(thread: threading.Thread) -> Awaitable[object]:
+        return asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
+
+    return await async_trial(client, actor, cause, key, sleep=asyncio.sleep, join=join)
 
 
 async def trio_trial(client: TrioLockClient, actor: Actor, cause: str, key: str) -> float:
-    started: list[float] = []
-    thread: threading.Thread | None = None
-    owner = OWNER if cause == "retake" else None
-    expiring = cause == "expired"
-    sent = time.monotonic()
-    try:
-        async with client.lock(
-            key, SHORT_TTL if expiring else LONG_TTL, 5, owner=owner, auto_renew=not expiring
-        ):
-            if not expiring:
-                thread = actor.act(cause, key, started)
-            await trio.sleep(10)
-        raise RuntimeError("the block was not cancelled")
-    except LockLostError:
-        seen = time.monotonic()
-    if thread is not None:
-        await trio.to_thread.run_sync(thread.join, 10)
-    return seen - (sent + SHORT_TTL if expiring else started[0])
+    def join(thread: threading.Thread) -> Awaitable[object]:
+        return trio.to_thread.run_sync(thread.join, 10)
+
+    return await async_trial(client, actor, cause, key, sleep=trio.sleep, join=join)
 
 
 def measure(socket: str, trials: int, progress: Callable[[str], None]) -> dict[str, list[float]]:
