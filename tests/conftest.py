@@ -43,6 +43,7 @@ import pytest
 from lockd.testing.daemon import DaemonProcess, session_processes
 from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
 from lockd.testing.polling import wait_for
+from lockd.testing.wire import RawConn
 from tests.backend_differences import difference
 
 # The etcd cluster fixtures (etcd_cluster, new_etcd_cluster).
@@ -180,6 +181,41 @@ def daemon_paths(short_tmp: Path, backend: Backend) -> Iterator[DaemonProcess]:
 def daemon(daemon_paths: DaemonProcess) -> DaemonProcess:
     """A running daemon with default settings; stopped (SIGTERM) afterwards."""
     return daemon_paths.start()
+
+
+@contextlib.contextmanager
+def running_daemon(
+    config: str | None = None, backend: Backend | None = None
+) -> Iterator[DaemonProcess]:
+    """A daemon in its own short temp folder, for module-scoped fixtures."""
+    root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
+    proc = backend.daemon_in(root) if backend is not None else DaemonProcess.in_folder(root)
+    if config is not None:
+        proc.write_config(config)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.terminate()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def lockd(backend: Backend) -> Iterator[DaemonProcess]:
+    """One running daemon for a whole module (on the module's backend)."""
+    with running_daemon(backend=backend) as proc:
+        yield proc
+
+
+@pytest.fixture
+def conns(lockd: DaemonProcess) -> Iterator[list[RawConn]]:
+    """Four raw connections to the module's daemon, closed afterwards."""
+    opened = [RawConn(lockd.socket) for _ in range(4)]
+    try:
+        yield opened
+    finally:
+        for conn in opened:
+            conn.close()
 
 
 # ------------------------------------------------------------ leftover processes

@@ -16,8 +16,7 @@ from lockd_client import LockClient
 from lockd.daemon.protocol import Cancel, ProtocolError, parse_request
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
-
-from .test_protocol_live import RawConn
+from lockd.testing.wire import RawConn
 
 pytestmark = pytest.mark.both_backends
 

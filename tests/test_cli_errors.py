@@ -21,9 +21,7 @@ from click.testing import CliRunner
 
 from lockd.cli import main
 from lockd.testing.daemon import LOCKD, DaemonProcess
-from tests.conftest import Backend
-
-from .test_protocol_live import running_daemon
+from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 

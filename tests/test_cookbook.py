@@ -22,9 +22,7 @@ import pytest
 
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
-from tests.conftest import Backend
-
-from .test_protocol_live import running_daemon
+from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 

@@ -21,17 +21,9 @@ from lockd.cli.common import failure_for
 from lockd.exitcodes import EXIT_DEADLOCK
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for, wait_for_asyncio
-from tests.conftest import Backend
-
-from .test_protocol_live import RawConn, check_error, running_daemon, unique
+from lockd.testing.wire import RawConn, check_error, unique
 
 pytestmark = pytest.mark.both_backends
-
-
-@pytest.fixture(scope="module")
-def lockd(backend: Backend) -> Iterator[DaemonProcess]:
-    with running_daemon(backend=backend) as proc:
-        yield proc
 
 
 @pytest.fixture

@@ -349,6 +349,12 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_takes_nothing(backends: B
     assert (await backend.status("c")).holds == []
 
 
+def queued(backend: EtcdBackend, key: str) -> bool:
+    """``backend`` has a waiter of its own queued on ``key``."""
+    key_queue = backend._queues.get(key)
+    return bool(key_queue and key_queue.waiters)
+
+
 async def waiters(backend: EtcdBackend, key: str, count: int) -> bool:
     return (await backend.status(key)).waiters == count
 

@@ -33,7 +33,7 @@ from lockd.daemon.backends.etcd.records import Hold
 from lockd.daemon.clock import SystemClock
 from lockd.testing.etcd_cluster import EtcdCluster
 from tests.etcd_faults import FaultyPool, inject
-from tests.test_etcd_backend import ALICE, BOB, acquired, records, request, until
+from tests.test_etcd_backend import ALICE, BOB, acquired, queued, records, request, until
 
 Start = Callable[..., Awaitable[tuple[EtcdBackend, FaultyPool]]]
 _scopes: dict[int, trio.CancelScope] = {}
@@ -131,7 +131,7 @@ async def test_code_1_at_every_background_call_site_and_the_daemon_lives(start: 
             waiting.append(await a.acquire(request("k", timeout_ms=30_000), ALICE, 1, 30.0))
 
         nursery.start_soon(wait_for_k)
-        await until(lambda: bool(a._queues.get("k") and a._queues["k"].waiters))
+        await until(lambda: queued(a, "k"))
         doomed = await acquired(a, request("c", ttl_ms=30_000))
         session = a._session
         assert session is not None
@@ -177,9 +177,9 @@ async def test_a_tied_grant_is_answered_once_untied_and_code_1_delays_it(start: 
             results.append(await backend.acquire(request("t", timeout_ms=30_000), ALICE, conn, 30))
 
         nursery.start_soon(wait, b, 2)  # b gets a queue (and so a view) of "t"
-        await until(lambda: bool(b._queues.get("t") and b._queues["t"].waiters))
+        await until(lambda: queued(b, "t"))
         nursery.start_soon(wait, a, 3)
-        await until(lambda: bool(a._queues.get("t") and a._queues["t"].waiters))
+        await until(lambda: queued(a, "t"))
         assert await b.release("t", first.handle)  # hand-off to b's own waiter
         await until(lambda: len(results) == 1)
         second = results[0]
@@ -233,13 +233,13 @@ async def test_a_ghost_waiter_does_not_block_a_free_key(start: Start) -> None:
             results.append((name, outcome, trio.current_time()))
 
         nursery.start_soon(wait, "a", a, ALICE)
-        await until(lambda: bool(a._queues.get("g") and a._queues["g"].waiters))
+        await until(lambda: queued(a, "g"))
         waiters = [key for key in await records(a, "g") if a.layout.is_waiter(key)]
         assert len(waiters) == 2 and state["enqueues"] == 2  # the ghost, then the real one
         ghost = waiters[0]
         assert ghost not in a._queues["g"].waiters and ghost in a.doomed_keys
         nursery.start_soon(wait, "b", b, BOB)
-        await until(lambda: bool(b._queues.get("g") and b._queues["g"].waiters))
+        await until(lambda: queued(b, "g"))
         await until(lambda: faults.hits["/v3/kv/txn"] >= 2)  # the enqueue and a's clean-up failed
         assert ghost in await records(a, "g")
         released = trio.current_time()
@@ -304,9 +304,9 @@ async def test_a_cancelled_waiter_answers_once_the_grant_it_discards_is_gone(
                 after_cancel.append(await records(backend, "cx"))
 
         nursery.start_soon(wait, b, 2, None)  # b gets a view of "cx": it hands off
-        await until(lambda: bool(b._queues.get("cx") and b._queues["cx"].waiters))
+        await until(lambda: queued(b, "cx"))
         nursery.start_soon(wait, a, 3, scope)
-        await until(lambda: bool(a._queues.get("cx") and a._queues["cx"].waiters))
+        await until(lambda: queued(a, "cx"))
         assert await b.release("cx", first.handle)  # to b's own waiter
         await until(lambda: len(results) == 1)
         second = results[0]
@@ -377,7 +377,7 @@ async def test_a_grant_to_the_older_key_of_a_waiter_written_again_is_delivered(
             results.append((name, outcome))
 
         nursery.start_soon(wait, "b", b, 2)  # b's view of "gs": it hands off
-        await until(lambda: bool(b._queues.get("gs") and b._queues["gs"].waiters))
+        await until(lambda: queued(b, "gs"))
         nursery.start_soon(wait, "a", a, 3)
         await until(lambda: state["enqueues"] == 1)  # the older key is in etcd, a was told code 1
         await until(lambda: sum(a.layout.is_waiter(k) for k in b._queues["gs"].records or ()) == 2)
@@ -434,11 +434,11 @@ async def test_a_daemon_killed_between_grant_and_untie_never_answered_the_grant(
                 results.append(outcome)
 
         nursery.start_soon(wait, b, 2)
-        await until(lambda: bool(b._queues.get("kt") and b._queues["kt"].waiters))
+        await until(lambda: queued(b, "kt"))
         nursery.start_soon(wait, a, 3)
-        await until(lambda: bool(a._queues.get("kt") and a._queues["kt"].waiters))
+        await until(lambda: queued(a, "kt"))
         nursery.start_soon(wait, c, 4)
-        await until(lambda: bool(c._queues.get("kt") and c._queues["kt"].waiters))
+        await until(lambda: queued(c, "kt"))
         assert await b.release("kt", first.handle)
         await until(lambda: len(results) == 1)
         second = results[0]
@@ -473,9 +473,9 @@ async def test_a_hold_answered_outlives_its_daemon_killed_right_after(start: Sta
                 await kill(a, b)  # the moment after the reply went out
 
         nursery.start_soon(wait, b, 2)
-        await until(lambda: bool(b._queues.get("ka") and b._queues["ka"].waiters))
+        await until(lambda: queued(b, "ka"))
         nursery.start_soon(wait, a, 3)
-        await until(lambda: bool(a._queues.get("ka") and a._queues["ka"].waiters))
+        await until(lambda: queued(a, "ka"))
         assert await b.release("ka", first.handle)
         await until(lambda: len(results) == 1)
         second = results[0]
@@ -519,9 +519,9 @@ async def test_an_untie_that_committed_behind_an_unknown_outcome_is_the_grant(
             results.append(await backend.acquire(request("uu", timeout_ms=30_000), ALICE, conn, 30))
 
         nursery.start_soon(wait, b, 2)
-        await until(lambda: bool(b._queues.get("uu") and b._queues["uu"].waiters))
+        await until(lambda: queued(b, "uu"))
         nursery.start_soon(wait, a, 3)
-        await until(lambda: bool(a._queues.get("uu") and a._queues["uu"].waiters))
+        await until(lambda: queued(a, "uu"))
         assert await b.release("uu", first.handle)
         await until(lambda: len(results) == 1)
         second = results[0]

@@ -35,9 +35,9 @@ from lockd_client import Handle, LockClient, LockdError, LockTimeoutError
 
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
+from lockd.testing.wire import RawConn, check_error
 
 from .test_integration import PROMPT, park, wait_for, waiters
-from .test_protocol_live import RawConn, check_error
 
 #: docs/contract.md §11: a dead host's waiters and releaseOnClose holds are gone within 10 s.
 DEAD_HOST_BOUND = 10.0

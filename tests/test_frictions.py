@@ -40,9 +40,7 @@ from lockd.contract import MAX_TIMEOUT_MS, WAIT_FOREVER
 from lockd.daemon.stats import StatsRecorder
 from lockd.exitcodes import EXIT_DEADLOCK, exit_code_for
 from lockd.testing.daemon import LOCKD, DaemonProcess
-from tests.conftest import Backend
-
-from .test_protocol_live import running_daemon
+from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 

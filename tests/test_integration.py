@@ -34,9 +34,8 @@ from lockd_client import (
 
 from lockd.testing.daemon import LOCKD, DaemonProcess
 from lockd.testing.polling import wait_for
-from tests.conftest import Backend
-
-from .test_protocol_live import RawConn, running_daemon
+from lockd.testing.wire import RawConn
+from tests.conftest import Backend, running_daemon
 
 #: Generous bounds for "at once" on a loaded 2-core box.
 PROMPT = 3.0

@@ -22,8 +22,7 @@ from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
 from lockd.testing.daemon import DaemonProcess
-from tests.conftest import Backend
-from tests.test_protocol_live import running_daemon
+from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 

@@ -25,8 +25,8 @@ import pytest
 from lockd.daemon.backends.etcd.records import Layout
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
+from lockd.testing.wire import RawConn
 from tests.test_etcd_hosts import Hosts, two_hosts
-from tests.test_protocol_live import RawConn
 
 
 def _b64(data: bytes) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from lockd.testing.daemon import DaemonProcess
-from tests.test_protocol_live import RawConn
+from lockd.testing.wire import RawConn
 
 
 def _events_conn(daemon: DaemonProcess) -> RawConn:

@@ -15,15 +15,9 @@ import contextlib
 import json
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +27,7 @@ from lockd_client import LockClient
 
 from lockd.daemon.protocol import Acquire, Break, ProtocolError, parse_request
 from lockd.testing.daemon import DaemonProcess
+from lockd.testing.wire import RawConn, check_error, check_invalid, unique
 from tests.conftest import Backend
 
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -71,118 +66,6 @@ pytestmark = pytest.mark.both_backends
 
 
 # ------------------------------------------------------------ helpers
-
-
-class RawConn:
-    """A JSON-lines connection with nothing hidden: bytes in, dicts out."""
-
-    def __init__(self, path: Path | str, timeout: float = 15.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
-        self.buf = b""
-        self.timeout = timeout
-
-    def send(self, message: dict[str, Any] | bytes) -> None:
-        """Send a dict as one JSON line, or bytes as they are (newline added)."""
-        data = message if isinstance(message, bytes) else json.dumps(message).encode()
-        self.sock.sendall(data + b"\n")
-
-    def read(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The next reply, or None when the daemon closed the connection."""
-        self.sock.settimeout(timeout if timeout is not None else self.timeout)
-        while b"\n" not in self.buf:
-            try:
-                chunk = self.sock.recv(65536)
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                assert not self.buf, f"connection closed mid-line: {self.buf[:200]!r}"
-                return None
-            self.buf += chunk
-        data, self.buf = self.buf.split(b"\n", 1)
-        reply = json.loads(data)
-        assert isinstance(reply, dict), reply
-        return reply
-
-    def reply(self, timeout: float | None = None) -> dict[str, Any]:
-        reply = self.read(timeout)
-        assert reply is not None, "the daemon closed the connection"
-        return reply
-
-    def call(self, message: dict[str, Any] | bytes) -> dict[str, Any]:
-        self.send(message)
-        return self.reply()
-
-    def result(self, message: dict[str, Any]) -> Any:
-        reply = self.call(message)
-        assert reply.get("ok") is True, reply
-        assert set(reply) == {"id", "ok", "result"}
-        assert reply["id"] == message["id"]
-        return reply["result"]
-
-    def error(self, message: dict[str, Any] | bytes) -> dict[str, Any]:
-        reply = self.call(message)
-        assert reply.get("ok") is False, reply
-        assert set(reply) == {"id", "ok", "error"}
-        return reply
-
-    def closed(self, timeout: float = 10.0) -> bool:
-        """True if the daemon closed this connection (EOF or reset) in time."""
-        try:
-            return self.read(timeout) is None
-        except TimeoutError:
-            return False
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@contextlib.contextmanager
-def running_daemon(
-    config: str | None = None, backend: Backend | None = None
-) -> Iterator[DaemonProcess]:
-    """A daemon in its own short temp folder, for module-scoped fixtures."""
-    root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
-    proc = backend.daemon_in(root) if backend is not None else DaemonProcess.in_folder(root)
-    if config is not None:
-        proc.write_config(config)
-    try:
-        proc.start()
-        yield proc
-    finally:
-        if proc.proc is not None and proc.proc.poll() is None:
-            proc.proc.send_signal(signal.SIGTERM)
-            try:
-                proc.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.proc.kill()
-                proc.proc.wait()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def unique(prefix: str = "k") -> str:
-    return f"{prefix}:{uuid.uuid4().hex[:12]}"
-
-
-def check_error(reply: dict[str, Any], code: str, status: int) -> dict[str, Any]:
-    error = reply["error"]
-    assert set(error) == {"code", "status", "message", "details"}
-    assert (error["code"], error["status"]) == (code, status), error
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["details"], dict)
-    return error
-
-
-def check_invalid(reply: dict[str, Any], field: str | None) -> None:
-    error = check_error(reply, "INVALID_REQUEST", 400)
-    assert error["details"].get("field") == field, error
-
-
-@pytest.fixture(scope="module")
-def lockd(backend: Backend) -> Iterator[DaemonProcess]:
-    with running_daemon(backend=backend) as proc:
-        yield proc
 
 
 @pytest.fixture

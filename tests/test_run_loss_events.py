@@ -16,7 +16,7 @@ from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
 from lockd.testing.daemon import DaemonProcess
-from tests.conftest import Backend
+from tests.conftest import Backend, running_daemon
 
 from .test_cli_run import (
     IGNORE_TERM,
@@ -28,7 +28,6 @@ from .test_cli_run import (
     start_run,
     wait_ready,
 )
-from .test_protocol_live import running_daemon
 
 pytestmark = pytest.mark.both_backends
 

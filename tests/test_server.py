@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from lockd.daemon import sockio
 from lockd.daemon.clock import Clock, SystemClock
@@ -40,8 +41,7 @@ from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller, IdentityConfig, IdentityUnavailable
 from lockd.testing.polling import wait_for_trio
-
-from .test_protocol_live import RawConn
+from lockd.testing.wire import RawConn
 
 MEMBER = Caller("user", "alice", "member", 1000, 1000, 4242, frozenset({"alice"}))
 OWNER = Caller("user", "root", "owner", 0, 0, 1, frozenset({"root"}))
@@ -708,8 +708,10 @@ async def test_sigterm_answers_rate_waiting_acquire_with_shutting_down(short_tmp
         client = await h.connect()
         await client.send(acquire(1, "k", timeoutMs=120_000))
         # Shut down only once the acquire waits for room (a request that came during
-        # the shutdown would be answered SHUTTING_DOWN too: the test would prove nothing).
+        # the shutdown would be answered SHUTTING_DOWN too: the test would prove nothing):
+        # the limiter was asked, and every task, its wait's too, is blocked.
         assert await until(lambda: len(limiter.answers) < 3)
+        await trio.testing.wait_all_tasks_blocked()
         h.server.shutdown()
         reply = await client.recv()
     assert reply is not None and reply["error"]["code"] == "SHUTTING_DOWN"

@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
-from tests.conftest import Backend
-
-from .test_protocol_live import RawConn, check_error, running_daemon, unique
+from lockd.testing.wire import RawConn, check_error, unique
 
 pytestmark = pytest.mark.both_backends
-
-
-@pytest.fixture(scope="module")
-def lockd(backend: Backend) -> Iterator[DaemonProcess]:
-    with running_daemon(backend=backend) as proc:
-        yield proc
-
-
-@pytest.fixture
-def conns(lockd: DaemonProcess) -> Iterator[list[RawConn]]:
-    opened = [RawConn(lockd.socket) for _ in range(4)]
-    try:
-        yield opened
-    finally:
-        for conn in opened:
-            conn.close()
 
 
 def my_process_name() -> str:

@@ -18,8 +18,7 @@ import pytest
 
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
-
-from .test_protocol_live import RawConn, check_error, unique
+from lockd.testing.wire import RawConn, check_error, unique
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,28 +19,10 @@ from lockd.cli.top import rates, render_frame
 from lockd.daemon.waiterview import QueuedWaiter, concerns, waiter_list
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
+from lockd.testing.wire import RawConn, unique
 from lockd.waitline import WaitLine, wait_text
-from tests.conftest import Backend
-
-from .test_protocol_live import RawConn, running_daemon, unique
 
 pytestmark = pytest.mark.both_backends
-
-
-@pytest.fixture(scope="module")
-def lockd(backend: Backend) -> Iterator[DaemonProcess]:
-    with running_daemon(backend=backend) as proc:
-        yield proc
-
-
-@pytest.fixture
-def conns(lockd: DaemonProcess) -> Iterator[list[RawConn]]:
-    opened = [RawConn(lockd.socket) for _ in range(4)]
-    try:
-        yield opened
-    finally:
-        for conn in opened:
-            conn.close()
 
 
 def _status(conn: RawConn, key: str) -> dict[str, Any]:
