@@ -52,6 +52,7 @@ from lockd.daemon.backends.etcd.wire import PutOp, RangeOp, WatchRequest
 from lockd.daemon.holds import Refused
 from lockd.daemon.protocol import Acquire as AcquireRequest
 from lockd.identity import Caller
+from lockd.testing.clock import FakeClock
 from lockd.testing.polling import wait_for_trio
 from tests.differential import (
     CLIENTS,
@@ -70,19 +71,6 @@ from tests.differential import (
 NO_TIMEOUT_S = 3600.0
 #: the test's time 0 on the backend's wall clock (any fixed epoch would do).
 EPOCH_MS = 1_900_000_000_000
-
-
-class TestClock:
-    """The backend's clock: the test's time, moved only by the run."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def wall_ms(self) -> int:
-        return EPOCH_MS + self.now
-
-    def boot_ms(self) -> int:
-        return self.now
 
 
 def caller(client: int) -> Caller:
@@ -113,7 +101,7 @@ class EtcdRun:
         self.prefix = prefix.encode()
         self.layout = Layout(prefix)
         self.nursery = nursery
-        self.clock = TestClock()
+        self.clock = FakeClock(now=0, epoch_ms=EPOCH_MS)  # the test's time, moved by the run
         self.backends = [
             EtcdBackend(
                 etcd,

@@ -29,21 +29,11 @@ from lockd.daemon.store import Store
 from lockd.identity import Caller
 from lockd.logfmt import LogThrottle
 from lockd.rules.policy import Decision
+from lockd.testing.clock import FakeClock
 
 ALICE = Caller("user", "alice", "member", 1001, 1001, 11, frozenset({"alice"}))
 BOB = Caller("user", "bob", "member", 1002, 1002, 12, frozenset({"bob"}))
 ROOT = Caller("user", "root", "owner", 0, 0, 1, frozenset({"root"}))
-
-
-@dataclass
-class FakeClock:
-    now: int = 1_000_000
-
-    def boot_ms(self) -> int:
-        return self.now
-
-    def wall_ms(self) -> int:
-        return 1_700_000_000_000 + self.now
 
 
 @dataclass

@@ -40,24 +40,12 @@ from lockd.daemon.server import INLINE_READS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.store import StorageUnavailable, Store
 from lockd.identity import Caller, IdentityConfig, IdentityUnavailable
+from lockd.testing.clock import FakeClock
 from lockd.testing.polling import wait_for_trio
 from lockd.testing.wire import RawConn
 
 MEMBER = Caller("user", "alice", "member", 1000, 1000, 4242, frozenset({"alice"}))
 OWNER = Caller("user", "root", "owner", 0, 0, 1, frozenset({"root"}))
-
-
-@dataclass
-class FakeClock:
-    """A boot clock the test moves by hand (the trio timer does not see it)."""
-
-    now: int = 1_000_000
-
-    def boot_ms(self) -> int:
-        return self.now
-
-    def wall_ms(self) -> int:
-        return 1_700_000_000_000 + self.now
 
 
 @dataclass(frozen=True)
