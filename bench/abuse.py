@@ -30,22 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(os.environ.get("LOCKD_ROOT") or Path(__file__).resolve().parents[1])
 sys.path.insert(0, str(ROOT))
 
-from lockd.testing.daemon import DaemonProcess  # noqa: E402
+from lockd.testing.daemon import DaemonProcess, temporary_daemon  # noqa: E402
 from lockd.testing.users import Accounts, User, missing_prerequisite, share_socket  # noqa: E402
 
 #: ~20 ms per evaluation with cel-python's interpreter on this box (~0.15 ms an element),
@@ -135,15 +133,7 @@ def as_member(user: User, code: str, *args: object, **kwargs: Any) -> subprocess
 
 @contextmanager
 def daemon(config: str = "", rules: str | None = None) -> Iterator[DaemonProcess]:
-    with ExitStack() as stack:
-        folder = Path(tempfile.mkdtemp(prefix="lockd-abuse-", dir="/tmp"))
-        stack.callback(shutil.rmtree, folder, True)
-        proc = DaemonProcess.in_folder(folder)
-        proc.write_config(config)
-        if rules is not None:
-            proc.write_rules("policy.toml", rules)
-        proc.start()
-        stack.callback(proc.stop)
+    with temporary_daemon(config, rules, prefix="lockd-abuse-") as proc:
         share_socket(proc.socket)
         yield proc
 

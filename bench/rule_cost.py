@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lockd.testing.daemon import DaemonProcess  # noqa: E402
+from lockd.testing.daemon import DaemonProcess, temporary_daemon  # noqa: E402
 from lockd.testing.users import Accounts, Agent, User, missing_prerequisite, share_socket  # noqa: E402
 
 SPEC_RULE = "record.key.startsWith('user:' + user.userId + ':')"
@@ -56,14 +54,9 @@ CONFIG = "acquire_per_hour = 1000000000\n"
 
 def start_daemon(stack: ExitStack, rules: str | None) -> DaemonProcess:
     """A daemon in its own temp folder, reachable by other uids; stopped on exit."""
-    folder = Path(tempfile.mkdtemp(prefix="lockd-bench-", dir="/tmp"))
-    stack.callback(shutil.rmtree, folder, True)
-    daemon = DaemonProcess.in_folder(folder)
-    daemon.write_config(CONFIG)
-    if rules is not None:
-        daemon.write_rules("lock-policy.toml", rules)
-    daemon.start()
-    stack.callback(daemon.stop)
+    daemon = stack.enter_context(
+        temporary_daemon(CONFIG, rules, rules_file="lock-policy.toml", prefix="lockd-bench-")
+    )
     share_socket(daemon.socket)
     return daemon
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from lockd.testing.daemon import DaemonProcess, session_processes
+from lockd.testing.daemon import DaemonProcess, session_processes, temporary_daemon
 from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
 from lockd.testing.polling import wait_for
 from lockd.testing.wire import RawConn
@@ -183,21 +183,11 @@ def daemon(daemon_paths: DaemonProcess) -> DaemonProcess:
     return daemon_paths.start()
 
 
-@contextlib.contextmanager
 def running_daemon(
     config: str | None = None, backend: Backend | None = None
-) -> Iterator[DaemonProcess]:
-    """A daemon in its own short temp folder, for module-scoped fixtures."""
-    root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
-    proc = backend.daemon_in(root) if backend is not None else DaemonProcess.in_folder(root)
-    if config is not None:
-        proc.write_config(config)
-    try:
-        proc.start()
-        yield proc
-    finally:
-        proc.terminate()
-        shutil.rmtree(root, ignore_errors=True)
+) -> contextlib.AbstractContextManager[DaemonProcess]:
+    """A daemon in its own short temp folder (on ``backend``), for module-scoped fixtures."""
+    return temporary_daemon(config, etcd=backend.etcd_settings() if backend else None)
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,16 @@ same machine at the same time have other tokens and are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,6 +179,33 @@ class DaemonProcess:
         self.config.mkdir(parents=True, exist_ok=True)
         backend = "" if self.etcd is None else "\n" + self.etcd.toml()
         (self.config / "lockd.toml").write_text(text + backend)
+
+
+@contextlib.contextmanager
+def temporary_daemon(
+    config: str | None = None,
+    rules: str | None = None,
+    *,
+    rules_file: str = "policy.toml",
+    etcd: EtcdBackend | None = None,
+    prefix: str = "lockd-",
+) -> Iterator[DaemonProcess]:
+    """A running daemon in a fresh short folder under /tmp; stopped and removed after.
+
+    ``config`` is its ``lockd.toml`` (top-level keys), ``rules`` a rule set
+    written as ``rule-sets/<rules_file>`` before it starts.
+    """
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    daemon = DaemonProcess.in_folder(root, etcd)
+    try:
+        if config is not None:
+            daemon.write_config(config)
+        if rules is not None:
+            daemon.write_rules(rules_file, rules)
+        yield daemon.start()
+    finally:
+        daemon.terminate()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def session_processes(token: str = SESSION_TOKEN) -> dict[int, str]:
