@@ -248,6 +248,31 @@ def unread_by_peer(sock: socket.socket) -> int:
     return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0])
 
 
+class SkippedMonotonic:
+    """``time`` for the client's own modules, whose ``monotonic()`` the test moves ahead."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def skip(self, seconds: float) -> None:
+        self.skipped += seconds
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def client_clock(monkeypatch: pytest.MonkeyPatch) -> SkippedMonotonic:
+    """The clock the client computes its deadlines with (what is left of a timeout)."""
+    clock = SkippedMonotonic()
+    for module in ("lockd_client._client", "lockd_client._requests"):
+        monkeypatch.setattr(f"{module}.time", clock)
+    return clock
+
+
 def renew_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("lockd-renew")]
 
@@ -904,11 +929,13 @@ def test_try_acquire_with_owner_is_retried(serve: Callable[[Script], FakeServer]
     assert server.ops() == ["tryAcquire", "tryAcquire"]
 
 
-def test_retried_acquire_waits_only_for_the_rest(serve: Callable[[Script], FakeServer]) -> None:
+def test_retried_acquire_waits_only_for_the_rest(
+    serve: Callable[[Script], FakeServer], client_clock: SkippedMonotonic
+) -> None:
     def script(peer: Peer, index: int) -> None:
         if index == 0:
             peer.recv()
-            time.sleep(0.1)  # time that passes before the drop: the retry must not wait it again
+            client_clock.skip(0.1)  # time passes before the drop: the retry must not wait it again
             peer.close()
             return
         responder(answer)(peer, index)
@@ -1168,7 +1195,7 @@ def test_lock_raises_lock_lost_when_release_answers_not_holder(
 
 
 def test_blocking_acquire_reparks_after_shutting_down(
-    serve: Callable[[Script], FakeServer],
+    serve: Callable[[Script], FakeServer], client_clock: SkippedMonotonic
 ) -> None:
     """SHUTTING_DOWN to a parked acquire: a new connection, parked again with the rest."""
 
@@ -1178,7 +1205,7 @@ def test_blocking_acquire_reparks_after_shutting_down(
         if index == 0:
             # Parked for a while, then the daemon stops: the time that passes is what the
             # re-parked request's shorter timeout must account for.
-            time.sleep(0.2)
+            client_clock.skip(0.2)
             peer.reply(request, err("SHUTTING_DOWN", 503))
             peer.close()
         else:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import trio
-
 from lockd.daemon.backends.etcd.backend import EtcdBackend
 from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
 from lockd.daemon.backends.etcd.waiting import KeyQueue, LocalWaiter
@@ -44,6 +42,17 @@ async def one_write(backend: EtcdBackend, released: Hold, granted: Hold) -> bool
     before = await backend.etcd.range(RangeOp(hold_key, revision=granted.fence - 1))
     at = await backend.etcd.range(RangeOp(hold_key, revision=granted.fence))
     return bool(before.kvs) and not at.kvs
+
+
+def settled(backend: EtcdBackend, key: str, revision: int) -> bool:
+    """``backend``'s queue of ``key`` has seen ``revision`` and decided on all it saw."""
+    key_queue = backend._queues.get(key)
+    return (
+        key_queue is not None
+        and key_queue.revision >= revision
+        and not key_queue.changed.is_set()
+        and not key_queue.lock.locked()
+    )
 
 
 async def viewing(backend: EtcdBackend, key: str, waiters: int) -> None:
@@ -152,8 +161,9 @@ async def test_a_semaphore_slot_goes_to_the_head_only(backends: Backends) -> Non
         await until(lambda: len(results) == 1)
         head = results[0]
         assert isinstance(head, Hold) and head.node == "n2" and await one_write(one, first, head)
-        # A negative check (no second grant): nothing marks "it was not", so time.
-        await trio.sleep(0.2)
+        # No second grant: once n1's queue has seen the hand-off and decided on it.
+        await until(lambda: settled(one, "s", head.fence))
+        await trio.testing.wait_all_tasks_blocked()  # a grant it made has reached its waiter
         assert len(results) == 1 and (await one.status("s")).waiters == 1
         assert await two.release("s", head.handle)
         await until(lambda: len(results) == 2)
