@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import trio.testing
+
 from lockd.daemon.backends.etcd.backend import EtcdBackend
 from lockd.daemon.backends.etcd.records import Directory, Hold, Waiter
 from lockd.daemon.backends.etcd.waiting import KeyQueue, LocalWaiter
