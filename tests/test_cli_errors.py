@@ -21,19 +21,14 @@ from click.testing import CliRunner
 
 from lockd.cli import main
 from lockd.testing.daemon import LOCKD, DaemonProcess
-from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture(scope="module")
-def daemon(backend: Backend) -> Iterator[DaemonProcess]:
-    """One daemon for the module: its tests only read it or use keys of their own.
-
-    A daemon started per test was most of the module's run time.
-    """
-    with running_daemon(backend=backend) as proc:
-        yield proc
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """One daemon for the module (conftest's ``lockd``): tests read it or use keys of their own."""
+    return lockd
 
 
 # --------------------------------------------------------------------- config mistakes

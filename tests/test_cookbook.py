@@ -15,26 +15,20 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
-from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture(scope="module")
-def daemon(backend: Backend) -> Iterator[DaemonProcess]:
-    """One daemon for the module: each recipe uses keys of its own.
-
-    A daemon started per test was most of the module's run time.
-    """
-    with running_daemon(backend=backend) as proc:
-        yield proc
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """One daemon for the module (conftest's ``lockd``): each recipe uses keys of its own."""
+    return lockd
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +39,14 @@ from lockd.contract import MAX_TIMEOUT_MS, WAIT_FOREVER
 from lockd.daemon.stats import StatsRecorder
 from lockd.exitcodes import EXIT_DEADLOCK, exit_code_for
 from lockd.testing.daemon import LOCKD, DaemonProcess
-from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture(scope="module")
-def daemon(backend: Backend) -> Iterator[DaemonProcess]:
-    """One daemon for the module: each test uses keys of its own.
-
-    A daemon started per test was most of the module's run time.
-    """
-    with running_daemon(backend=backend) as proc:
-        yield proc
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """One daemon for the module (conftest's ``lockd``): each test uses keys of its own."""
+    return lockd
 
 
 REPO = Path(__file__).resolve().parent.parent

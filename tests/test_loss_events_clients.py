@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import trio
@@ -22,19 +21,14 @@ from lockd_client.aio import AsyncLockClient
 from lockd_client.trio import TrioLockClient
 
 from lockd.testing.daemon import DaemonProcess
-from tests.conftest import Backend, running_daemon
 
 pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture(scope="module")
-def daemon(backend: Backend) -> Iterator[DaemonProcess]:
-    """One daemon for the module: each test uses keys of its own.
-
-    A daemon started per test was most of the module's run time.
-    """
-    with running_daemon(backend=backend) as proc:
-        yield proc
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """One daemon for the module (conftest's ``lockd``): each test uses keys of its own."""
+    return lockd
 
 
 #: a pushed loss must reach the block long before this (the bench measures ms).

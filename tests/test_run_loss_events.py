@@ -8,7 +8,6 @@ acting on the loss, or its connection closes when it exits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from lockd_client import LockClient
 
 from lockd.exitcodes import EXIT_LOST
 from lockd.testing.daemon import DaemonProcess
-from tests.conftest import Backend, running_daemon
 
 from .test_cli_run import (
     IGNORE_TERM,
@@ -33,13 +31,9 @@ pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture(scope="module")
-def daemon(backend: Backend) -> Iterator[DaemonProcess]:
-    """One daemon for the module: each test's key is its own and ends free or held by the test.
-
-    A daemon started per test was most of the module's run time.
-    """
-    with running_daemon(backend=backend) as proc:
-        yield proc
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """One daemon for the module (conftest's ``lockd``): each test's key ends free or held."""
+    return lockd
 
 
 @pytest.mark.parametrize("on_lost", ["kill", "term"])
