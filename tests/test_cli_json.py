@@ -103,6 +103,7 @@ def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) 
 
 @pytest.mark.both_backends
 def test_run_json_lease_lost_is_one_error_line(daemon: DaemonProcess) -> None:
+    # COMMAND breaks its own key, then would go on for 5 s: --on-lost kill ends it first.
     script = 'lockd locks break "$LOCKD_KEY" --reason test >/dev/null; sleep 5'
     result = lockd(
         "run",

@@ -634,7 +634,7 @@ async def test_hand_offs_across_hosts_never_overlap_or_stall(backends: Backends)
             overlaps += len(holding)
             holding.append(name)
             grants += 1
-            await trio.sleep(0.005)
+            await trio.sleep(0.005)  # the work done holding: a window an overlap would show in
             holding.remove(name)
             assert await backend.release("turns", hold.handle)
 

@@ -411,10 +411,10 @@ class ContendingWorker(threading.Thread):
         except LockdError as exc:
             self.errors.append(exc.code)
             assert exc.code == "BACKEND_UNAVAILABLE", exc
-            time.sleep(0.05)
+            time.sleep(0.05)  # etcd is out: the worker's own pause before it tries again
             return
         self.detector.record("enter", self.name, handle.fence)
-        time.sleep(0.002)
+        time.sleep(0.002)  # the work done holding: a window an overlap would show in
         self.detector.record("exit", self.name, handle.fence)
         self._release(client, handle)
 
@@ -427,7 +427,7 @@ class ContendingWorker(threading.Thread):
                 self.errors.append(exc.code)
                 assert exc.code == "BACKEND_UNAVAILABLE", exc
                 unanswered = True  # it may have been committed all the same
-                time.sleep(0.05)
+                time.sleep(0.05)  # the worker's own pause before it tries again
                 continue
             # After an attempt whose outcome was unknown, not_holder means it was.
             assert result.released or unanswered, (

@@ -363,7 +363,7 @@ def test_ctrl_z_stops_the_job_and_fg_resumes_it(shared: DaemonProcess) -> None:
 SELF_LOCKING = """#!/bin/sh
 [ "$LOCKD_KEY" = c-self ] || exec lockd run --wait 30s c-self -- "$0" "$@"
 mkdir "$1/inside" 2>/dev/null || { echo overlap >> "$1/overlaps"; exit 1; }
-sleep 0.3
+sleep 0.3  # the work done inside: a window another copy would show up in
 rmdir "$1/inside"
 echo "$LOCKD_KEY" >> "$1/runs"
 """
