@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -184,24 +185,17 @@ def measure(socket: str, trials: int, progress: Callable[[str], None]) -> dict[s
                 sync_trial(client, actor, cause, f"bench:sync:{cause}:{i}") for i in range(trials)
             ]
 
-    async def asyncio_all() -> None:
-        async with AsyncLockClient(socket) as client:
+    async def all_trials(client_class: Any, name: str, tag: str, trial: Any) -> None:
+        """Every cause, ``trials`` times, with one async client (asyncio's or trio's)."""
+        async with client_class(socket) as client:
             for cause in CAUSES:
-                progress(f"asyncio {cause}")
-                cell = results.setdefault(f"asyncio/{cause}", [])
+                progress(f"{name} {cause}")
+                cell = results.setdefault(f"{name}/{cause}", [])
                 for i in range(trials):
-                    cell.append(await asyncio_trial(client, actor, cause, f"bench:aio:{cause}:{i}"))
+                    cell.append(await trial(client, actor, cause, f"bench:{tag}:{cause}:{i}"))
 
-    async def trio_all() -> None:
-        async with TrioLockClient(socket) as client:
-            for cause in CAUSES:
-                progress(f"trio {cause}")
-                cell = results.setdefault(f"trio/{cause}", [])
-                for i in range(trials):
-                    cell.append(await trio_trial(client, actor, cause, f"bench:trio:{cause}:{i}"))
-
-    asyncio.run(asyncio_all())
-    trio.run(trio_all)
+    asyncio.run(all_trials(AsyncLockClient, "asyncio", "aio", asyncio_trial))
+    trio.run(all_trials, TrioLockClient, "trio", "trio", trio_trial)
     actor.client.close()
     return results
 
