@@ -549,7 +549,7 @@ async def test_a_release_that_failed_is_finished_once_etcd_answers(start: Start)
             waiting.append(await b.acquire(request("r", timeout_ms=30_000), BOB, 1, 30.0))
 
         nursery.start_soon(wait_for_r)
-        await until(lambda: bool(b._queues.get("r") and b._queues["r"].waiters))
+        await until(lambda: queued(b, "r"))
         faults.fail()
         with pytest.raises(BackendUnavailable):
             await a.release("r", held.handle)
@@ -557,9 +557,7 @@ async def test_a_release_that_failed_is_finished_once_etcd_answers(start: Start)
         faults.fail(False)
         # Nobody releases again: a's clean-up list deletes the hold, and b's
         # waiter is granted long before the hold's 30 s TTL.
-        with trio.fail_after(10):
-            while not waiting:
-                await trio.sleep(0.01)
+        await until(lambda: waiting)
     granted = waiting[0]
     assert isinstance(granted, Hold) and granted.fence > held.fence
     assert not a._doomed_keys
