@@ -8,7 +8,7 @@ status for each wire error code. Shared at the top so that none of them has
 to import another program's package.
 
 ``lockd_client`` keeps its own copy of the limits (it is a separate,
-standard-library-only distribution): ``tests/test_contract.py`` fails if the
+standard-library-only distribution): ``tests/live/test_contract.py`` fails if the
 two ever differ.
 """
 

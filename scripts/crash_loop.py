@@ -14,7 +14,7 @@ crash: that counts as a failure too) or come back with:
   first grant after the restart above every fence acknowledged before.
 
 It prints one line per failure and a summary; the exit status is 0 only
-when every round passed. ``tests/test_crash_loop.py`` runs a short version.
+when every round passed. ``tests/system/test_crash_loop.py`` runs a short version.
 """
 
 from __future__ import annotations

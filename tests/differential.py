@@ -1,6 +1,6 @@
 """Operations, observations and the embedded engine's run of the differential test.
 
-``tests/test_differential.py`` holds the reference model and the tests; this
+``tests/etcd/test_differential.py`` holds the reference model and the tests; this
 module holds what every run shares: the operations hypothesis generates
 (:data:`operations`), what a step shows (:class:`Seen`), and the embedded
 engine's run (:class:`EngineRun`). The etcd backend's run is in
@@ -185,7 +185,7 @@ class EngineRun:
             principal, _ = CLIENTS[op.client]
             # Each request on a connection of its own: the engine alone looks
             # for cycles of waits between connections (docs/protocol.md,
-            # "Errors"; tests/test_engine_properties.py checks that against
+            # "Errors"; tests/unit/test_engine_properties.py checks that against
             # a model), and a fresh connection never closes one.
             conn = 1_000_000 + req
             answer = engine.acquire(

@@ -1,4 +1,4 @@
-"""The etcd backend's run of the differential test (tests/test_differential.py).
+"""The etcd backend's run of the differential test (tests/etcd/test_differential.py).
 
 One :class:`~lockd.daemon.backends.etcd.backend.EtcdBackend` (node ``n1``),
 or two sharing one etcd as two hosts do (``n1`` serves clients 0 and 2,

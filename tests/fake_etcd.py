@@ -3,7 +3,7 @@
 It has the methods of :class:`lockd.daemon.backends.etcd.gateway.EtcdGateway`
 that the etcd backend calls, answering with the same wire types, and keeps
 etcd's semantics where the backend depends on them (checked against a real
-cluster in tests/test_fake_etcd.py):
+cluster in tests/etcd/test_fake_etcd.py):
 
 - one revision per transaction that changes something (a deletion that
   deletes nothing changes nothing); every key written by it gets that

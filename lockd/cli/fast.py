@@ -20,7 +20,7 @@ Anything else goes to the click group unchanged (:data:`lockd.cli.root.main`):
 help, other commands, an unknown, repeated or misplaced option, a value that
 does not parse or is out of range, a key that is not UTF-8, shell completion,
 a stream that is not UTF-8. So every usage error, message and exit code is
-the click path's own; ``tests/test_cli_fast.py`` compares the two paths. It
+the click path's own; ``tests/live/test_cli_fast.py`` compares the two paths. It
 imports :mod:`lockd_client` (every command needs it) but not click.
 """
 

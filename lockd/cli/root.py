@@ -47,7 +47,7 @@ __all__ = ["EXIT_CODES_HELP", "main"]
     cls=LockdGroup,
     epilog=EXIT_CODES_HELP,
     context_settings={"help_option_names": ["-h", "--help"]},
-    # Imported when used (start-up time: bench/startup.py, tests/test_cli_startup.py).
+    # Imported when used (start-up time: bench/startup.py, tests/unit/test_cli_startup.py).
     lazy={
         "locks": "lockd.cli.locks:locks",
         "rules": "lockd.cli.rules:rules",

@@ -13,7 +13,7 @@ copy of the rules (docs/architecture.md, "The decision core"):
 The embedded engine (``lockd.daemon.engine``) applies them to its
 in-memory state; the etcd backend applies them to the records it read, and
 commits the outcome in a transaction guarded by that read. The test
-``tests/test_differential.py`` runs one sequence of operations through both
+``tests/etcd/test_differential.py`` runs one sequence of operations through both
 and through a model written in the test, and compares what they answer.
 """
 

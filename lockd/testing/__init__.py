@@ -14,6 +14,6 @@
 
 Nothing here imports pytest (the fixtures stay in ``tests/conftest.py``), and
 nothing in ``lockd`` outside this package imports it: production code does
-not depend on test support (``tests/test_import_rules.py`` checks it). This
+not depend on test support (``tests/unit/test_import_rules.py`` checks it). This
 file imports no submodule, so ``import lockd.testing.polling`` stays light.
 """

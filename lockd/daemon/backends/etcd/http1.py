@@ -20,7 +20,7 @@ This module speaks exactly that and refuses the rest:
   response end the connection's reuse.
 
 Everything it accepts h11 accepts with the same status, reason, body and
-reuse (tests/test_etcd_http1.py checks that with hypothesis against h11);
+reuse (tests/unit/test_etcd_http1.py checks that with hypothesis against h11);
 what it refuses is :class:`Malformed`, which the transport reports as a
 request that may have reached etcd.
 """

@@ -1,0 +1,1 @@
+"""Unit tests: no daemon process, no etcd (in-process servers, fakes and stubs)."""
