@@ -79,7 +79,7 @@ class Waits:
         for wait in self._remote_waits():
             wait.scope.cancel()
         with trio.move_on_after(2):
-            while self._events or self._remote_waits():
+            while self._events or self._remote_waits() or self._room_waits():
                 await trio.sleep(0.01)
 
     def _remote_waits(self) -> list[Wait]:
@@ -90,6 +90,18 @@ class Waits:
             for waits in conn.waits.values()
             for wait in waits
             if wait.step is None
+        ]
+
+    def _room_waits(self) -> list[Wait]:
+        """Blocking acquires waiting for rate-limit room. Their tasks see the stop and answer
+        SHUTTING_DOWN themselves, but one started just before the stop may not have run
+        yet: closing the connections now would cancel it unanswered."""
+        return [
+            wait
+            for conn in self._connections.values()
+            for waits in conn.waits.values()
+            for wait in waits
+            if isinstance(wait.step, WaitForRoom)
         ]
 
     # -------------------------------------------------- parked acquires

