@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +34,7 @@ import trio
 from lockd.contract import HOLDER_FIELDS as SHARED_HOLDER_FIELDS
 from lockd.core import Refused
 from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
-from lockd.daemon.events import RETAKE, SESSION, Watched
+from lockd.daemon.events import RETAKE, SESSION, PendingBreak, Watched
 from lockd.daemon.holder import holder_fields, holder_process
 from lockd.daemon.leases import Lease
 from lockd.daemon.protocol import (
@@ -92,8 +92,12 @@ class RemoteService:
         *,
         pending: int,
         parked: trio.Event | None = None,
+        listens: bool = False,
     ) -> RemoteReply:
         """Decide ``request``; raises ProtocolError (BACKEND_UNAVAILABLE among them).
+
+        ``listens``: connection ``conn`` asked for events (its grants say so
+        in etcd, so a break through another daemon waits for them).
 
         A blocking acquire sets ``parked`` once it waits (queued, waiting
         for room under the rate limit, or for etcd): see
@@ -106,17 +110,21 @@ class RemoteService:
         """
         try:
             if isinstance(request, Acquire) and request.timeout_ms is not None:
-                return await self._acquire(caller, conn, request, pending, parked)
+                return await self._acquire(caller, conn, request, pending, parked, listens)
             told: list[Watched] = []
             if isinstance(request, Break):
                 # Before the time limit below: a listening holder may take
                 # up to break_grace to stop.
                 told = await self._wait_for_listeners(caller, request)
+                if self.service.break_grace_ms > 0:
+                    # So may one of another daemon: the backend bounds each
+                    # of its etcd calls, and the wait by the grace.
+                    return RemoteReply(await self._break(caller, request, told))
             # A bare cancel scope: trio.fail_after wraps one in a generator,
             # which costs as much again on every request.
             with trio.CancelScope(relative_deadline=self.backend.timeout):
                 if isinstance(request, Acquire):
-                    return await self._acquire(caller, conn, request, pending)
+                    return await self._acquire(caller, conn, request, pending, listens=listens)
                 if isinstance(request, Break):
                     return RemoteReply(await self._break(caller, request, told))
                 return RemoteReply(await self._answer(caller, request))
@@ -162,6 +170,7 @@ class RemoteService:
         watch.is_watched = lambda handle: losses.watched(handle) is not None
         watch.watched_holds = lambda: [(w.key, w.handle) for w in losses.holds()]
         watch.any_watched = lambda: len(losses) > 0
+        watch.await_stop = self.await_stop
         losses.on_watch = lambda watched: watch.follow(watched.handle, watched.fence)
 
     def hold_lost(
@@ -209,6 +218,40 @@ class RemoteService:
         )
         for event in events:
             service.on_lost(event)
+        await self._until_stopped(pending)
+        return pending.stopping
+
+    async def await_stop(self, ask: StopRequest) -> bool:
+        """A break through another daemon asks a hold granted here to stop (holdstop.py).
+
+        Its holder is told at once (with who broke it and why) and keeps the
+        hold until it says ``stopped``, closes, or the break's grace passes;
+        then the caller deletes the hold. False when the hold is not watched
+        any more (released, told already, its connection gone): nothing to do.
+        """
+        service, losses = self.service, self.service.losses
+        watched = losses.watched(ask.handle)
+        if watched is None:
+            return False
+        now = service.clock.boot_ms()
+        pending, events = losses.begin_break(
+            ask.key,
+            ask.reason or "",
+            ask.by or "",
+            [watched],
+            [],
+            now + ask.grace_ms,
+            service.notices.at(),
+        )
+        log.info(kv(event="break_waits", key=ask.key, by=ask.by, holders=len(events)))
+        for event in events:
+            service.on_lost(event)
+        await self._until_stopped(pending)
+        return True
+
+    async def _until_stopped(self, pending: PendingBreak) -> None:
+        """Wait until every holder ``pending`` told stopped, or its grace passed."""
+        service = self.service
         try:
             while not service.break_ready(pending):
                 woken = trio.Event()
@@ -216,8 +259,7 @@ class RemoteService:
                 with trio.move_on_after(service.ms_until(pending.deadline) / 1000):
                     await woken.wait()
         finally:
-            losses.end_break(pending)
-        return pending.stopping
+            service.losses.end_break(pending)
 
     # ------------------------------------------------------------ acquire
 
@@ -228,6 +270,7 @@ class RemoteService:
         req: Acquire,
         pending: int,
         parked: trio.Event | None = None,
+        listens: bool = False,
     ) -> RemoteReply:
         service = self.service
         service.gate.check_acquire(caller, req, pending=pending)
@@ -242,7 +285,7 @@ class RemoteService:
             retry_after = service.gate.take_attempt(caller, now)
             if retry_after is not None:
                 raise service.gate.rate_limited(retry_after)
-            outcome = await self.backend.acquire(req, caller, conn, None)
+            outcome = await self.backend.acquire(req, caller, conn, None, listens=listens)
         else:
             # Over the rate limit a blocking acquire waits for room, within
             # its own timeout (docs/contract.md §6), as the embedded path does.
@@ -256,7 +299,7 @@ class RemoteService:
                 await trio.sleep(min(retry_after, deadline - now) / 1000)
                 now = service.clock.boot_ms()
             left = max(0, deadline - now) / 1000
-            outcome = await self.backend.acquire(req, caller, conn, left, parked)
+            outcome = await self.backend.acquire(req, caller, conn, left, parked, listens=listens)
         if isinstance(outcome, Refused):
             raise ProtocolError(
                 "INVALID_REQUEST",
@@ -350,7 +393,10 @@ class RemoteService:
         """
         self.service.gate.authorize(caller, "break", request.key)
         deleted = await self.backend.break_lock(
-            request.key, by=caller.principal, reason=request.reason
+            request.key,
+            by=caller.principal,
+            reason=request.reason,
+            grace_ms=self.service.break_grace_ms,
         )
         losses = self.service.losses
         for hold in deleted:  # told already (see _wait_for_listeners), or not listening
@@ -416,6 +462,21 @@ class RemoteService:
         }
 
 
+class StopRequest(Protocol):
+    """A break through another daemon asking a hold granted here to stop (etcd: ``StopAsked``)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def handle(self) -> str: ...
+    @property
+    def by(self) -> str | None: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def grace_ms(self) -> int: ...
+
+
 class HoldWatchLike(Protocol):
     """What :meth:`RemoteService.follow_losses` wires up (etcd: ``HoldWatch``)."""
 
@@ -424,6 +485,7 @@ class HoldWatchLike(Protocol):
     is_watched: Callable[[str], bool]
     watched_holds: Callable[[], list[tuple[str, str]]]
     any_watched: Callable[[], bool]
+    await_stop: Callable[[StopRequest], Awaitable[bool]]
 
     def follow(self, handle: str, fence: int) -> None: ...
 

@@ -245,7 +245,9 @@ class Waits:
         """
         backend = self._service.backend
         try:
-            answer = backend.answer(conn.caller, conn.id, request, pending=conn.waiting)
+            answer = backend.answer(
+                conn.caller, conn.id, request, pending=conn.waiting, listens=conn.events
+            )
             await self._send_remote(conn, request, answer)
         finally:
             self._outbox.observe(request.op, started)
@@ -290,7 +292,7 @@ class Waits:
             reply: RemoteReply | None = None
             with wait.scope:
                 reply = await backend.answer(
-                    conn.caller, conn.id, request, pending=pending, parked=done
+                    conn.caller, conn.id, request, pending=pending, parked=done, listens=conn.events
                 )
                 wait.step = Reply(None)  # answered: a cancel now comes too late
             if reply is None or wait.cancelled:

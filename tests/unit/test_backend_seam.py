@@ -54,7 +54,14 @@ class RecordingRemote:
         self.calls: list[tuple[str, Any]] = []
 
     async def acquire(
-        self, req: Acquire, caller: Caller, conn: int, timeout: float | None, parked: Any = None
+        self,
+        req: Acquire,
+        caller: Caller,
+        conn: int,
+        timeout: float | None,
+        parked: Any = None,
+        *,
+        listens: bool = False,
     ) -> None:
         return None
 
@@ -76,7 +83,7 @@ class RecordingRemote:
         return [], None
 
     async def break_lock(
-        self, key: str, *, by: str | None = None, reason: str | None = None
+        self, key: str, *, by: str | None = None, reason: str | None = None, grace_ms: int = 0
     ) -> list[RemoteHold]:
         return []
 

@@ -96,8 +96,13 @@ class RemoteBackend(Protocol):
         conn: int,
         timeout: float | None,
         parked: trio.Event | None = None,
+        *,
+        listens: bool = False,
     ) -> RemoteHold | Refused | None:
         """Grant, refuse, or None: busy (tryAcquire) or ``timeout`` seconds passed.
+
+        ``listens``: the connection asking listens for events (docs/contract.md
+        §12.1); the hold records it, so a break made elsewhere waits for it.
 
         A blocking acquire sets ``parked`` once it waits: its place in the
         queue is written (a ``status`` now counts it), or it retries while
@@ -121,12 +126,20 @@ class RemoteBackend(Protocol):
         """Held keys in key order from after ``after``; the key to continue after, if more."""
 
     async def break_lock(
-        self, key: str, *, by: str | None = None, reason: str | None = None
+        self,
+        key: str,
+        *,
+        by: str | None = None,
+        reason: str | None = None,
+        grace_ms: int = 0,
     ) -> Sequence[RemoteHold]:
         """End every hold of ``key``; the holds ended, oldest first.
 
         ``by`` (the principal) and ``reason`` reach holders granted by other
-        daemons with their loss event (docs/contract.md §12.1).
+        daemons with their loss event (docs/contract.md §12.1). With
+        ``grace_ms``, a hold another daemon granted to a listening
+        connection ends once its holder stopped, within a bounded wait
+        (docs/contract.md §11): the call is not bounded by ``timeout`` then.
         """
 
     def release_undelivered(self, hold: RemoteHold) -> None:
@@ -157,8 +170,12 @@ class LockBackend(Protocol):
         *,
         pending: int,
         parked: trio.Event | None = None,
+        listens: bool = False,
     ) -> RemoteReply:
-        """The answer to a request :meth:`awaits`; raises ProtocolError."""
+        """The answer to a request :meth:`awaits`; raises ProtocolError.
+
+        ``listens``: connection ``conn`` asked for events (docs/contract.md §12.1).
+        """
 
     def release_undelivered(self, grant: Lease | RemoteHold) -> None:
         """A grant whose reply could not be written: release it."""

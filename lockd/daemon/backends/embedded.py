@@ -37,6 +37,7 @@ class EmbeddedBackend:
         *,
         pending: int,
         parked: trio.Event | None = None,
+        listens: bool = False,
     ) -> NoReturn:
         raise AssertionError(f"the embedded backend answers {request.op} at once (awaits False)")
 

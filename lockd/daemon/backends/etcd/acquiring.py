@@ -105,6 +105,8 @@ class Acquirer:
         conn: int,
         timeout: float | None,
         parked: trio.Event | None = None,
+        *,
+        listens: bool = False,
     ) -> Hold | Refused | None:
         template = Hold(
             key=req.key,
@@ -122,6 +124,7 @@ class Acquirer:
             bound=req.release_on_close,
             pid_start=caller.start if caller.pid > 0 else None,
             pid_place=self._pid_place or None,
+            listens=listens,
         )
         ttl_s = lease_seconds(req.ttl_ms)
         if timeout is None:
@@ -275,6 +278,7 @@ class Acquirer:
             since=self._clock.wall_ms(),
             pid_start=template.pid_start,
             pid_place=template.pid_place,
+            listens=template.listens,
         )
         try:
             with trio.move_on_at(deadline):

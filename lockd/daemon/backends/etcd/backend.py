@@ -30,6 +30,7 @@ from lockd.core import Refused
 from lockd.daemon.backends import RemoteHold, RemoteStatus
 from lockd.daemon.backends.etcd.acquiring import Acquirer, directory_of
 from lockd.daemon.backends.etcd.cleanup import CleanupList
+from lockd.daemon.backends.etcd.crossbreak import break_waiting
 from lockd.daemon.backends.etcd.gateway import (
     EtcdGateway,
     LeaseNotFound,
@@ -268,9 +269,11 @@ class EtcdBackend:
         conn: int,
         timeout: float | None,
         parked: trio.Event | None = None,
+        *,
+        listens: bool = False,
     ) -> Hold | Refused | None:
         """Take ``req.key`` now, or (with ``timeout``) wait in its queue (:class:`Acquirer`)."""
-        return await self.acquirer.acquire(req, caller, conn, timeout, parked)
+        return await self.acquirer.acquire(req, caller, conn, timeout, parked, listens=listens)
 
     def _queue(self, key: str, revision: int) -> KeyQueue:
         key_queue = self._queues.get(key)
@@ -438,7 +441,12 @@ class EtcdBackend:
         return page, None
 
     async def break_lock(
-        self, key: str, *, by: str | None = None, reason: str | None = None
+        self,
+        key: str,
+        *,
+        by: str | None = None,
+        reason: str | None = None,
+        grace_ms: int = 0,
     ) -> list[Hold]:
         """Delete every hold of ``key``; with ``by``, write who and why beside it.
 
@@ -446,7 +454,11 @@ class EtcdBackend:
         transaction, so the daemons whose holders lost a hold see it in the
         same watch event; it hangs on the session lease and is deleted right
         after (the clean-up list), since the watch has seen it by then.
+        With ``grace_ms``, holds other daemons granted to listening
+        connections are asked to stop and waited for (crossbreak.py).
         """
+        if grace_ms > 0 and by is not None:
+            return await break_waiting(self, key, by, reason or "", grace_ms)
         directory_key = self.layout.directory(key)
         ops: list[Op] = [
             RangeOp(directory_key, prefix=True),

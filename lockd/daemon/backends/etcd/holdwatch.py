@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
 
+from lockd.daemon.backends.etcd.crossbreak import end_stopped
 from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
 from lockd.daemon.backends.etcd.holdloss import SeenLoss, losses_in
+from lockd.daemon.backends.etcd.holdstop import StopAsked, stops_asked
 from lockd.daemon.backends.etcd.tasks import keep_running, logged
 from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL
 from lockd.daemon.backends.etcd.wire import Event, WatchRequest
@@ -47,6 +49,7 @@ from lockd.logfmt import kv
 
 if TYPE_CHECKING:
     from lockd.daemon.backends.etcd.backend import EtcdBackend
+    from lockd.daemon.remote import StopRequest
 
 log = logging.getLogger("lockd.etcd")
 
@@ -76,6 +79,10 @@ def _none_watched() -> bool:
     return False
 
 
+async def _not_stopping(ask: StopRequest) -> bool:
+    return False
+
+
 class HoldWatch:
     """One daemon's watch of the holds it granted (see the module doc)."""
 
@@ -91,6 +98,10 @@ class HoldWatch:
         self.watched_holds: Callable[[], list[tuple[str, str]]] = _no_holds
         #: is any hold watched? (None is: the stream ends at its next event.)
         self.any_watched: Callable[[], bool] = _none_watched
+        #: a break through another daemon asks a watched hold to stop: tell its
+        #: holder and wait until it stopped or its grace passed (False: the hold
+        #: is not watched any more, nothing to end here).
+        self.await_stop: Callable[[StopRequest], Awaitable[bool]] = _not_stopping
         self._started = False
         #: the revision the stream goes on from.
         self._from = 0
@@ -144,6 +155,15 @@ class HoldWatch:
         backend = self.backend
         for loss in losses_in(backend.layout, backend.node, events):
             self._seen(loss)
+        for ask in stops_asked(backend.layout, backend.node, events):
+            if self.is_watched(ask.handle) and backend.nursery is not None:
+                backend.nursery.start_soon(logged, "hold_stop", partial(self._stop, ask))
+
+    async def _stop(self, ask: StopAsked) -> None:
+        """A break elsewhere waits for this hold: once its holder stopped, end it here."""
+        if await self.await_stop(ask):
+            self.told["stopAsked"] = self.told.get("stopAsked", 0) + 1
+            await end_stopped(self.backend, ask)
 
     def _seen(self, loss: SeenLoss) -> None:
         if not self.is_watched(loss.handle):

@@ -116,6 +116,10 @@ class Hold:
     #: (``nodeclaim.pid_place``), for ``alive``; None in older records.
     pid_start: int | None = None
     pid_place: str | None = None
+    #: granted to a connection that listens for events: a break made through
+    #: another daemon waits for its holder to stop (etcd-design.md §6a).
+    #: False in older records: such a break deletes it at once.
+    listens: bool = False
 
     def value(self) -> bytes:
         return json.dumps(
@@ -134,6 +138,7 @@ class Hold:
                 "leaseEnd": self.lease_end,
                 "pidStart": self.pid_start,
                 "pidPlace": self.pid_place,
+                "listens": self.listens,
             },
             separators=(",", ":"),
         ).encode()
@@ -166,6 +171,7 @@ class Hold:
             mod_revision=kv.mod_revision,
             pid_start=_int_or_none(doc.get("pidStart")),
             pid_place=_str_or_none(doc.get("pidPlace")),
+            listens=doc.get("listens") is True,
         )
 
 
@@ -199,6 +205,7 @@ class Waiter:
     #: as :class:`Hold`'s, carried into the hold it is granted.
     pid_start: int | None = None
     pid_place: str | None = None
+    listens: bool = False
 
     def value(self) -> bytes:
         doc = {
@@ -215,6 +222,7 @@ class Waiter:
             "since": self.since,
             "pidStart": self.pid_start,
             "pidPlace": self.pid_place,
+            "listens": self.listens,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -238,6 +246,7 @@ class Waiter:
             since=doc.get("since"),
             pid_start=_int_or_none(doc.get("pidStart")),
             pid_place=_str_or_none(doc.get("pidPlace")),
+            listens=doc.get("listens") is True,
         )
 
     def queued(self) -> QueuedWaiter:
@@ -281,6 +290,7 @@ class Waiter:
             bound=self.bound,
             pid_start=self.pid_start,
             pid_place=self.pid_place,
+            listens=self.listens,
         )
 
 
