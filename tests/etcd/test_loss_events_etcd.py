@@ -7,13 +7,19 @@ Breaks and re-takes through the holder's own daemon are tested with the
 embedded backend's tests (``test_loss_events_live``, both backends); here,
 with two daemons on one cluster, the losses made elsewhere: a break and a
 re-take through the other host's daemon and an expiry in etcd, which the
-holder's daemon sees on its watch of the holds and pushes at once.
+holder's daemon sees on its watch of the holds and pushes at once; and a
+break through the other host that hands the key on only once the holder
+stopped, or at a bound when it never answers or its daemon is dead
+(docs/etcd-design.md §6a).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -108,20 +114,22 @@ def test_a_break_through_another_host_is_pushed_with_who_and_why(pair: Hosts) ->
     key = f"brk-{uuid.uuid4().hex[:8]}"
     held = holder.call({"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60000})["result"]
     admin = RawConn(pair.b.socket)
-    broken = admin.call({"id": 2, "op": "break", "key": key, "reason": "disk swap"})
-    # Across hosts the break does not wait for the holder (docs/contract.md §11).
-    assert broken["result"]["broken"] is True
     breaker = admin.call({"id": 3, "op": "hello"})["result"]["principal"]
+    admin.send({"id": 2, "op": "break", "key": key, "reason": "disk swap"})
     event, took = _event(holder)
     assert event["event"] == "lost" and event["cause"] == "break", event
     assert event["key"] == key and event["handle"] == held["handle"]
     assert event["fence"] == held["fence"]
     assert event["by"] == breaker and event["reason"] == "disk swap"
     assert took < PUSH_BOUND
+    # Until it stopped, the hold is fenced: renew says lost (docs/contract.md §12.1).
     renewed = holder.call(
         {"id": 4, "op": "renew", "key": key, "handle": held["handle"], "ttlMs": 60000}
     )
     assert renewed["result"] == {"renewed": False, "reason": "lease_lost"}
+    stopped = holder.call({"id": 5, "op": "stopped", "handle": held["handle"]})
+    assert stopped["result"] == {"stopped": True}
+    assert admin.reply()["result"]["broken"] is True
 
 
 def test_a_retake_through_another_host_is_pushed_with_the_new_holder(pair: Hosts) -> None:
@@ -156,6 +164,120 @@ def test_a_hold_released_by_its_own_daemon_is_not_told(pair: Hosts) -> None:
     holder.call({"id": 2, "op": "tryAcquire", "key": second, "ttlMs": 60000})
     released = holder.call({"id": 3, "op": "release", "key": first, "handle": one["handle"]})
     assert released["result"] == {"released": True}
-    RawConn(pair.b.socket).call({"id": 4, "op": "break", "key": second, "reason": "r"})
+    admin = RawConn(pair.b.socket)
+    admin.send({"id": 4, "op": "break", "key": second, "reason": "r"})
     event, _took = _event(holder)
     assert event["key"] == second and event["cause"] == "break", event
+    holder.call({"id": 5, "op": "stopped", "handle": event["handle"]})
+    assert admin.reply()["result"]["broken"] is True
+
+
+# ------------------------------------------- a break across hosts waits for the holder
+
+#: ``break_grace`` of the daemons below: short, so a hung holder's bound is
+#: driven by the daemon's own clock in seconds, not slept for by the test.
+GRACE_S = 3.0
+#: the breaking daemon deletes a hold still there at the grace plus this
+#: (lockd.daemon.backends.etcd.holdstop.TAKEOVER_MARGIN_MS).
+MARGIN_S = 1.0
+
+
+@contextlib.contextmanager
+def _graced_pair(cluster: EtcdCluster) -> Iterator[Hosts]:
+    """``host-a`` and ``host-b`` with ``break_grace = GRACE_S``."""
+    etcd = EtcdBackend.on(cluster)
+    roots = [Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp")) for _ in range(2)]
+    daemons = [
+        DaemonProcess.in_folder(root, etcd.as_node(f"host-{name}"))
+        for root, name in zip(roots, "ab", strict=True)
+    ]
+    try:
+        for daemon in daemons:
+            daemon.write_config(f"break_grace = {GRACE_S}\n")
+            daemon.start()
+        yield Hosts(*daemons)
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def graced(etcd_cluster: EtcdCluster) -> Iterator[Hosts]:
+    with _graced_pair(etcd_cluster) as hosts:
+        yield hosts
+
+
+def _queued(daemon: DaemonProcess, key: str) -> RawConn:
+    """A blocking acquire of ``key`` on ``daemon``, queued (status counts it) before returning."""
+    waiter = RawConn(daemon.socket, timeout=60)
+    waiter.send({"id": 1, "op": "acquire", "key": key, "ttlMs": 60000, "timeoutMs": 60000})
+    probe = RawConn(daemon.socket)
+    deadline = time.monotonic() + 10
+    while probe.call({"id": 2, "op": "status", "key": key})["result"]["waiters"] < 1:
+        assert time.monotonic() < deadline, "the waiter never queued"
+    return waiter
+
+
+def test_a_break_through_another_host_hands_the_key_on_once_the_holder_stopped(
+    graced: Hosts,
+) -> None:
+    holder, _ = _listening(graced.a)
+    key = f"stop-{uuid.uuid4().hex[:8]}"
+    held = holder.call({"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60000})["result"]
+    waiter = _queued(graced.b, key)
+    admin = RawConn(graced.b.socket, timeout=30)
+    admin.send({"id": 3, "op": "break", "key": key, "reason": "rack move"})
+    event, _took = _event(holder)
+    assert event["cause"] == "break" and event["reason"] == "rack move", event
+    # Told, not yet stopped: the hold is still there, on every host.
+    for daemon in (graced.a, graced.b):
+        status = RawConn(daemon.socket).call({"id": 4, "op": "status", "key": key})["result"]
+        assert status["held"] is True and status["fence"] == held["fence"], status
+    stopped = holder.call({"id": 5, "op": "stopped", "handle": held["handle"]})
+    assert stopped["result"] == {"stopped": True}  # the break was still waiting for it
+    granted = waiter.reply()
+    assert granted["ok"] is True and granted["result"]["fence"] > held["fence"], granted
+    broken = admin.reply()["result"]
+    assert broken["broken"] is True and broken["holders"] == 1 and broken["fence"] == held["fence"]
+
+
+def test_a_holder_that_never_stops_loses_the_key_after_break_grace(graced: Hosts) -> None:
+    holder, _ = _listening(graced.a)
+    key = f"hung-{uuid.uuid4().hex[:8]}"
+    held = holder.call({"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60000})["result"]
+    waiter = _queued(graced.b, key)
+    admin = RawConn(graced.b.socket, timeout=30)
+    started = time.monotonic()
+    admin.send({"id": 3, "op": "break", "key": key, "reason": "hung"})
+    event, _took = _event(holder)
+    assert event["cause"] == "break", event
+    # The holder says nothing: its daemon ends the hold at the grace.
+    granted = waiter.reply()
+    took = time.monotonic() - started
+    assert granted["ok"] is True and granted["result"]["fence"] > held["fence"], granted
+    assert took >= GRACE_S - 0.1, took  # not before the grace (clocks of one box)
+    assert admin.reply()["result"]["broken"] is True
+    late = holder.call({"id": 4, "op": "stopped", "handle": held["handle"]})
+    assert late["result"] == {"stopped": False}  # nothing waited for it any more
+
+
+def test_a_dead_holders_daemon_frees_the_key_within_the_bound(etcd_cluster: EtcdCluster) -> None:
+    with _graced_pair(etcd_cluster) as hosts:
+        holder, _ = _listening(hosts.a)
+        key = f"dead-{uuid.uuid4().hex[:8]}"
+        held = holder.call({"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60000})["result"]
+        waiter = _queued(hosts.b, key)
+        assert hosts.a.proc is not None
+        hosts.a.proc.kill()  # host A dies: nobody tells its holder, nobody ends its hold
+        hosts.a.proc.wait()
+        admin = RawConn(hosts.b.socket, timeout=30)
+        started = time.monotonic()
+        broken = admin.call({"id": 3, "op": "break", "key": key, "reason": "host down"})
+        took = time.monotonic() - started
+        assert broken["result"]["broken"] is True and broken["result"]["holders"] == 1
+        # docs/contract.md §11: at most break_grace + 1 s (+ the box's own delays).
+        assert GRACE_S + MARGIN_S - 0.1 <= took < GRACE_S + MARGIN_S + PUSH_BOUND, took
+        granted = waiter.reply()
+        assert granted["ok"] is True and granted["result"]["fence"] > held["fence"], granted
