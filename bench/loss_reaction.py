@@ -23,7 +23,10 @@ told the holder: every number is the daemon's pushed event. Goal: p99 within
 ``--etcd``: a 3-member etcd cluster and two daemons on it (``host-a``,
 ``host-b``); the holder (sync client) is on ``host-a``, the ``break`` and
 the re-take are sent to ``host-b``, so ``host-a`` learns from its watch of
-the holds (docs/etcd-design.md §6a). The embedded cells of the sync client
+the holds (docs/etcd-design.md §6a). ``break answered``: until the break's
+reply, which comes once the holder stopped (its ``lock()`` block ends and
+releases: its stop) and its daemon ended the hold, the key free for the
+next holder (embedded: the same on one daemon). The embedded cells of the sync client
 run first in the same run, as the baseline. Expiry on etcd is measured from
 ``leaseExpiresAt`` (2 s at least); etcd's lease is granted a second longer
 and etcd checks expiries every ~0.5 s, so that cell is an upper bound made
@@ -77,12 +80,15 @@ class Actor:
 
     def __init__(self, socket: str) -> None:
         self.client = LockClient(socket)
+        #: when each break was answered (the key handed on: after the holder stopped).
+        self.answered: list[float] = []
 
     def act(self, cause: str, key: str, started: list[float]) -> threading.Thread:
         def run() -> None:
             started.append(time.monotonic())
             if cause == "break":
                 self.client.break_lock(key, "bench")
+                self.answered.append(time.monotonic() - started[-1])
             else:
                 handle = self.client.acquire(key, LONG_TTL, 5, owner=OWNER)
                 self.client.release(handle)
@@ -214,6 +220,8 @@ def measure_sync(
                     sync_trial(client, actor, cause, f"bench:{label}:{cause}:{i}")
                     for i in range(trials)
                 ]
+        if actor.answered:
+            results[f"{label}/break answered"] = actor.answered
     finally:
         actor.client.close()
     return results
