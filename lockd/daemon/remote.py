@@ -18,7 +18,10 @@ through it, and the end of its etcd session (``cause: "session"``: the
 ``releaseOnClose`` holds tied to it are gone); a break or re-take through
 another host's daemon, an expiry in etcd and a session lease etcd ended
 are seen by the backend's watch of the holds (``HoldWatch``,
-:meth:`RemoteService.follow_losses`) and told the moment it sees them.
+:meth:`RemoteService.follow_losses`) and told the moment it sees them. A
+break through another host's daemon asks this one, through etcd, to stop
+a listening holder first (:meth:`RemoteService.await_stop`; the backend
+ends the hold after it): docs/etcd-design.md §6a.
 """
 
 from __future__ import annotations
