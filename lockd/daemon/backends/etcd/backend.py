@@ -119,6 +119,8 @@ class EtcdBackend:
         self.hold_watch = HoldWatch(self)
         #: where this daemon's pids mean something (holds record it, for ``alive``).
         self.pid_place = place
+        #: stop requests of breaks this daemon is waiting out (crossbreak.py).
+        self.stop_requests: set[bytes] = set()
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -241,11 +243,12 @@ class EtcdBackend:
     def known_session_keys(self) -> set[bytes]:
         """Every key this daemon means to keep on its session lease (``reconcile.py``).
 
-        Its node claim, the waiter keys of its queues and the bindings of the
-        holds it knows: bound holds of its connections,
-        holds granted to its waiters (delivered or not yet).
+        Its node claim, the waiter keys of its queues, the stop requests of
+        its breaks under way and the bindings of the holds it knows: bound
+        holds of its connections, holds granted to its waiters (delivered or
+        not yet).
         """
-        known = {self.layout.node(self.node)}
+        known = {self.layout.node(self.node), *self.stop_requests}
         holds: set[bytes] = set()
         for bound in self._bound.values():
             holds.update(bound)

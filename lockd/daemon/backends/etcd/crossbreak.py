@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 import trio
 
 from lockd.daemon.backends import BackendUnavailable
-from lockd.daemon.backends.etcd.gateway import EtcdError, EtcdUnavailable, WatchCompacted
+from lockd.daemon.backends.etcd.gateway import (
+    EtcdError,
+    EtcdUnavailable,
+    LeaseNotFound,
+    WatchCompacted,
+)
 from lockd.daemon.backends.etcd.holdloss import BREAK_RECORD, break_record
 from lockd.daemon.backends.etcd.holdstop import (
     StopAsked,
@@ -83,12 +88,17 @@ async def break_waiting(
     deleted, waited, revision = asked
     if waited:
         log.info(kv(event="break_waits_elsewhere", key=key, by=by, holders=len(waited)))
-        deadline = trio.current_time() + takeover_at(0, grace_ms) / 1000
-        left = await _wait_gone(backend, key, {h.handle for h in waited}, revision, deadline)
-        if left:
-            await _take_over(backend, key, sorted(left), by, reason)
-        for hold in waited:  # gone with their hold (or re-taken meanwhile): tidy up
-            backend.delete_later(stop_key(backend.layout, key, hold.handle))
+        requests = {stop_key(backend.layout, key, hold.handle) for hold in waited}
+        backend.stop_requests |= requests  # not orphans while the break waits
+        try:
+            deadline = trio.current_time() + takeover_at(0, grace_ms) / 1000
+            left = await _wait_gone(backend, key, {h.handle for h in waited}, revision, deadline)
+            if left:
+                await _take_over(backend, key, sorted(left), by, reason)
+        finally:
+            backend.stop_requests -= requests
+            for request in requests:  # gone with their hold, or left by a re-take
+                backend.delete_later(request)
     for hold in deleted:
         backend.revoke_later(hold.lease)
     return sorted([*deleted, *waited], key=lambda hold: hold.fence)
@@ -109,7 +119,8 @@ async def _ask(
         waited_handles = {hold.handle for hold in waited}
         deleted = [hold for hold in directory.holds if hold.handle not in waited_handles]
         at = format_epoch_ms(backend.clock.wall_ms())
-        lease = backend.session_lease or 0
+        # The records hang on the session: they go with this daemon if it dies.
+        lease = await backend._wait_session()
         ops: list[Op] = []
         for hold in deleted:
             ops += [
@@ -124,11 +135,15 @@ async def _ask(
         ops += ask_ops(layout, key, waited, values, lease)
         if not ops:
             return [], [], directory.revision
-        result = await backend.etcd.txn(
-            [backend._guard(key, directory.revision)],
-            ops,
-            [RangeOp(layout.directory(key), prefix=True)],
-        )
+        try:
+            result = await backend.etcd.txn(
+                [backend._guard(key, directory.revision)],
+                ops,
+                [RangeOp(layout.directory(key), prefix=True)],
+            )
+        except LeaseNotFound:
+            backend._session_refused(lease)  # the session ended under us: the next one
+            raise EtcdUnavailable("the etcd session ended; a new one is being granted") from None
         if result.succeeded:
             if deleted:
                 backend.delete_later(record_key)
