@@ -221,13 +221,18 @@ def test_the_key_moves_on_only_after_the_holder_stopped() -> None:
                 assert side.log == ["told"]
                 assert side.asked == [StopAsked("k", held.handle, "user:root", "disk swap", 5000)]
                 assert await present(etcd, LAYOUT.hold("k", held.handle))
+                # the request is the breaking daemon's own while it waits: no orphan
+                request_key = stop_key(LAYOUT, "k", held.handle)
+                assert await present(etcd, request_key)
+                assert request_key in b.known_session_keys()
                 side.stopped.set()
             assert side.log[:2] == ["told", "stopped"]
             assert set(side.log[2:]) == {"granted", "break answered"}
             assert [h.handle for h in outcomes["broken"]] == [held.handle]
             grant = outcomes["grant"]
             assert isinstance(grant, Hold) and grant.fence > held.fence
-            assert not await present(etcd, stop_key(LAYOUT, "k", held.handle))
+            assert not await present(etcd, request_key)
+            assert request_key not in b.known_session_keys()
             # ended well before the bound: the holder's stop ended it
             assert trio.current_time() < 0.5 + (GRACE_MS + TAKEOVER_MARGIN_MS) / 1000
 

@@ -307,7 +307,8 @@ class LockClient:
         """Free ``key`` whoever holds it, fencing the holder (owner, admin). Never retried.
 
         When the holder listens for events, the daemon waits for it to stop
-        (at most ``break_grace``, 5 s by default) before it answers.
+        (at most ``break_grace``, 5 s by default; a holder on another etcd
+        host: at most ``break_grace`` + 1 s) before it answers.
         """
         self._raise_unreported()
         result = self._call("break", break_args(key, reason), self.request_timeout, retry=False)
