@@ -307,3 +307,32 @@ def test_a_retake_while_the_holder_stops_is_immediate_and_ends_the_wait() -> Non
             side.stopped.set()
 
     run(main)
+
+
+def test_a_stop_request_seen_before_the_grant_is_watched_is_acted_on_once_it_is() -> None:
+    """The grant's reply (and its watch) comes after its commit: a break may be faster."""
+
+    async def main() -> None:
+        async with two_hosts() as (a, b, side, etcd):
+            await listening_hold(a, side, "other")  # the hold watch is running
+            late = await a.acquire(request("late"), ALICE, 1, None, listens=True)
+            assert isinstance(late, Hold)
+            outcome: list[Any] = []
+            async with trio.open_nursery() as nursery:
+
+                async def breaker() -> None:
+                    outcome.append(await b.break_lock("late", by="root", grace_ms=GRACE_MS))
+
+                nursery.start_soon(breaker)
+                await trio.sleep(0.5)  # mock clock: the request is out and seen
+                assert await present(etcd, stop_key(LAYOUT, "late", late.handle))
+                assert side.log == []  # not watched yet: kept, not acted on
+                side.watched.add(late.handle)
+                a.hold_watch.follow(late.handle, late.fence)
+                await trio.sleep(0.1)  # mock clock: the stop task runs
+                assert side.log == ["told"] and side.asked[0].handle == late.handle
+                side.stopped.set()
+            assert [h.handle for h in outcome[0]] == [late.handle]
+            assert trio.current_time() < 0.6 + (GRACE_MS + TAKEOVER_MARGIN_MS) / 1000
+
+    run(main)

@@ -106,6 +106,8 @@ class HoldWatch:
         #: the revision the stream goes on from.
         self._from = 0
         self._recent: OrderedDict[str, SeenLoss] = OrderedDict()
+        #: stop requests for holds not (yet) watched, kept likewise.
+        self._recent_asks: OrderedDict[str, StopAsked] = OrderedDict()
         #: losses told (tests, debugging), by cause.
         self.told: dict[str, int] = {}
 
@@ -114,6 +116,9 @@ class HoldWatch:
         early = self._recent.pop(handle, None)
         if early is not None and early.revision > fence:
             self._seen(early)  # it ended before its watch began
+        asked = self._recent_asks.pop(handle, None)
+        if asked is not None:
+            self._asked(asked)  # a break elsewhere asked before its watch began
         if self._started:
             return
         nursery = self.backend.nursery
@@ -156,8 +161,17 @@ class HoldWatch:
         for loss in losses_in(backend.layout, backend.node, events):
             self._seen(loss)
         for ask in stops_asked(backend.layout, backend.node, events):
-            if self.is_watched(ask.handle) and backend.nursery is not None:
-                backend.nursery.start_soon(logged, "hold_stop", partial(self._stop, ask))
+            self._asked(ask)
+
+    def _asked(self, ask: StopAsked) -> None:
+        if not self.is_watched(ask.handle):
+            self._recent_asks[ask.handle] = ask
+            while len(self._recent_asks) > RECENT_LOSSES:
+                self._recent_asks.popitem(last=False)
+            return
+        nursery = self.backend.nursery
+        if nursery is not None:
+            nursery.start_soon(logged, "hold_stop", partial(self._stop, ask))
 
     async def _stop(self, ask: StopAsked) -> None:
         """A break elsewhere waits for this hold: once its holder stopped, end it here."""
