@@ -27,12 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lockd_client import LockClient
 
 from lockd.daemon.backends.etcd.records import Layout
+from lockd.exitcodes import EXIT_LOST
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
 from lockd.testing.wire import RawConn
 from tests.etcd.test_etcd_hosts import Hosts, two_hosts
+from tests.live.test_cli_run import RUN_EXIT
+from tests.live.test_run_containment import Waiter, cleanup, start_escapers
 
 
 def _b64(data: bytes) -> str:
@@ -281,3 +285,28 @@ def test_a_dead_holders_daemon_frees_the_key_within_the_bound(etcd_cluster: Etcd
         assert GRACE_S + MARGIN_S - 0.1 <= took < GRACE_S + MARGIN_S + PUSH_BOUND, took
         granted = waiter.reply()
         assert granted["ok"] is True and granted["result"]["fence"] > held["fence"], granted
+
+
+def test_lockd_run_broken_from_another_host_hands_on_only_once_its_processes_are_gone(
+    graced: Hosts, tmp_path: Path
+) -> None:
+    """``lockd run`` on host A, the break and the next holder on host B (issue 20).
+
+    COMMAND's escapers ignore SIGTERM and last ``--grace``; the next holder
+    must find every one of them gone when it is granted.
+    """
+    key = f"run-{uuid.uuid4().hex[:8]}"
+    proc, nohup, setsid = start_escapers(
+        graced.a, tmp_path, key, "--on-lost", "term", "--grace", "300ms"
+    )
+    try:
+        with LockClient(str(graced.b.socket)) as other_host:
+            waiter = Waiter(graced.b.socket, key, (nohup, setsid))
+            waiter.start(other_host)
+            assert other_host.break_lock(key, "test: across hosts").broken
+            waiter.join()
+        assert waiter.alive_at_grant == []
+        assert proc.wait(RUN_EXIT) == EXIT_LOST
+        assert "test: across hosts" in (proc.stderr.read() if proc.stderr else "")
+    finally:
+        cleanup(nohup, setsid)
