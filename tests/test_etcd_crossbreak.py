@@ -158,9 +158,11 @@ class HolderSide:
         return True
 
 
-def request(key: str, *, timeout_ms: int | None = None, owner: str | None = None) -> Acquire:
+def request(
+    key: str, *, timeout_ms: int | None = None, owner: str | None = None, mode: str = "exclusive"
+) -> Acquire:
     op = "tryAcquire" if timeout_ms is None else "acquire"
-    return Acquire(next(_ids), op, key, 30_000, timeout_ms, owner, False, "exclusive", 1)
+    return Acquire(next(_ids), op, key, 30_000, timeout_ms, owner, False, mode, 1)
 
 
 @asynccontextmanager
@@ -334,5 +336,58 @@ def test_a_stop_request_seen_before_the_grant_is_watched_is_acted_on_once_it_is(
                 side.stopped.set()
             assert [h.handle for h in outcome[0]] == [late.handle]
             assert trio.current_time() < 0.6 + (GRACE_MS + TAKEOVER_MARGIN_MS) / 1000
+
+    run(main)
+
+
+def test_own_and_other_hosts_listeners_are_waited_for_at_once_and_silent_holds_end_first() -> None:
+    """Shared holds: one listening on A, one listening on B itself, one nobody listens for."""
+
+    async def main() -> None:
+        async with two_hosts() as (a, b, side, etcd):
+            shared = request("m", mode="shared")
+            there = await a.acquire(shared, ALICE, 1, None, listens=True)
+            silent = await a.acquire(request("m", mode="shared"), BOB, 2, None)
+            own = await b.acquire(request("m", mode="shared"), BOB, 3, None, listens=True)
+            assert isinstance(there, Hold) and isinstance(silent, Hold) and isinstance(own, Hold)
+            side.watched.add(there.handle)
+            a.hold_watch.follow(there.handle, there.fence)
+            told_here: list[list[str]] = []
+
+            async def stop_local(handles: list[str]) -> None:
+                told_here.append(handles)
+                await trio.sleep(GRACE_MS / 1000)  # mock clock: B's own holder never answers
+
+            outcome: list[Any] = []
+            async with trio.open_nursery() as nursery:
+
+                async def breaker() -> None:
+                    outcome.append(
+                        await b.break_lock(
+                            "m",
+                            by="root",
+                            reason="r",
+                            grace_ms=GRACE_MS,
+                            keep=frozenset({own.handle}),
+                            stop_local=stop_local,
+                        )
+                    )
+
+                started = trio.current_time()
+                nursery.start_soon(breaker)
+                await trio.sleep(0.5)  # mock clock: the first transaction is in
+                assert told_here == [[own.handle]] and side.log == ["told"]
+                assert not await present(etcd, LAYOUT.hold("m", silent.handle))
+                assert await present(etcd, LAYOUT.hold("m", own.handle))
+                assert await present(etcd, LAYOUT.hold("m", there.handle))
+            took = trio.current_time() - started
+            assert sorted(h.handle for h in outcome[0]) == sorted(
+                [there.handle, silent.handle, own.handle]
+            )
+            # neither holder answered: both waits ran together, one bound in all
+            assert took < (GRACE_MS + TAKEOVER_MARGIN_MS) / 1000 + 0.5
+            for hold_ in (there, own):
+                assert not await present(etcd, LAYOUT.hold("m", hold_.handle))
+            side.stopped.set()
 
     run(main)

@@ -116,13 +116,12 @@ class RemoteService:
                 return await self._acquire(caller, conn, request, pending, parked, listens)
             told: list[Watched] = []
             if isinstance(request, Break):
-                # Before the time limit below: a listening holder may take
-                # up to break_grace to stop.
-                told = await self._wait_for_listeners(caller, request)
                 if self.service.break_grace_ms > 0:
-                    # So may one of another daemon: the backend bounds each
-                    # of its etcd calls, and the wait by the grace.
-                    return RemoteReply(await self._break(caller, request, told))
+                    # Not within the time limit below: a listening holder, here
+                    # or on another host, may take up to break_grace to stop.
+                    # The backend bounds each of its etcd calls itself.
+                    return RemoteReply(await self._break_waiting(caller, request))
+                told = await self._wait_for_listeners(caller, request)
             # A bare cancel scope: trio.fail_after wraps one in a generator,
             # which costs as much again on every request.
             with trio.CancelScope(relative_deadline=self.backend.timeout):
@@ -223,6 +222,59 @@ class RemoteService:
             service.on_lost(event)
         await self._until_stopped(pending)
         return pending.stopping
+
+    async def _break_waiting(self, caller: Caller, request: Break) -> dict[str, Any]:
+        """A break that gives every listening holder its ``break_grace`` (docs/contract.md §12.1).
+
+        In the backend's first transaction every hold nobody listens for
+        ends; those of this daemon's listening connections stay while their
+        holders are told here and waited for, those of other daemons' while
+        their daemons do the same (etcd-design.md §6a). Answered once all
+        are gone.
+        """
+        service, losses, key = self.service, self.service.losses, request.key
+        service.authorize(caller, "break", key)
+        watched = losses.of_key(key)
+        keep = frozenset(
+            {w.handle for w in watched} | {w.handle for w in losses.stopping_of_key(key)}
+        )
+        told: list[Watched] = []
+
+        async def stop_local(present: list[str]) -> None:
+            still = set(present)
+            for gone in (w for w in watched if w.handle not in still):
+                losses.forget(gone.handle)  # ended already (expired): nothing to tell
+            listening = [w for w in watched if w.handle in still]
+            if not listening and not losses.stopping_of_key(key):
+                return
+            pending, events = losses.begin_break(
+                key,
+                request.reason,
+                caller.principal,
+                listening,
+                [],
+                service.clock.boot_ms() + service.break_grace_ms,
+                service._at(),
+            )
+            told.extend(pending.stopping)
+            for event in events:
+                service.on_lost(event)
+            await self._until_stopped(pending)
+
+        deleted = await self.backend.break_lock(
+            key,
+            by=caller.principal,
+            reason=request.reason,
+            grace_ms=service.break_grace_ms,
+            keep=keep,
+            stop_local=stop_local,
+        )
+        for hold in deleted:
+            losses.forget(hold.handle)
+        handles = {hold.handle for hold in deleted}
+        broken: list[BrokenHold] = [*deleted, *(w for w in told if w.handle not in handles)]
+        broken.sort(key=lambda hold: hold.fence)
+        return service.break_result(caller, key, request.reason, broken)
 
     async def await_stop(self, ask: StopRequest) -> bool:
         """A break through another daemon asks a hold granted here to stop (holdstop.py).

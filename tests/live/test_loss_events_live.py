@@ -203,11 +203,6 @@ def test_release_after_a_break_counts_as_stopped(daemon: DaemonProcess) -> None:
 
 
 @pytest.mark.both_backends
-@pytest.mark.etcd_bug(
-    "a break of shared holds keeps the silent holder's hold while it waits for the listening "
-    "one (holderCount 2, not 1, during the grace): only a holder that listens gets time to "
-    "stop (docs/contract.md §12.1)"
-)
 def test_break_of_shared_holders_waits_only_for_the_listening_one(
     daemon: DaemonProcess,
 ) -> None:

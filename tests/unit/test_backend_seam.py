@@ -83,7 +83,14 @@ class RecordingRemote:
         return [], None
 
     async def break_lock(
-        self, key: str, *, by: str | None = None, reason: str | None = None, grace_ms: int = 0
+        self,
+        key: str,
+        *,
+        by: str | None = None,
+        reason: str | None = None,
+        grace_ms: int = 0,
+        keep: frozenset[str] = frozenset(),
+        stop_local: Any = None,
     ) -> list[RemoteHold]:
         return []
 

@@ -21,7 +21,7 @@ sub-package implementing :class:`RemoteBackend`, plus its config.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -132,14 +132,19 @@ class RemoteBackend(Protocol):
         by: str | None = None,
         reason: str | None = None,
         grace_ms: int = 0,
+        keep: frozenset[str] = frozenset(),
+        stop_local: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> Sequence[RemoteHold]:
         """End every hold of ``key``; the holds ended, oldest first.
 
         ``by`` (the principal) and ``reason`` reach holders granted by other
         daemons with their loss event (docs/contract.md §12.1). With
-        ``grace_ms``, a hold another daemon granted to a listening
-        connection ends once its holder stopped, within a bounded wait
-        (docs/contract.md §11): the call is not bounded by ``timeout`` then.
+        ``grace_ms``, the holds of ``keep`` (this daemon's listening
+        connections) still there after the others ended are handed to
+        ``stop_local``, which tells their holders and returns once they
+        stopped; a hold another daemon granted to a listening connection
+        ends once its holder stopped, within a bounded wait (docs/contract.md
+        §11). The call is not bounded by ``timeout`` then.
         """
 
     def release_undelivered(self, hold: RemoteHold) -> None:

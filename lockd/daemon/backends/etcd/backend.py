@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
 
@@ -450,6 +450,8 @@ class EtcdBackend:
         by: str | None = None,
         reason: str | None = None,
         grace_ms: int = 0,
+        keep: frozenset[str] = frozenset(),
+        stop_local: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> list[Hold]:
         """Delete every hold of ``key``; with ``by``, write who and why beside it.
 
@@ -457,11 +459,17 @@ class EtcdBackend:
         transaction, so the daemons whose holders lost a hold see it in the
         same watch event; it hangs on the session lease and is deleted right
         after (the clean-up list), since the watch has seen it by then.
-        With ``grace_ms``, holds other daemons granted to listening
-        connections are asked to stop and waited for (crossbreak.py).
+        With ``grace_ms``, the holders of ``keep`` (this daemon's listening
+        connections) are told and waited for by ``stop_local``, and holds
+        other daemons granted to listening connections are asked to stop
+        through etcd; both within the grace (crossbreak.py).
         """
         if grace_ms > 0 and by is not None:
-            return await break_waiting(self, key, by, reason or "", grace_ms)
+            if stop_local is None:
+                return await break_waiting(self, key, by, reason or "", grace_ms, keep=keep)
+            return await break_waiting(
+                self, key, by, reason or "", grace_ms, keep=keep, stop_local=stop_local
+            )
         directory_key = self.layout.directory(key)
         ops: list[Op] = [
             RangeOp(directory_key, prefix=True),

@@ -17,7 +17,8 @@ by the grace plus ``TAKEOVER_MARGIN_MS``: a break never wedges a key.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -73,51 +74,112 @@ def _unavailable(backend: EtcdBackend) -> BackendUnavailable:
     return BackendUnavailable(f"no answer within {backend.timeout:g} s")
 
 
-async def break_waiting(
-    backend: EtcdBackend, key: str, by: str, reason: str, grace_ms: int
-) -> list[Hold]:
-    """Break ``key``, waiting up to the bound for holders other daemons must stop.
+async def _nothing_to_stop(handles: list[str]) -> None:
+    pass
 
-    Returns every hold the break ended, oldest first; the reply that follows
-    means the key is free (docs/contract.md §12.1), as on one host.
+
+async def break_waiting(
+    backend: EtcdBackend,
+    key: str,
+    by: str,
+    reason: str,
+    grace_ms: int,
+    *,
+    keep: frozenset[str] = frozenset(),
+    stop_local: Callable[[list[str]], Awaitable[None]] = _nothing_to_stop,
+) -> list[Hold]:
+    """Break ``key``, waiting up to the bound for the holders that get time to stop.
+
+    ``keep``: holds of this daemon's listening connections; those still
+    there at the first transaction stay while ``stop_local`` (given their
+    handles after it) tells their holders and waits for them, then go.
+    Listening holds of other daemons are asked to stop through etcd at the
+    same time. Every other hold ends at once. Returns every hold the break
+    ended, oldest first; the reply that follows means the key is free
+    (docs/contract.md §12.1), as on one host.
     """
     with _bounded(backend) as scope:
-        asked = await _ask(backend, key, by, reason, grace_ms)
+        asked = await _ask(backend, key, by, reason, grace_ms, keep)
     if scope.cancelled_caught or asked is None:
         raise _unavailable(backend)
-    deleted, waited, revision = asked
-    if waited:
-        log.info(kv(event="break_waits_elsewhere", key=key, by=by, holders=len(waited)))
-        requests = {stop_key(backend.layout, key, hold.handle) for hold in waited}
-        backend.stop_requests |= requests  # not orphans while the break waits
-        try:
-            deadline = trio.current_time() + takeover_at(0, grace_ms) / 1000
-            left = await _wait_gone(backend, key, {h.handle for h in waited}, revision, deadline)
-            if left:
-                await _take_over(backend, key, sorted(left), by, reason)
-        finally:
-            backend.stop_requests -= requests
-            for request in requests:  # gone with their hold, or left by a re-take
-                backend.delete_later(request)
+    deleted, kept, waited, revision = asked
     for hold in deleted:
         backend.revoke_later(hold.lease)
-    return sorted([*deleted, *waited], key=lambda hold: hold.fence)
+    failed: list[BackendUnavailable] = []
+
+    async def reported(part: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await part()
+        except BackendUnavailable as exc:  # etcd did not answer: the break fails as a whole
+            failed.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reported, partial(_end_kept, backend, key, kept, by, reason, stop_local))
+        if waited:
+            nursery.start_soon(
+                reported,
+                partial(_await_elsewhere, backend, key, waited, revision, by, reason, grace_ms),
+            )
+    if failed:
+        raise failed[0]
+    return sorted([*deleted, *kept, *waited], key=lambda hold: hold.fence)
+
+
+async def _end_kept(
+    backend: EtcdBackend,
+    key: str,
+    kept: list[Hold],
+    by: str,
+    reason: str,
+    stop_local: Callable[[list[str]], Awaitable[None]],
+) -> None:
+    """Tell this daemon's listening holders; once they stopped (or the grace passed), end them."""
+    await stop_local([hold.handle for hold in kept])
+    if not kept:
+        return
+    await _take_over(backend, key, [hold.handle for hold in kept], by, reason)
+
+
+async def _await_elsewhere(
+    backend: EtcdBackend,
+    key: str,
+    waited: list[Hold],
+    revision: int,
+    by: str,
+    reason: str,
+    grace_ms: int,
+) -> None:
+    """Wait for the holds other daemons end once their holders stopped; end them at the bound."""
+    log.info(kv(event="break_waits_elsewhere", key=key, by=by, holders=len(waited)))
+    requests = {stop_key(backend.layout, key, hold.handle) for hold in waited}
+    backend.stop_requests |= requests  # not orphans while the break waits
+    try:
+        deadline = trio.current_time() + takeover_at(0, grace_ms) / 1000
+        left = await _wait_gone(backend, key, {h.handle for h in waited}, revision, deadline)
+        if left:
+            log.warning(kv(event="break_takeover", key=key, by=by, holders=len(left)))
+            await _take_over(backend, key, sorted(left), by, reason)
+    finally:
+        backend.stop_requests -= requests
+        for request in requests:  # gone with their hold, or left by a re-take
+            backend.delete_later(request)
 
 
 async def _ask(
-    backend: EtcdBackend, key: str, by: str, reason: str, grace_ms: int
-) -> tuple[list[Hold], list[Hold], int] | None:
-    """One guarded txn: delete the holds that need not wait, ask the others to stop.
+    backend: EtcdBackend, key: str, by: str, reason: str, grace_ms: int, keep: frozenset[str]
+) -> tuple[list[Hold], list[Hold], list[Hold], int] | None:
+    """One guarded txn: delete the holds that need not wait, ask the others' daemons to stop.
 
-    Returns (deleted, waited for, the txn's revision); None if the directory
-    kept changing under it.
+    Returns (deleted, kept, waited for elsewhere, the txn's revision); None
+    if the directory kept changing under it.
     """
     layout = backend.layout
     directory = await backend._read(key)
     for _attempt in range(BREAK_ATTEMPTS):
         waited = must_wait_for(directory.holds, backend.node)
-        waited_handles = {hold.handle for hold in waited}
-        deleted = [hold for hold in directory.holds if hold.handle not in waited_handles]
+        spared = keep | {hold.handle for hold in waited}
+        kept = [hold for hold in directory.holds if hold.handle in keep]
+        deleted = [hold for hold in directory.holds if hold.handle not in spared]
         at = format_epoch_ms(backend.clock.wall_ms())
         # The records hang on the session: they go with this daemon if it dies.
         lease = await backend._wait_session()
@@ -134,7 +196,7 @@ async def _ask(
         values = {h.handle: stop_record(h.node, by, reason, at, grace_ms) for h in waited}
         ops += ask_ops(layout, key, waited, values, lease)
         if not ops:
-            return [], [], directory.revision
+            return [], kept, [], directory.revision
         try:
             result = await backend.etcd.txn(
                 [backend._guard(key, directory.revision)],
@@ -147,7 +209,7 @@ async def _ask(
         if result.succeeded:
             if deleted:
                 backend.delete_later(record_key)
-            return deleted, waited, result.header.revision
+            return deleted, kept, waited, result.header.revision
         directory = _reread(backend, key, result.responses[0], result.header.revision)
     return None
 
@@ -204,10 +266,11 @@ async def _still_held(backend: EtcdBackend, key: str, handles: set[str]) -> set[
 async def _take_over(
     backend: EtcdBackend, key: str, handles: list[str], by: str, reason: str
 ) -> None:
-    """The bound passed with holds still there: delete them here, with the break record.
+    """Delete holds a break waited for, with the break record: this daemon's own once
+    their holders stopped, or another daemon's still there at the bound.
 
-    The record lets their daemon, if it comes back, tell the holder a break
-    (with who and why) rather than an expiry.
+    The record lets another daemon, if it comes back, tell its holder a
+    break (with who and why) rather than an expiry.
     """
     layout = backend.layout
     record_key = layout.directory(key) + BREAK_RECORD
@@ -216,7 +279,6 @@ async def _take_over(
         *end_ops(layout, key, handles),
         PutOp(record_key, break_record(by, reason, at), lease=backend.session_lease or 0),
     ]
-    log.warning(kv(event="break_takeover", key=key, by=by, holders=len(handles)))
     result = None
     with _bounded(backend) as scope:
         try:
