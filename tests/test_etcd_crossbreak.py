@@ -22,6 +22,7 @@ import trio.testing
 
 from lockd.config import BackendSettings
 from lockd.daemon.backends.etcd.backend import EtcdBackend
+from lockd.daemon.backends.etcd.gateway import EtcdUnavailable, WatchCompacted
 from lockd.daemon.backends.etcd.holdloss import BREAK_RECORD
 from lockd.daemon.backends.etcd.holdstop import (
     TAKEOVER_MARGIN_MS,
@@ -34,7 +35,7 @@ from lockd.daemon.backends.etcd.holdstop import (
     takeover_at,
 )
 from lockd.daemon.backends.etcd.records import Hold, Layout, Waiter
-from lockd.daemon.backends.etcd.wire import Event, KeyValue, RangeOp
+from lockd.daemon.backends.etcd.wire import Event, KeyValue, RangeOp, WatchRequest
 from lockd.daemon.protocol import Acquire
 from lockd.identity import Caller
 from tests.fake_etcd import FakeEtcd
@@ -166,8 +167,10 @@ def request(
 
 
 @asynccontextmanager
-async def two_hosts() -> AsyncIterator[tuple[EtcdBackend, EtcdBackend, HolderSide, FakeEtcd]]:
-    etcd = FakeEtcd()
+async def two_hosts(
+    etcd: FakeEtcd | None = None,
+) -> AsyncIterator[tuple[EtcdBackend, EtcdBackend, HolderSide, FakeEtcd]]:
+    etcd = etcd if etcd is not None else FakeEtcd()
     side = HolderSide()
     async with trio.open_nursery() as nursery:
         backends = []
@@ -389,5 +392,38 @@ def test_own_and_other_hosts_listeners_are_waited_for_at_once_and_silent_holds_e
             for hold_ in (there, own):
                 assert not await present(etcd, LAYOUT.hold("m", hold_.handle))
             side.stopped.set()
+
+    run(main)
+
+
+class FlakyDirectoryWatch(FakeEtcd):
+    """A FakeEtcd whose watches of one directory fail as scripted, then work."""
+
+    def __init__(self, directory: bytes, failures: list[BaseException]) -> None:
+        super().__init__()
+        self.directory = directory
+        self.failures = failures
+
+    @asynccontextmanager
+    async def watch(self, request: WatchRequest) -> AsyncIterator[Any]:
+        if request.key == self.directory and self.failures:
+            raise self.failures.pop(0)
+        async with super().watch(request) as watch:
+            yield watch
+
+
+def test_the_breaking_daemon_s_wait_survives_etcd_away_and_compaction() -> None:
+    async def main() -> None:
+        etcd = FlakyDirectoryWatch(
+            LAYOUT.directory("f"),
+            [EtcdUnavailable("no endpoint answered"), WatchCompacted(1)],
+        )
+        async with two_hosts(etcd) as (a, b, side, _etcd):
+            held = await listening_hold(a, side, "f")
+            side.stopped.set()  # the holder stops as soon as it is told
+            broken = await b.break_lock("f", by="root", grace_ms=GRACE_MS)
+            assert [h.handle for h in broken] == [held.handle]
+            assert side.log == ["told", "stopped"] and etcd.failures == []
+            assert trio.current_time() < (GRACE_MS + TAKEOVER_MARGIN_MS) / 1000
 
     run(main)
