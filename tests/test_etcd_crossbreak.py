@@ -19,6 +19,8 @@ from typing import Any
 
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lockd.config import BackendSettings
 from lockd.daemon.backends.etcd.backend import EtcdBackend
@@ -108,6 +110,35 @@ def test_a_stop_request_is_read_for_its_node_only() -> None:
     assert stops_asked(LAYOUT, "host-a", events) == [
         StopAsked("k/1", "h1", "user:root", "disk swap", 1500)
     ]
+
+
+@given(
+    key=st.text(min_size=1, max_size=20),
+    handle=st.text(
+        alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_",
+        min_size=1,
+        max_size=22,
+    ),
+    node=st.sampled_from(["host-a", "host-b"]),
+    by=st.text(max_size=30),
+    reason=st.text(max_size=200),
+    grace_ms=st.integers(min_value=0, max_value=600_000),
+)
+def test_a_stop_request_reads_back_as_written(
+    key: str, handle: str, node: str, by: str, reason: str, grace_ms: int
+) -> None:
+    value = stop_record(node, by, reason, "2026-12-03T13:00:00.000Z", grace_ms)
+    event = Event("PUT", KeyValue(stop_key(LAYOUT, key, handle), value, 9, 9, 1, 3), None)
+    asked = stops_asked(LAYOUT, "host-a", [event])
+    expected = [StopAsked(key, handle, by, reason, grace_ms)] if node == "host-a" else []
+    assert asked == expected
+
+
+@given(value=st.binary(max_size=200), name=st.binary(max_size=30))
+def test_any_bytes_under_s_are_read_without_failing(value: bytes, name: bytes) -> None:
+    event = Event("PUT", KeyValue(LAYOUT.directory("k") + b"s/" + name, value, 9, 9, 1, 3), None)
+    for ask in stops_asked(LAYOUT, "host-a", [event]):
+        assert ask.grace_ms >= 0 and ask.key == "k"
 
 
 def test_the_takeover_bound_is_the_grace_plus_the_margin() -> None:
