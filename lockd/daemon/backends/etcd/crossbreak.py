@@ -176,7 +176,7 @@ async def _ask(
     layout = backend.layout
     directory = await backend._read(key)
     for _attempt in range(BREAK_ATTEMPTS):
-        waited = must_wait_for(directory.holds, backend.node)
+        waited = [h for h in must_wait_for(directory.holds, backend.node) if h.handle not in keep]
         spared = keep | {hold.handle for hold in waited}
         kept = [hold for hold in directory.holds if hold.handle in keep]
         deleted = [hold for hold in directory.holds if hold.handle not in spared]
