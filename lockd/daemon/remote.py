@@ -233,7 +233,7 @@ class RemoteService:
         are gone.
         """
         service, losses, key = self.service, self.service.losses, request.key
-        service.authorize(caller, "break", key)
+        service.gate.authorize(caller, "break", key)
         watched = losses.of_key(key)
         keep = frozenset(
             {w.handle for w in watched} | {w.handle for w in losses.stopping_of_key(key)}
@@ -254,7 +254,7 @@ class RemoteService:
                 listening,
                 [],
                 service.clock.boot_ms() + service.break_grace_ms,
-                service._at(),
+                service.notices.at(),
             )
             told.extend(pending.stopping)
             for event in events:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from lockd.daemon.backends import BackendUnavailable
+from lockd.daemon.backends.etcd.acquiring import guard
 from lockd.daemon.backends.etcd.gateway import (
     EtcdError,
     EtcdUnavailable,
@@ -182,7 +183,7 @@ async def _ask(
         deleted = [hold for hold in directory.holds if hold.handle not in spared]
         at = format_epoch_ms(backend.clock.wall_ms())
         # The records hang on the session: they go with this daemon if it dies.
-        lease = await backend._wait_session()
+        lease = await backend.sessions.wait()
         ops: list[Op] = []
         for hold in deleted:
             ops += [
@@ -199,12 +200,12 @@ async def _ask(
             return [], kept, [], directory.revision
         try:
             result = await backend.etcd.txn(
-                [backend._guard(key, directory.revision)],
+                [guard(layout, key, directory.revision)],
                 ops,
                 [RangeOp(layout.directory(key), prefix=True)],
             )
         except LeaseNotFound:
-            backend._session_refused(lease)  # the session ended under us: the next one
+            backend.sessions.refused(lease)  # the session ended under us: the next one
             raise EtcdUnavailable("the etcd session ended; a new one is being granted") from None
         if result.succeeded:
             if deleted:
