@@ -7,9 +7,9 @@ and the ``--json`` error line. Kept free of click so ``lockd.run`` (the logic
 of ``lockd run``) can use them without the command-line layer.
 """
 
+from __future__ import annotations
+
 import json
-from collections.abc import Sequence
-from typing import Any
 
 from lockd_client import (
     DeadlockError,
@@ -22,6 +22,11 @@ from lockd_client import (
 )
 
 from lockd import contract
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
 
 EXIT_OK = 0
 #: The key is busy (one attempt found it held) or ``--wait`` ran out;

@@ -35,8 +35,6 @@ whenever it runs out).
 :class:`DaemonUnavailableError` instead (see :mod:`lockd_client._client`).
 """
 
-from typing import TYPE_CHECKING
-
 from ._client import HandleRef, LockClient
 from ._errors import (
     BackendUnavailableError,
@@ -67,6 +65,7 @@ from ._results import (
     Waiter,
 )
 
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
     from ._lock import AutoRenewer
 

@@ -55,10 +55,6 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from types import TracebackType
-from typing import Any
 
 from ._connection import Connection, ConnectionLost, ReplyTimeout
 from ._errors import (
@@ -89,9 +85,16 @@ from ._requests import (
 from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
 from ._wire import check_key, seconds_to_ms
 
-__all__ = ["HandleRef", "LockClient"]
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
+    from types import TracebackType
+    from typing import Any
 
-_Build = Callable[[], tuple[dict[str, Any], float | None]]
+    _Build = Callable[[], tuple[dict[str, Any], float | None]]
+
+__all__ = ["HandleRef", "LockClient"]
 
 
 class LockClient:

@@ -39,13 +39,16 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 from ._events import Loss, LossBook, loss_from
 from ._requests import late_grant
 from ._trust import check_folder, check_peer
 from ._wire import BadLine, ReplyLines, encode_request
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 

@@ -12,7 +12,10 @@ import grp
 import os
 import pwd
 import stat
-from typing import Any
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "CancelledError",

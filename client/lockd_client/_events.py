@@ -12,9 +12,12 @@ until the code holding that handle takes it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from ._record import Frozen
+
+TYPE_CHECKING = False  # ``typing`` only for the type checker (start-up cost, issue 24)
+if TYPE_CHECKING:
+    from collections import OrderedDict
+    from typing import Any
 
 __all__ = ["EVENTS_HELLO", "Loss", "LossBook", "loss_from"]
 
@@ -25,9 +28,12 @@ EVENTS_HELLO: dict[str, Any] = {"events": True}
 _KEPT = 1024
 
 
-@dataclass(frozen=True)
-class Loss:
+class Loss(Frozen):
     """One hold the daemon says is gone, and why."""
+
+    __slots__ = ("at", "by", "cause", "fence", "handle", "key", "reason")
+    __match_args__ = ("key", "handle", "fence", "cause", "reason", "by", "at")
+    _fields = __match_args__
 
     key: str
     handle: str
@@ -40,6 +46,25 @@ class Loss:
     by: str | None
     #: when the daemon decided it (RFC 3339).
     at: str | None
+
+    def __init__(
+        self,
+        key: str,
+        handle: str,
+        fence: int,
+        cause: str,
+        reason: str | None,
+        by: str | None,
+        at: str | None,
+    ) -> None:
+        fill = object.__setattr__  # frozen: its own __setattr__ refuses
+        fill(self, "key", key)
+        fill(self, "handle", handle)
+        fill(self, "fence", fence)
+        fill(self, "cause", cause)
+        fill(self, "reason", reason)
+        fill(self, "by", by)
+        fill(self, "at", at)
 
     def describe(self) -> str:
         """One phrase for a message: ``broken by user:root: disk swap``."""
@@ -84,6 +109,8 @@ class LossBook:
     """
 
     def __init__(self) -> None:
+        from collections import OrderedDict  # here: a status never builds a book
+
         self._by_handle: OrderedDict[str, Loss] = OrderedDict()
 
     def add(self, loss: Loss) -> None:

@@ -11,7 +11,6 @@ that decides, after a broken connection, whether and when to send again.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from ._errors import DaemonUnavailableError, LockdError, ShuttingDownError, error_from_reply
 from ._results import Handle
@@ -24,6 +23,10 @@ from ._wire import (
     check_text,
     seconds_to_ms,
 )
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "MAX_LIMIT",

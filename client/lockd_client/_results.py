@@ -6,17 +6,22 @@ timezone-aware :class:`~datetime.datetime` objects (UTC).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from ._errors import LockdError
+from ._record import Frozen, Record
+
+TYPE_CHECKING = False  # ``typing`` only for the type checker (start-up cost, issue 24)
+if TYPE_CHECKING:
+    from typing import Any
+
+#: fills a frozen record's slots (its own ``__setattr__`` refuses)
+_fill = object.__setattr__
 
 __all__ = ["BreakResult", "Handle", "Holder", "LockStatus", "ReleaseResult", "RenewResult"]
 
 
-@dataclass(eq=False)
-class Handle:
+class Handle(Record):
     """A granted lease: what ``acquire``/``try_acquire`` return.
 
     ``handle`` is the secret handle id that proves the hold (it is left out
@@ -25,14 +30,48 @@ class Handle:
     auto-renew (see :meth:`LockClient.lock`) when the lease is known to be gone.
     """
 
+    __slots__ = ("fence", "handle", "key", "lease_expires_at", "lost", "owner", "raw", "ttl_ms")
+    __match_args__ = (
+        "key",
+        "handle",
+        "fence",
+        "owner",
+        "ttl_ms",
+        "lease_expires_at",
+        "raw",
+        "lost",
+    )
+    _hidden = frozenset({"handle", "raw"})
+    _fields = __match_args__
+
     key: str
-    handle: str = field(repr=False)
+    handle: str
     fence: int
     owner: str | None
     ttl_ms: int
     lease_expires_at: datetime | None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
-    lost: bool = False
+    raw: dict[str, Any]
+    lost: bool
+
+    def __init__(
+        self,
+        key: str,
+        handle: str,
+        fence: int,
+        owner: str | None,
+        ttl_ms: int,
+        lease_expires_at: datetime | None,
+        raw: dict[str, Any] | None = None,
+        lost: bool = False,
+    ) -> None:
+        self.key = key
+        self.handle = handle
+        self.fence = fence
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+        self.lease_expires_at = lease_expires_at
+        self.raw = {} if raw is None else raw
+        self.lost = lost
 
     @classmethod
     def from_result(cls, result: object) -> Handle:
@@ -67,14 +106,30 @@ class Handle:
         )
 
 
-@dataclass(frozen=True)
-class RenewResult:
+class RenewResult(Frozen):
     """Outcome of ``renew``: ``renewed``; ``reason`` (e.g. ``"lease_lost"``) when not."""
 
+    __slots__ = ("lease_expires_at", "raw", "reason", "renewed")
+    __match_args__ = ("renewed", "reason", "lease_expires_at", "raw")
+    _hidden = frozenset({"raw"})
+    _fields = __match_args__
+
     renewed: bool
-    reason: str | None = None
-    lease_expires_at: datetime | None = None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    reason: str | None
+    lease_expires_at: datetime | None
+    raw: dict[str, Any]
+
+    def __init__(
+        self,
+        renewed: bool,
+        reason: str | None = None,
+        lease_expires_at: datetime | None = None,
+        raw: dict[str, Any] | None = None,
+    ) -> None:
+        _fill(self, "renewed", renewed)
+        _fill(self, "reason", reason)
+        _fill(self, "lease_expires_at", lease_expires_at)
+        _fill(self, "raw", {} if raw is None else raw)
 
     @classmethod
     def from_result(cls, result: object) -> RenewResult:
@@ -95,13 +150,24 @@ class RenewResult:
                 handle.lease_expires_at = self.lease_expires_at
 
 
-@dataclass(frozen=True)
-class ReleaseResult:
+class ReleaseResult(Frozen):
     """Outcome of ``release``: ``released``; ``reason`` (e.g. ``"not_holder"``) when not."""
 
+    __slots__ = ("raw", "reason", "released")
+    __match_args__ = ("released", "reason", "raw")
+    _hidden = frozenset({"raw"})
+    _fields = __match_args__
+
     released: bool
-    reason: str | None = None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    reason: str | None
+    raw: dict[str, Any]
+
+    def __init__(
+        self, released: bool, reason: str | None = None, raw: dict[str, Any] | None = None
+    ) -> None:
+        _fill(self, "released", released)
+        _fill(self, "reason", reason)
+        _fill(self, "raw", {} if raw is None else raw)
 
     @classmethod
     def from_result(cls, result: object) -> ReleaseResult:
@@ -110,14 +176,7 @@ class ReleaseResult:
             released = result.get("released")
             reason = result.get("reason")
             if type(released) is bool and (reason is None or type(reason) is str):
-                # Filled in directly: a frozen dataclass's __init__ goes through
-                # object.__setattr__ per field, twice the cost of the checks.
-                made = object.__new__(cls)
-                fields = made.__dict__
-                fields["released"] = released
-                fields["reason"] = reason
-                fields["raw"] = result
-                return made
+                return cls(released, reason, result)
         obj = _object(result, "release")
         return cls(
             released=_req(obj, "released", bool),
@@ -126,14 +185,38 @@ class ReleaseResult:
         )
 
 
-@dataclass(frozen=True)
-class Holder:
+class Holder(Frozen):
     """One current hold of a key (an entry of ``status().holders``); never its handle id.
 
     ``pid`` and ``process`` are the holder's process id and name
     (``/proc/PID/comm``) as the daemon saw them at the grant; ``node`` the
     host that granted it (etcd backend; ``None`` otherwise).
     """
+
+    __slots__ = (
+        "expires_in_ms",
+        "fence",
+        "held_by",
+        "lease_expires_at",
+        "node",
+        "owner",
+        "pid",
+        "process",
+        "raw",
+    )
+    __match_args__ = (
+        "held_by",
+        "owner",
+        "fence",
+        "lease_expires_at",
+        "expires_in_ms",
+        "pid",
+        "process",
+        "node",
+        "raw",
+    )
+    _hidden = frozenset({"raw"})
+    _fields = __match_args__
 
     held_by: str | None
     owner: str | None
@@ -143,7 +226,29 @@ class Holder:
     pid: int | None
     process: str | None
     node: str | None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    raw: dict[str, Any]
+
+    def __init__(
+        self,
+        held_by: str | None,
+        owner: str | None,
+        fence: int | None,
+        lease_expires_at: datetime | None,
+        expires_in_ms: int | None,
+        pid: int | None,
+        process: str | None,
+        node: str | None,
+        raw: dict[str, Any] | None = None,
+    ) -> None:
+        _fill(self, "held_by", held_by)
+        _fill(self, "owner", owner)
+        _fill(self, "fence", fence)
+        _fill(self, "lease_expires_at", lease_expires_at)
+        _fill(self, "expires_in_ms", expires_in_ms)
+        _fill(self, "pid", pid)
+        _fill(self, "process", process)
+        _fill(self, "node", node)
+        _fill(self, "raw", {} if raw is None else raw)
 
     @classmethod
     def from_result(cls, result: object) -> Holder:
@@ -162,14 +267,40 @@ class Holder:
         )
 
 
-@dataclass(frozen=True)
-class Waiter:
+class Waiter(Frozen):
     """One queued request for a key (an entry of ``status().waiter_list``, docs/contract.md §12).
 
     ``position`` 1 is next; ``since`` is when the request came and
     ``waiting_ms`` how long it has waited; ``node`` the host it waits on
     (etcd backend; ``None`` otherwise). Never a handle id.
     """
+
+    __slots__ = (
+        "limit",
+        "mode",
+        "node",
+        "pid",
+        "position",
+        "principal",
+        "process",
+        "raw",
+        "since",
+        "waiting_ms",
+    )
+    __match_args__ = (
+        "principal",
+        "pid",
+        "process",
+        "mode",
+        "limit",
+        "since",
+        "waiting_ms",
+        "position",
+        "node",
+        "raw",
+    )
+    _hidden = frozenset({"raw"})
+    _fields = __match_args__
 
     principal: str | None
     pid: int | None
@@ -179,8 +310,32 @@ class Waiter:
     since: datetime | None
     waiting_ms: int | None
     position: int | None
-    node: str | None = None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    node: str | None
+    raw: dict[str, Any]
+
+    def __init__(
+        self,
+        principal: str | None,
+        pid: int | None,
+        process: str | None,
+        mode: str | None,
+        limit: int | None,
+        since: datetime | None,
+        waiting_ms: int | None,
+        position: int | None,
+        node: str | None = None,
+        raw: dict[str, Any] | None = None,
+    ) -> None:
+        _fill(self, "principal", principal)
+        _fill(self, "pid", pid)
+        _fill(self, "process", process)
+        _fill(self, "mode", mode)
+        _fill(self, "limit", limit)
+        _fill(self, "since", since)
+        _fill(self, "waiting_ms", waiting_ms)
+        _fill(self, "position", position)
+        _fill(self, "node", node)
+        _fill(self, "raw", {} if raw is None else raw)
 
     @classmethod
     def from_result(cls, result: object) -> Waiter:
@@ -200,8 +355,7 @@ class Waiter:
         )
 
 
-@dataclass(frozen=True)
-class LockStatus:
+class LockStatus(Frozen):
     """Who holds a key (``status``, and each entry of ``list``); ``None`` fields when free.
 
     The single-holder fields (``held_by``, ``owner``, ``fence``,
@@ -213,6 +367,47 @@ class LockStatus:
     of these; they are then derived from the single-holder fields.
     """
 
+    __slots__ = (
+        "expires_in_ms",
+        "fence",
+        "held",
+        "held_by",
+        "holder_count",
+        "holders",
+        "key",
+        "lease_expires_at",
+        "limit",
+        "mode",
+        "node",
+        "owner",
+        "pid",
+        "process",
+        "raw",
+        "waiter_list",
+        "waiters",
+    )
+    __match_args__ = (
+        "key",
+        "held",
+        "held_by",
+        "owner",
+        "fence",
+        "lease_expires_at",
+        "expires_in_ms",
+        "waiters",
+        "pid",
+        "process",
+        "node",
+        "mode",
+        "limit",
+        "holder_count",
+        "holders",
+        "waiter_list",
+        "raw",
+    )
+    _hidden = frozenset({"raw"})
+    _fields = __match_args__
+
     key: str
     held: bool
     held_by: str | None
@@ -221,16 +416,54 @@ class LockStatus:
     lease_expires_at: datetime | None
     expires_in_ms: int | None
     waiters: int
-    pid: int | None = None
-    process: str | None = None
-    node: str | None = None
-    mode: str | None = None
-    limit: int | None = None
-    holder_count: int = 0
-    holders: tuple[Holder, ...] = ()
+    pid: int | None
+    process: str | None
+    node: str | None
+    mode: str | None
+    limit: int | None
+    holder_count: int
+    holders: tuple[Holder, ...]
     #: the first waiters in queue order (up to 100; docs/contract.md §12); ``waiters`` counts all.
-    waiter_list: tuple[Waiter, ...] = ()
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    waiter_list: tuple[Waiter, ...]
+    raw: dict[str, Any]
+
+    def __init__(
+        self,
+        key: str,
+        held: bool,
+        held_by: str | None,
+        owner: str | None,
+        fence: int | None,
+        lease_expires_at: datetime | None,
+        expires_in_ms: int | None,
+        waiters: int,
+        pid: int | None = None,
+        process: str | None = None,
+        node: str | None = None,
+        mode: str | None = None,
+        limit: int | None = None,
+        holder_count: int = 0,
+        holders: tuple[Holder, ...] = (),
+        waiter_list: tuple[Waiter, ...] = (),
+        raw: dict[str, Any] | None = None,
+    ) -> None:
+        _fill(self, "key", key)
+        _fill(self, "held", held)
+        _fill(self, "held_by", held_by)
+        _fill(self, "owner", owner)
+        _fill(self, "fence", fence)
+        _fill(self, "lease_expires_at", lease_expires_at)
+        _fill(self, "expires_in_ms", expires_in_ms)
+        _fill(self, "waiters", waiters)
+        _fill(self, "pid", pid)
+        _fill(self, "process", process)
+        _fill(self, "node", node)
+        _fill(self, "mode", mode)
+        _fill(self, "limit", limit)
+        _fill(self, "holder_count", holder_count)
+        _fill(self, "holders", holders)
+        _fill(self, "waiter_list", waiter_list)
+        _fill(self, "raw", {} if raw is None else raw)
 
     @classmethod
     def from_result(cls, result: object) -> LockStatus:
@@ -276,16 +509,36 @@ def _waiters(value: object) -> tuple[Waiter, ...]:
     return tuple(Waiter.from_result(w) for w in value)
 
 
-@dataclass(frozen=True)
-class BreakResult:
+class BreakResult(Frozen):
     """Outcome of ``break``: ``broken`` and, when it was held, who held it."""
 
+    __slots__ = ("broken", "fence", "held_by", "holders", "owner", "raw")
+    __match_args__ = ("broken", "held_by", "owner", "fence", "holders", "raw")
+    _hidden = frozenset({"raw"})
+    _fields = __match_args__
+
     broken: bool
-    held_by: str | None = None
-    owner: str | None = None
-    fence: int | None = None
-    holders: int | None = None
-    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    held_by: str | None
+    owner: str | None
+    fence: int | None
+    holders: int | None
+    raw: dict[str, Any]
+
+    def __init__(
+        self,
+        broken: bool,
+        held_by: str | None = None,
+        owner: str | None = None,
+        fence: int | None = None,
+        holders: int | None = None,
+        raw: dict[str, Any] | None = None,
+    ) -> None:
+        _fill(self, "broken", broken)
+        _fill(self, "held_by", held_by)
+        _fill(self, "owner", owner)
+        _fill(self, "fence", fence)
+        _fill(self, "holders", holders)
+        _fill(self, "raw", {} if raw is None else raw)
 
     @classmethod
     def from_result(cls, result: object) -> BreakResult:

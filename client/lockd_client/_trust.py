@@ -25,9 +25,18 @@ import pwd
 import socket
 import stat
 import struct
-from typing import Protocol
 
 from ._errors import UntrustedDaemonError, _user_name
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class _Socket(Protocol):
+        """What the peer check needs of a socket (stdlib, asyncio's or trio's)."""
+
+        def getsockopt(self, level: int, option: int, buflen: int) -> bytes: ...
+
 
 __all__ = [
     "SYSTEM_USER",
@@ -110,12 +119,6 @@ def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
         if parent == path:
             return None
         path = parent
-
-
-class _Socket(Protocol):
-    """What the peer check needs of a socket (stdlib, asyncio's or trio's)."""
-
-    def getsockopt(self, level: int, option: int, buflen: int) -> bytes: ...
 
 
 def check_folder(path: str) -> frozenset[int]:

@@ -12,9 +12,11 @@ import json
 import json.encoder
 import math
 import re
-from collections.abc import Callable
-from decimal import ROUND_CEILING, Decimal
-from typing import Any
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = [
     "MAX_MS",
@@ -231,6 +233,8 @@ def seconds_to_ms(value: object, name: str, *, allow_zero: bool) -> int:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be {bound} seconds, got {value!r}")
     # Decimal(str(x)) keeps the literal the caller wrote: 0.007 s is 7 ms, not 8.
+    from decimal import ROUND_CEILING, Decimal  # here: the rare case, not at start-up
+
     ms = int((Decimal(str(value)) * 1000).to_integral_value(rounding=ROUND_CEILING))
     if ms > MAX_MS:
         raise ValueError(f"{name} must be at most 86400 seconds (24 h), got {value!r}")

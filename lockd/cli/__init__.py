@@ -9,8 +9,7 @@ loads nothing (no click): the fast path lives in it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
     from lockd.cli.root import EXIT_CODES_HELP, main, render_metrics, render_stats_text
 

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
 
 from lockd_client import MAX_LIMIT, SOCKET_ENV
 
-from lockd.cli.durations import DurationError, check_duration, seconds_hint
 from lockd.contract import MAX_TIMEOUT_MS, MAX_TTL_MS
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["RunCall", "StatusCall", "main", "recognise"]
 
@@ -152,6 +154,9 @@ def _int(value: str, low: int, high: int) -> int:
 def _duration(
     name: str, value: str, hints: list[str], *, min_ms: int, max_ms: int, forever: bool = False
 ) -> int:
+    # Imported here: ``locks status`` has no duration to read (re, decimal).
+    from lockd.cli.durations import DurationError, check_duration, seconds_hint
+
     try:
         ms = check_duration(value, min_ms=min_ms, max_ms=max_ms, forever=forever)
     except DurationError:

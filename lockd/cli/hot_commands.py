@@ -11,7 +11,6 @@ the daemon and what is printed is one piece of code.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from lockd_client import LockClient
 
@@ -28,6 +27,7 @@ from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, pid_cell
 from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
 from lockd.timefmt import format_duration_ms
 
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
     from lockd.run.options import RunOptions
 

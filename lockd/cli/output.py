@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
 
 from lockd_client import (
     DaemonUnavailableError,
@@ -47,6 +45,11 @@ from lockd.exitcodes import (
 )
 from lockd.textsafe import visible
 from lockd.timefmt import format_duration_ms
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+    from typing import Any
 
 #: Set to get a traceback instead of the one-line message for CLI bugs.
 DEBUG_ENV = "LOCKD_DEBUG"
