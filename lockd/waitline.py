@@ -22,12 +22,15 @@ import os
 import sys
 import threading
 import time
-from typing import IO
 
 from lockd_client import LockClient, LockStatus
 
 from lockd.describe import who_holds
 from lockd.timefmt import format_duration_ms
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from typing import IO
 
 #: seconds between two status reads (and redraws).
 INTERVAL = 0.5

@@ -2,26 +2,58 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 from ._errors import LockdError, LockLostError
 from ._events import Loss
 from ._results import Handle, ReleaseResult
 from ._wire import seconds_to_ms
 
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from logging import Logger
+    from typing import Any
+
     from ._client import LockClient
     from ._connection import Connection
 
 __all__ = ["AutoRenewer", "call_on_lost", "check_released", "hold", "lease_end"]
 
-log = logging.getLogger("lockd_client")
+
+class _ClientLogger:
+    """``logging.getLogger("lockd_client")``, made at its first message.
+
+    A renewal that never has to warn never imports logging (its import, with
+    traceback and tokenize, is a start-up cost of ``lockd run``: issue 24).
+    """
+
+    def __init__(self) -> None:
+        self._quiet = False
+
+    def quiet(self) -> None:
+        """Give the logger a NullHandler (when made): no last-resort lines on stderr.
+
+        ``lockd run`` says what matters itself, one line per event.
+        """
+        self._quiet = True
+
+    def __getattr__(self, name: str) -> Any:  # the Logger's
+        return getattr(self._logger(), name)
+
+    def _logger(self) -> Logger:
+        import logging
+
+        logger = logging.getLogger("lockd_client")
+        if self._quiet and not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+            logger.addHandler(logging.NullHandler())
+        return logger
+
+
+log = _ClientLogger()
 
 _JOIN_TIMEOUT = 5.0
 _MAX_RETRY_PAUSE = 1.0

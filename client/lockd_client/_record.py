@@ -15,7 +15,9 @@ users could see of a dataclass:
 - ``dataclasses.fields()``, ``asdict()``, ``replace()`` and
   ``is_dataclass()`` keep working: ``__dataclass_fields__`` is built on
   first use, from a dataclass twin made with ``dataclasses.make_dataclass``
-  (names, types, ``repr`` flags; no defaults);
+  (names, types, ``repr`` flags, and the defaults a class lists in
+  ``_defaults``);
+- ``_replace(**changes)``, as ``dataclasses.replace`` (and namedtuple's);
 - ``match`` by position (``__match_args__``), ``pickle`` and ``copy``.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, ClassVar
+    from typing import Any, ClassVar, Self
 
 __all__ = ["Frozen", "Record"]
 
@@ -41,6 +43,12 @@ class _DataclassFields:
         if fields is None:
             import dataclasses
 
+            def field(name: str) -> Any:
+                shown = name not in owner._hidden
+                if name in owner._defaults:
+                    return dataclasses.field(repr=shown, default=owner._defaults[name])
+                return dataclasses.field(repr=shown)
+
             hints: dict[str, object] = {}
             for klass in reversed(owner.__mro__):
                 hints.update(getattr(klass, "__annotations__", {}))
@@ -50,7 +58,7 @@ class _DataclassFields:
                     (
                         name,
                         hints.get(name, "Any"),
-                        dataclasses.field(repr=name not in owner._hidden),
+                        field(name),
                     )
                     for name in owner._fields
                 ],
@@ -69,11 +77,19 @@ class Record:
     _fields: ClassVar[tuple[str, ...]] = ()
     #: fields left out of ``repr`` (``field(repr=False)``)
     _hidden: ClassVar[frozenset[str]] = frozenset()
+    #: the ``__init__`` defaults, for ``dataclasses.fields()`` (immutable values only)
+    _defaults: ClassVar[dict[str, object]] = {}
 
     __dataclass_fields__: ClassVar[Any] = _DataclassFields()
 
     def _values(self) -> tuple[object, ...]:
         return tuple([getattr(self, name) for name in self._fields])
+
+    def _replace(self, **changes: object) -> Self:
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        values = {name: getattr(self, name) for name in self._fields}
+        values.update(changes)
+        return self.__class__(**values)
 
     def __repr__(self) -> str:
         shown = ", ".join(

@@ -1,8 +1,10 @@
 """The guardian of ``lockd run``: the reaper of everything COMMAND starts.
 
-``lockd run`` starts this file as a program of its own (``python -I -S
-guardian.py``: stdlib only, no lockd import, no threads inherited) before it
-asks for the key. The guardian
+``lockd run`` starts it before it asks for the key: by ``fork()`` of
+itself while it has no thread yet, the child made to look as this file run
+as a program of its own (``python -I -S guardian.py``: stdlib only, no lockd
+import) would (:class:`lockd.run.process.Guardian`), or by running this
+file so when it cannot fork safely. The guardian
 
 - marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every
   process COMMAND starts, ``setsid`` or double-forked, is re-parented to it
@@ -41,7 +43,6 @@ has no children (a live descendant always has an ancestor chain ending here).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -73,15 +74,31 @@ IGNORED = (
 )
 
 
+_libc_prctl: Callable[[int, int, int, int], int] | None = None
+_prctl_loaded = False
+
+
+def load_prctl() -> Callable[[int, int, int, int], int] | None:
+    """libc's prctl through ctypes (loaded once; a forked guardian inherits it), or None."""
+    global _libc_prctl, _prctl_loaded
+    if not _prctl_loaded:
+        import ctypes  # here: lockd run's other commands have no use for it
+
+        _prctl_loaded = True
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            return None
+        fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        fn.restype = ctypes.c_int
+        _libc_prctl = fn
+    return _libc_prctl
+
+
 def prctl(option: int, arg: int) -> bool:
     """libc prctl(option, arg); False when it failed or libc has none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_int
-    return bool(fn(option, arg, 0, 0) == 0)
+    fn = load_prctl()
+    return fn is not None and fn(option, arg, 0, 0) == 0
 
 
 def parent_links() -> dict[int, int]:

@@ -20,10 +20,8 @@ instead of after ``break_grace``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from lockd_client import (
     AutoRenewer,
@@ -47,7 +45,6 @@ from lockd.waitline import WaitLine
 
 __all__ = ["Grant", "LeaseKeeper", "take_lease"]
 
-log = logging.getLogger("lockd.run")
 
 #: Time allowed for the "who holds it" lookup after a busy key or a timed-out wait.
 _STATUS_TIMEOUT = 2.0
@@ -58,12 +55,14 @@ _STOPPED_TIMEOUT = 2.0
 # -- taking the key -----------------------------------------------------------
 
 
-@dataclass
 class Grant:
     """A granted lease and our conservative estimate of its end (monotonic clock)."""
 
-    handle: Handle
-    expires_at: float
+    __slots__ = ("expires_at", "handle")
+
+    def __init__(self, handle: Handle, expires_at: float) -> None:
+        self.handle = handle
+        self.expires_at = expires_at
 
 
 def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant | int:
@@ -191,7 +190,11 @@ class LeaseKeeper(AutoRenewer):
         try:
             client.stopped(self._held)
         except LockdError as exc:  # the close at exit says it too
-            log.debug("telling the daemon the work stopped failed: %s", exc)
+            import logging  # here: lockd run does not load logging otherwise
+
+            logging.getLogger("lockd.run").debug(
+                "telling the daemon the work stopped failed: %s", exc
+            )
 
 
 def _report_error(report: Reporter, exc: LockdError, key: str) -> int:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import IO, Any
+
+from lockd_client._record import Frozen
 
 from lockd.exitcodes import EXIT_BUSY, USAGE, error_document
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 __all__ = ["MIN_TTL_MS", "OnLost", "Reporter", "RunOptions"]
 
@@ -30,28 +34,112 @@ class OnLost(StrEnum):
     IGNORE = "ignore"  # only report; exit 6 once COMMAND is done
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """What ``lockd run`` was asked to do. Durations are whole milliseconds."""
+class RunOptions(Frozen):
+    """What ``lockd run`` was asked to do. Durations are whole milliseconds.
+
+    A frozen record that reads as a dataclass (``dataclasses.fields()`` with
+    the defaults, ``==``, ``repr``; ``_replace`` for a changed copy) without
+    importing dataclasses at start-up (lockd_client/_record.py).
+    """
+
+    __slots__ = (
+        "command",
+        "conflict_exit_code",
+        "grace_ms",
+        "holder_pid",
+        "key",
+        "kill_descendants",
+        "limit",
+        "on_lost",
+        "owner",
+        "quiet",
+        "shared",
+        "socket_path",
+        "ttl_ms",
+        "wait_ms",
+    )
+    __match_args__ = (
+        "key",
+        "command",
+        "ttl_ms",
+        "wait_ms",
+        "owner",
+        "shared",
+        "limit",
+        "on_lost",
+        "grace_ms",
+        "conflict_exit_code",
+        "socket_path",
+        "quiet",
+        "kill_descendants",
+        "holder_pid",
+    )
+    _fields = __match_args__
 
     key: str
     command: tuple[str, ...]
-    ttl_ms: int = 60_000
-    wait_ms: int | None = None  # None: a single tryAcquire
-    owner: str | None = None
-    shared: bool = False  # a shared (reader) hold, like flock -s
-    limit: int = 1  # > 1: one of ``limit`` slots of a semaphore, like consul lock -n
-    on_lost: OnLost = OnLost.TERM
-    grace_ms: int = 10_000
-    conflict_exit_code: int = EXIT_BUSY
-    socket_path: str | None = None
-    quiet: bool = False  # no stderr line when the key is busy / the wait timed out
+    ttl_ms: int
+    wait_ms: int | None  # None: a single tryAcquire
+    owner: str | None
+    shared: bool  # a shared (reader) hold, like flock -s
+    limit: int  # > 1: one of ``limit`` slots of a semaphore, like consul lock -n
+    on_lost: OnLost
+    grace_ms: int
+    conflict_exit_code: int
+    socket_path: str | None
+    quiet: bool  # no stderr line when the key is busy / the wait timed out
     #: when COMMAND exits, end what it left running (SIGTERM, SIGKILL after
     #: --grace) instead of keeping the key until the last of them exits (flock's way)
-    kill_descendants: bool = False
+    kill_descendants: bool
     #: the process that will use the hold (COMMAND's pid-to-be), named in the
     #: acquire so that status shows it (docs/contract.md §12.2); None: this process
-    holder_pid: int | None = None
+    holder_pid: int | None
+
+    def __init__(
+        self,
+        key: str,
+        command: tuple[str, ...],
+        ttl_ms: int = 60_000,
+        wait_ms: int | None = None,
+        owner: str | None = None,
+        shared: bool = False,
+        limit: int = 1,
+        on_lost: OnLost = OnLost.TERM,
+        grace_ms: int = 10_000,
+        conflict_exit_code: int = EXIT_BUSY,
+        socket_path: str | None = None,
+        quiet: bool = False,
+        kill_descendants: bool = False,
+        holder_pid: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("key", key),
+            ("command", command),
+            ("ttl_ms", ttl_ms),
+            ("wait_ms", wait_ms),
+            ("owner", owner),
+            ("shared", shared),
+            ("limit", limit),
+            ("on_lost", on_lost),
+            ("grace_ms", grace_ms),
+            ("conflict_exit_code", conflict_exit_code),
+            ("socket_path", socket_path),
+            ("quiet", quiet),
+            ("kill_descendants", kill_descendants),
+            ("holder_pid", holder_pid),
+        ):
+            object.__setattr__(self, name, value)
+
+
+def _init_defaults(cls: type) -> dict[str, object]:
+    """The defaults of ``cls.__init__``, by name: one list of them, not two to keep alike."""
+    init = vars(cls)["__init__"]
+    names = init.__code__.co_varnames[1 : init.__code__.co_argcount]
+    values = init.__defaults__ or ()
+    return dict(zip(names[len(names) - len(values) :], values, strict=True))
+
+
+RunOptions._defaults = _init_defaults(RunOptions)
 
 
 class Reporter:

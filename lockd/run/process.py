@@ -15,21 +15,24 @@ handlers only there.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import queue
 import signal
 import socket
-import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import FrameType
-from typing import Any
+
+from lockd_client._record import Frozen
 
 from lockd.run import guardian
+from lockd.run.forked import fork_guardian, only_thread, wait_child
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from types import FrameType
+    from typing import Any
 
 __all__ = [
     "FORWARDED_SIGNALS",
@@ -56,33 +59,13 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-_PR_SET_CHILD_SUBREAPER = 36
-_prctl: Any = None
-
-
-def _load_prctl() -> Any:
-    """libc's prctl via ctypes; None if absent."""
-    global _prctl
-    if _prctl is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            _prctl = False
-        else:
-            fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-            fn.restype = ctypes.c_int
-            _prctl = fn
-    return _prctl or None
-
-
 def become_subreaper() -> bool:
     """Make orphaned descendants this process's children (Linux 3.4+); False if refused.
 
     ``lockd run`` does it as a fallback: if its guardian is killed, what the
     guardian had adopted comes here and is ended by :func:`end_descendants`.
     """
-    prctl = _load_prctl()
-    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0) == 0
+    return guardian.prctl(guardian.PR_SET_CHILD_SUBREAPER, 1)
 
 
 def end_descendants(say: Callable[[str], None]) -> None:
@@ -138,12 +121,19 @@ def foreground_group() -> int | None:
 # -- the guardian ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(Frozen):
     """One line from the guardian (see :mod:`lockd.run.guardian`); ``gone`` at its end."""
 
+    __slots__ = ("rest", "word")
+    __match_args__ = ("word", "rest")
+    _fields = __match_args__
+
     word: str
-    rest: str = ""
+    rest: str
+
+    def __init__(self, word: str, rest: str = "") -> None:
+        object.__setattr__(self, "word", word)
+        object.__setattr__(self, "rest", rest)
 
 
 class CommandNotStarted(OSError):
@@ -167,21 +157,20 @@ class Guardian:
     def __init__(self, argv: Sequence[str], mode: int) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         status_r, status_w = os.pipe()  # close-on-exec: pass_fds makes the child's copy inheritable
-        program = [
-            sys.executable,
-            "-I",
-            "-S",
-            guardian.__file__,
-            str(theirs.fileno()),
-            str(status_w),
-            str(mode),
-            "--",
-            *argv,
-        ]
+        args = [str(theirs.fileno()), str(status_w), str(mode), "--", *argv]
+        self._proc: Any = None  # the Popen of a guardian run as a program
+        self._pid = 0  # a forked guardian's pid
         try:
-            self._proc = subprocess.Popen(
-                program, pass_fds=(theirs.fileno(), status_w), process_group=0
-            )
+            if only_thread():
+                self._pid = fork_guardian(args, keep=(theirs.fileno(), status_w))
+            else:  # fork() would copy locks other threads hold: a new interpreter
+                import subprocess
+
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", guardian.__file__, *args],
+                    pass_fds=(theirs.fileno(), status_w),
+                    process_group=0,
+                )
         except BaseException:
             ours.close()
             os.close(status_r)
@@ -247,8 +236,13 @@ class Guardian:
         if self._ctrl is not None:
             ctrl, self._ctrl = self._ctrl, None
             ctrl.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=_GUARDIAN_EXIT)
+        if self._proc is not None:
+            import subprocess
+
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=_GUARDIAN_EXIT)
+        elif self._pid and wait_child(self._pid, _GUARDIAN_EXIT):
+            self._pid = 0
 
     def _read_line(self) -> str:
         line = b""

@@ -28,13 +28,12 @@ types live in :mod:`lockd.run.options`, COMMAND's process group in
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import signal
 import time
-from dataclasses import replace
 
 from lockd_client import AutoRenewer, Handle, LockClient, LockdError
+from lockd_client._lock import log as client_log
 
 from lockd.exitcodes import (
     EXIT_CANNOT_EXECUTE,
@@ -81,14 +80,14 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
     # The renewer logs its retries and the loss as warnings; lockd run says
     # what matters itself, one line per event (JSON lines with --json), so
     # Python's last-resort handler must not add its own lines to stderr.
-    logging.getLogger("lockd_client").addHandler(logging.NullHandler())
+    client_log.quiet()
     client = LockClient(opts.socket_path)
     mode = terminal_mode()
     # Before the key: COMMAND's process is forked (not run) so that the
     # acquire can name its pid as the holder's (docs/contract.md §12.2).
     guardian = Guardian(opts.command, mode)
     try:
-        got = take_lease(client, replace(opts, holder_pid=guardian.command_pid), report)
+        got = take_lease(client, opts._replace(holder_pid=guardian.command_pid), report)
         if isinstance(got, int):
             return got
         with SignalForwarder() as forwarder:
