@@ -132,3 +132,24 @@ def test_status_through_the_entry_loads_nothing_of_run() -> None:
     modules = imported_by_entry("locks", "status", "k", "--socket", MISSING)
     for module in ("lockd.run", "lockd.cli.run", "lockd.cli.locks", "lockd.waitline", "logging"):
         assert module not in modules, module
+
+
+#: What the hot commands used to import at start and no longer do (issue 24):
+#: dataclasses (with inspect, ast, dis, tokenize) for the client's results and
+#: lockd run's options, typing, decimal (durations, fractional seconds), and
+#: for lockd run, logging until something is logged and subprocess (the
+#: guardian is forked).
+NOT_AT_START = ("dataclasses", "inspect", "ast", "tokenize", "typing", "decimal")
+
+
+def test_status_through_the_entry_imports_no_dataclasses_typing_or_decimal() -> None:
+    modules = imported_by_entry("locks", "status", "k", "--socket", MISSING)
+    for module in (*NOT_AT_START, "lockd.cli.durations"):
+        assert module not in modules, module
+
+
+def test_run_through_the_entry_imports_no_dataclasses_typing_logging_or_subprocess() -> None:
+    modules = imported_by_entry("run", "k", "--socket", MISSING, "--", "true")
+    assert "lockd.run.supervisor" in modules  # the probe saw lockd run itself start
+    for module in (*NOT_AT_START, "logging", "subprocess"):
+        assert module not in modules, module
