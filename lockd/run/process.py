@@ -144,8 +144,10 @@ class Guardian:
     """``lockd run``'s side of the guardian process that starts and reaps COMMAND.
 
     The guardian (:mod:`lockd.run.guardian`) is started before the key is
-    taken: it forks the process that will become COMMAND at once, so that
-    :attr:`command_pid` can be named in the acquire (docs/contract.md §12.2). :meth:`go`
+    taken (forked from this process while it has no other thread, see
+    :mod:`lockd.run.forked`; else run as a program): it forks the process
+    that will become COMMAND at once, so that :attr:`command_pid` can be
+    named in the acquire (docs/contract.md §12.2). :meth:`go`
     sends it COMMAND's environment and a copy of the daemon connection once
     the key is ours. Its lines then arrive through a reader thread into
     :meth:`next_message`, where :meth:`post` adds ``lockd run``'s own
