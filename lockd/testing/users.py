@@ -311,7 +311,16 @@ class Agent:
 
 def _agent_main(config: dict[str, Any]) -> None:  # pragma: no cover - runs as a child
     """Import, drop privileges, then serve JSON-lines calls on stdin/stdout."""
+    # Besides what the agent uses: what lockd_client imports only when first
+    # needed (its start-up stays short). After setuid this interpreter's
+    # standard library, under /root on CI, can no longer be read, so load them
+    # while root: decimal (a timeout with a fraction of a millisecond), logging
+    # (the client's first log message), tempfile (the default socket path
+    # without XDG_RUNTIME_DIR).
     import dataclasses
+    import decimal  # noqa: F401
+    import logging  # noqa: F401
+    import tempfile  # noqa: F401
     import traceback
 
     import lockd_client
