@@ -78,8 +78,13 @@ class Waits:
             event.set()
         for wait in self._remote_waits():
             wait.scope.cancel()
+        # Every wait's task answers (SHUTTING_DOWN, or what it already had)
+        # and then leaves its connection's waits: wait for all of them, not
+        # only the ones woken above -- a wait for rate-limit room started
+        # just before the stop may not have run yet, and closing the
+        # connections now would cancel it unanswered.
         with trio.move_on_after(2):
-            while self._events or self._remote_waits() or self._room_waits():
+            while any(conn.waits for conn in self._connections.values()):
                 await trio.sleep(0.01)
 
     def _remote_waits(self) -> list[Wait]:
@@ -90,18 +95,6 @@ class Waits:
             for waits in conn.waits.values()
             for wait in waits
             if wait.step is None
-        ]
-
-    def _room_waits(self) -> list[Wait]:
-        """Blocking acquires waiting for rate-limit room. Their tasks see the stop and answer
-        SHUTTING_DOWN themselves, but one started just before the stop may not have run
-        yet: closing the connections now would cancel it unanswered."""
-        return [
-            wait
-            for conn in self._connections.values()
-            for waits in conn.waits.values()
-            for wait in waits
-            if isinstance(wait.step, WaitForRoom)
         ]
 
     # -------------------------------------------------- parked acquires
