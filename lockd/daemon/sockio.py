@@ -45,6 +45,18 @@ async def recv_some(sock: socket.socket) -> bytes:
             continue
 
 
+async def send_all(sock: socket.socket, data: bytes) -> None:
+    """Write all of ``data``, waiting until ``sock`` is writable whenever its buffer is full."""
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        view = view[sent:]
+
+
 def recv_ready(sock: socket.socket) -> bytes | None:
     """What ``sock`` has to read right now without waiting (b"" at EOF), or None."""
     try:

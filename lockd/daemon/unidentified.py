@@ -54,17 +54,6 @@ def _answer(line: bytes, exc: OSError) -> bytes:
     return identity_error(request.id, exc)
 
 
-async def _send_all(sock: socket.socket, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            sent = sock.send(view)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        view = view[sent:]
-
-
 async def serve_until_identified(
     sock: socket.socket,
     resolve: Callable[[socket.socket], Caller],
@@ -110,6 +99,6 @@ async def serve_until_identified(
             del buffer[: newline + 1]
             if buffer:
                 line_started = trio.current_time()
-            await _send_all(sock, _answer(line, error))
+            await sockio.send_all(sock, _answer(line, error))
     except (trio.ClosedResourceError, OSError):
         return None

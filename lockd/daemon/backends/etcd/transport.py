@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from lockd.daemon import sockio
 from lockd.daemon.backends.etcd.http1 import (
     END,
     Closed,
@@ -130,14 +131,7 @@ class _PlainWire:
         self.sock = sock
 
     async def send_all(self, data: bytes) -> None:
-        sock, view = self.sock, memoryview(data)
-        while view:
-            try:
-                sent = sock.send(view)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
-                continue
-            view = view[sent:]
+        await sockio.send_all(self.sock, data)
 
     async def receive_some(self) -> bytes:
         while True:
