@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from lockd.config import Paths, load_settings
-from lockd.daemon import serve
-from lockd.daemon import store as store_mod
+from lockd.daemon import serve, storecheck
 from lockd.daemon.clock import SystemClock
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.leases import Busy
@@ -65,13 +64,13 @@ def _damage_handle(db: Path, key: str) -> None:
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The integrity check's thread waits for this before it reads anything."""
     opened = threading.Event()
-    run = store_mod._IntegrityCheck._run
+    run = storecheck.IntegrityCheck._run
 
-    def gated(check: store_mod._IntegrityCheck) -> None:
+    def gated(check: storecheck.IntegrityCheck) -> None:
         opened.wait(60)  # bounded: a test that never opens it still ends
         run(check)
 
-    monkeypatch.setattr(store_mod._IntegrityCheck, "_run", gated)
+    monkeypatch.setattr(storecheck.IntegrityCheck, "_run", gated)
     yield opened
     opened.set()
 

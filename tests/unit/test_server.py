@@ -400,7 +400,7 @@ async def test_a_cold_key_that_cannot_be_read_is_storage_unavailable_and_kept(
     engine = LockEngine(fence=2)
     engine.restore_cold(ColdLeases.build(store.deadlines()), store.leases_of, clock.now)
     reads = FailingReads(store._db)
-    store._db = reads  # type: ignore[assignment]
+    store.reads._db = reads  # type: ignore[assignment]
     async with running(short_tmp, clock=clock, store=store, engine=engine) as h:
         client = await h.connect()
         for request in (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lockd.daemon import store as store_mod
+from lockd.daemon import storeschema
 from lockd.daemon.cold import ColdLeases
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import SCHEMA_VERSION, Store, StoreError
@@ -84,7 +84,7 @@ def test_migration_sets_user_version_and_creates_the_schema(db_path: Path) -> No
         assert {"meta", "leases"} <= tables
         assert conn.execute("SELECT value FROM meta WHERE name='fence'").fetchone() == (0,)
     conn.close()
-    assert len(store_mod.MIGRATIONS) == SCHEMA_VERSION
+    assert len(storeschema.MIGRATIONS) == SCHEMA_VERSION
 
 
 def test_reopening_does_not_migrate_again(db_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_failed_migration_leaves_the_database_untouched(
         db.execute("CREATE TABLE half_done (x INTEGER)")
         raise sqlite3.OperationalError("disk on fire")
 
-    monkeypatch.setattr(store_mod, "MIGRATIONS", [broken])
+    monkeypatch.setattr(storeschema, "MIGRATIONS", [broken])
     with pytest.raises(StoreError, match="disk on fire") as info:
         Store(db_path, BOOT)
     # The failed Store's connection (still holding its exclusive lock) is only
