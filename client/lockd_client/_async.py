@@ -1,11 +1,13 @@
 """What the asyncio and trio clients share: the pipelined connection's
 bookkeeping and every operation, written once against a small backend.
 
-:class:`Pipeline` is one connection's state without any I/O: requests in
-flight by id, replies filed as bytes come in, and what to do when a waiting
-task gives up. :class:`AsyncClientBase` is the whole client API as
-coroutines; :mod:`lockd_client.aio` and :mod:`lockd_client.trio` supply how
-to connect, read, write, sleep and run a background task.
+:class:`~lockd_client._pipeline.Pipeline` (:mod:`lockd_client._pipeline`) is
+one connection's state without any I/O: requests in flight by id, replies
+filed as bytes come in, and what to do when a waiting task gives up.
+:class:`AsyncClientBase` is the whole client API as coroutines (the block of
+its ``lock()`` is :mod:`lockd_client._ahold`); :mod:`lockd_client.aio` and
+:mod:`lockd_client.trio` supply how to connect, read, write, sleep and run a
+background task.
 
 **Cancellation never leaves a key held.** Every step that must happen when a
 task is cancelled is synchronous (queueing bytes to send), so it also runs
@@ -28,33 +30,25 @@ from __future__ import annotations
 
 import builtins
 import itertools
-import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import (
-    AbstractAsyncContextManager,
-    AbstractContextManager,
-    asynccontextmanager,
-    nullcontext,
-    suppress,
-)
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic
 
+from ._ahold import hold
 from ._connection import ConnectionLost, ReplyTimeout
 from ._errors import (
     DaemonUnavailableError,
     LockdError,
-    LockLostError,
     LockTimeoutError,
     ShuttingDownError,
     SocketPermissionError,
 )
-from ._events import EVENTS_HELLO, Loss, LossBook, loss_from
-from ._lock import call_on_lost, check_released, granted_ttl_ms, lease_end
 from ._paths import resolve_socket_path
+from ._pipeline import BlockGuard, Pipeline, Slot, SlotT
 from ._requests import (
     DEFAULT_TTL,
     UNLIMITED_WAIT,
@@ -64,7 +58,6 @@ from ._requests import (
     break_args,
     dict_result,
     grant_args,
-    late_grant,
     list_args,
     list_result,
     release_args,
@@ -72,179 +65,9 @@ from ._requests import (
     unwrap,
 )
 from ._results import BreakResult, Handle, LockStatus, ReleaseResult, RenewResult
-from ._wire import BadLine, ReplyLines, check_key, encode, seconds_to_ms
+from ._wire import check_key, seconds_to_ms
 
 __all__ = ["AsyncClientBase", "BlockGuard", "ConnectionLost", "Pipeline", "ReplyTimeout", "Slot"]
-
-log = logging.getLogger("lockd_client")
-
-#: at most this long before the lease's end, the loss is declared (a tenth of the TTL below)
-_MAX_MARGIN = 2.0
-_MAX_RETRY_PAUSE = 1.0
-
-
-class Slot(ABC):
-    """Where one request's reply (or the connection's death) is delivered."""
-
-    reply: dict[str, Any] | None = None
-
-    @abstractmethod
-    def deliver(self, reply: dict[str, Any]) -> None:
-        """File the reply and wake the waiting task."""
-
-    @abstractmethod
-    def fail(self, lost: ConnectionLost) -> None:
-        """The connection died before the reply: wake the task with ``lost``."""
-
-
-SlotT = TypeVar("SlotT", bound=Slot)
-
-
-class BlockGuard(ABC):
-    """Cancels the block of an ``async with client.lock(...)`` when its hold is lost.
-
-    Entered around the block (in the block's task); :meth:`cancel` may be
-    called from any task of the loop (the connection's reader). ``fired``
-    says whether it did; :meth:`absorb` takes back the cancellation it
-    caused, so the block ends in ``LockLostError`` instead.
-    """
-
-    fired = False
-
-    @abstractmethod
-    def __enter__(self) -> BlockGuard: ...
-
-    @abstractmethod
-    def __exit__(self, *exc: object) -> bool | None: ...
-
-    @abstractmethod
-    def cancel(self) -> None:
-        """Cancel the block now."""
-
-    @abstractmethod
-    async def absorb(self, exc: BaseException | None) -> bool:
-        """After the block: True if ``exc`` (None: it ended normally) is only our cancellation."""
-
-
-class Pipeline(Generic[SlotT]):
-    """One pipelined connection's bookkeeping, without I/O.
-
-    ``send`` queues bytes for the connection synchronously (it must not
-    block or await); ``make_slot`` makes a backend's :class:`Slot`.
-    """
-
-    def __init__(
-        self,
-        send: Callable[[bytes], None],
-        make_slot: Callable[[], SlotT],
-        next_id: Callable[[], int],
-    ) -> None:
-        self._send = send
-        self._make_slot = make_slot
-        self._next_id = next_id
-        self._waiting: dict[int, SlotT] = {}
-        self._abandoned: dict[int, str] = {}
-        self._lines = ReplyLines()
-        self.lost: ConnectionLost | None = None
-        #: losses the daemon pushed (docs/contract.md §12), and who waits for each handle's.
-        self.losses = LossBook()
-        self.loss_listeners: dict[str, Callable[[Loss], None]] = {}
-        #: ``hello {"events": true}`` was sent on it.
-        self.events_asked = False
-
-    @property
-    def dead(self) -> bool:
-        return self.lost is not None
-
-    def start(self, message: dict[str, Any]) -> SlotT:
-        """Send ``message`` and return the slot its reply will arrive in."""
-        if self.lost is not None:
-            raise ConnectionLost(self.lost.reason, sent=False)
-        slot = self._make_slot()
-        self._waiting[message["id"]] = slot
-        try:
-            self._send(encode(message))
-        except BaseException:
-            self._waiting.pop(message["id"], None)
-            raise
-        return slot
-
-    def feed(self, data: bytes) -> None:
-        """Bytes from the daemon; ``b""`` is the end of the connection."""
-        if not data:
-            self.die("the daemon closed the connection")
-            return
-        try:
-            replies = self._lines.feed(data)
-        except BadLine as exc:
-            self.die(str(exc), protocol=True)
-            return
-        for reply in replies:
-            rid = reply.get("id")
-            if not isinstance(rid, int) or isinstance(rid, bool):
-                loss = loss_from(reply) if rid is None else None
-                if loss is not None:  # pushed (docs/contract.md §12)
-                    self._told(loss)
-                continue  # id null: the daemon could not read one of our lines
-            op = self._abandoned.pop(rid, None)
-            if op is not None:
-                self._give_back(op, reply)
-                continue
-            slot = self._waiting.pop(rid, None)
-            if slot is not None:
-                slot.deliver(reply)
-
-    def _told(self, loss: Loss) -> None:
-        self.losses.add(loss)
-        listener = self.loss_listeners.pop(loss.handle, None)
-        if listener is not None:
-            listener(loss)
-
-    def ask_events(self) -> None:
-        """Send ``hello {"events": true}`` once, not waited for (an old daemon refuses it)."""
-        if not self.events_asked:
-            self.events_asked = True
-            self._send_quietly({"id": self._next_id(), "op": "hello", **EVENTS_HELLO}, "hello")
-
-    def give_up(self, rid: int, op: str, slot: SlotT) -> None:
-        """The task waiting for ``rid`` stopped waiting (cancelled, timed out).
-
-        Synchronous on purpose: it runs inside a cancelled task.
-        """
-        self._waiting.pop(rid, None)
-        if slot.reply is not None:  # it came, but the task never took it
-            self._give_back(op, slot.reply)
-            return
-        if self.lost is not None:
-            return  # nothing to withdraw: the daemon dropped it with the connection
-        self._abandoned[rid] = op
-        if op == "acquire":  # withdraw it from the queue; a crossing grant comes back
-            self._send_quietly({"id": self._next_id(), "op": "cancel", "target": rid}, "cancel")
-
-    def die(self, reason: str, *, protocol: bool = False) -> None:
-        """The connection is unusable: every waiting task is woken with ConnectionLost."""
-        if self.lost is not None:
-            return
-        self.lost = ConnectionLost(reason, protocol=protocol)
-        waiting, self._waiting = self._waiting, {}
-        self._abandoned.clear()
-        for slot in waiting.values():
-            slot.fail(self.lost)
-
-    def _give_back(self, op: str, reply: dict[str, Any]) -> None:
-        grant = late_grant(op, reply)
-        if grant is not None:
-            key, handle = grant
-            message = {"id": self._next_id(), "op": "release", "key": key, "handle": handle}
-            self._send_quietly(message, "release")
-
-    def _send_quietly(self, message: dict[str, Any], op: str) -> None:
-        """Send a request nobody waits for (its reply is dropped)."""
-        if self.lost is not None:
-            return
-        self._abandoned[message["id"]] = op
-        with suppress(ConnectionLost):
-            self._send(encode(message))
 
 
 class AsyncClientBase(ABC, Generic[SlotT]):
@@ -473,128 +296,11 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         """
         if on_lost is not None and not auto_renew:
             raise ValueError("on_lost needs auto_renew=True")
-        return self._hold(
-            key, ttl, timeout, owner, auto_renew, on_lost, release_on_close, shared, limit
+        return hold(
+            self, key, ttl, timeout, owner, auto_renew, on_lost, release_on_close, shared, limit
         )
 
     # -- internals ----------------------------------------------------------------
-
-    @asynccontextmanager
-    async def _hold(
-        self,
-        key: str,
-        ttl: float,
-        timeout: float | None,
-        owner: str | None,
-        auto_renew: bool,
-        on_lost: Callable[[Handle], object] | None,
-        release_on_close: bool,
-        shared: bool,
-        limit: int,
-    ) -> AsyncIterator[Handle]:
-        ttl_ms = seconds_to_ms(ttl, "ttl", allow_zero=False)
-        self._events_wanted = True  # every connection from now on asks for events
-        if self._pipe is not None and not self._pipe.dead:
-            self._pipe.ask_events()
-        handle = await self.acquire(
-            key, ttl, timeout, owner, release_on_close, shared=shared, limit=limit
-        )
-        lost: list[str] = []
-        told: list[Loss] = []
-        stop: Callable[[], Awaitable[None]] | None = None
-        guard = self._block_guard()
-        pipe = self._pipe
-        if auto_renew:
-            stop = self._background(lambda: self._keep(handle, ttl_ms, on_lost, lost))
-        if pipe is not None and pipe.events_asked:
-
-            def on_loss(loss: Loss) -> None:
-                # The daemon says the hold is gone: the block is cancelled
-                # now, and ends in LockLostError with the daemon's reason.
-                if told:
-                    return
-                told.append(loss)
-                if not handle.lost:
-                    _lose(handle, on_lost, lost, loss.describe())
-                guard.cancel()
-
-            pipe.loss_listeners[handle.handle] = on_loss
-            early = pipe.losses.get(handle.handle)  # told before the reply was read
-            if early is not None:
-                on_loss(early)
-        failure: BaseException | None = None
-        try:
-            with guard:
-                yield handle
-        except BaseException as exc:
-            failure = exc
-        if pipe is not None:
-            pipe.loss_listeners.pop(handle.handle, None)
-        if failure is not None and not (guard.fired and await guard.absorb(failure)):
-            with self._cleanup_scope():  # also when the block was cancelled
-                if stop is not None:
-                    await stop()
-                try:
-                    await self.release(handle)
-                except Exception as exc:
-                    log.warning("lockd: releasing %r after an error failed: %s", key, exc)
-            raise failure
-        if guard.fired and failure is None:
-            await guard.absorb(None)
-        if stop is not None:
-            await stop()
-        if lost:
-            try:
-                await self.release(handle)
-            except LockdError as exc:
-                log.warning("lockd: releasing %r after losing it failed: %s", key, exc)
-            cause = told[0].cause if told else None
-            raise LockLostError(handle.key, handle.fence, lost[0], cause=cause) from None
-        if told:  # lost without a renewer: the daemon's word
-            await _release_quietly(self, handle)
-            raise LockLostError(
-                handle.key, handle.fence, told[0].describe(), cause=told[0].cause
-            ) from None
-        check_released(await self.release(handle), handle, on_lost)
-
-    async def _keep(
-        self,
-        handle: Handle,
-        ttl_ms: int,
-        on_lost: Callable[[Handle], object] | None,
-        lost: builtins.list[str],
-    ) -> None:
-        """Renew every ttl/3 until stopped; declare the loss before the lease ends.
-
-        The TTL that paces it is the grant's (an etcd daemon's is whole
-        seconds, at least 2), as in the blocking client's ``AutoRenewer``.
-        """
-        lease_ms = granted_ttl_ms(handle, ttl_ms)
-        interval = lease_ms / 3000
-        margin = min(lease_ms / 10_000, _MAX_MARGIN)
-        deadline = lease_end(handle, time.monotonic(), lease_ms)
-        pause = min(interval, max(0.0, deadline - margin - time.monotonic()) / 2)
-        while True:
-            await self._sleep(pause)
-            sent_at = time.monotonic()
-            try:
-                result = await self.renew(handle, ttl_ms / 1000)
-            except LockdError as exc:
-                left = deadline - margin - time.monotonic()
-                pause = min(interval, _MAX_RETRY_PAUSE)
-                log.warning("lockd: renewing %r failed (%s)", handle.key, exc)
-                if left <= pause:
-                    reason = f"renewals failed until the lease was about to run out ({exc})"
-                    _lose(handle, on_lost, lost, reason)
-                    return
-                continue
-            if not result.renewed:
-                reason = f"renew answered {result.reason or 'renewed: false'}"
-                _lose(handle, on_lost, lost, reason)
-                return
-            deadline = sent_at + lease_ms / 1000
-            pause = interval
-
     async def _pipeline(self) -> Pipeline[SlotT]:
         if self._closed:
             raise LockdError("the client was closed", code="CLIENT_CLOSED")
@@ -682,24 +388,3 @@ class AsyncClientBase(ABC, Generic[SlotT]):
         except BaseException:  # cancelled: withdraw, and give back what crossed
             pipe.give_up(rid, op, slot)
             raise
-
-
-async def _release_quietly(client: AsyncClientBase[Any], handle: Handle) -> None:
-    try:
-        await client.release(handle)
-    except LockdError as exc:
-        log.warning("lockd: releasing %r after losing it failed: %s", handle.key, exc)
-
-
-def _lose(
-    handle: Handle,
-    on_lost: Callable[[Handle], object] | None,
-    lost: list[str],
-    reason: str,
-) -> None:
-    lost.append(reason)
-    handle.lost = True
-    if on_lost is None:  # a caller that passed on_lost handles it: no noise
-        log.warning("lockd: lease on %r lost: %s", handle.key, reason)
-    else:
-        call_on_lost(on_lost, handle)

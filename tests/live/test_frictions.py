@@ -27,7 +27,7 @@ from lockd_client import (
     LockClient,
     LockTimeoutError,
 )
-from lockd_client._async import _lose as async_lose
+from lockd_client._ahold import _lose as async_lose
 from lockd_client._errors import error_from_reply
 from lockd_client._lock import AutoRenewer
 from lockd_client.aio import AsyncLockClient
