@@ -231,8 +231,14 @@ class LockClient:
             return {**base, "timeoutMs": ms}, read_timeout
 
         args, read_timeout = build()
-        result = self._call(
-            "acquire", args, read_timeout, retry=owner is not None, again=build, repark=deadline
+        result = _call(
+            self,
+            "acquire",
+            args,
+            read_timeout,
+            retry=owner is not None,
+            again=build,
+            repark=deadline,
         )
         return Handle.from_result(result)
 
@@ -253,7 +259,7 @@ class LockClient:
         """
         self._raise_unreported()
         args = grant_args(key, ttl, owner, release_on_close, shared, limit, pid)
-        result = self._call("tryAcquire", args, self.request_timeout, retry=owner is not None)
+        result = _call(self, "tryAcquire", args, self.request_timeout, retry=owner is not None)
         return None if result is None else Handle.from_result(result)
 
     def renew(self, handle: HandleRef, ttl: float) -> RenewResult:
@@ -268,13 +274,13 @@ class LockClient:
 
     def release(self, handle: HandleRef) -> ReleaseResult:
         """Free the key if ``handle`` still holds it (else ``released`` False, ``not_holder``)."""
-        result = self._call("release", release_args(handle), self.request_timeout, retry=True)
+        result = _call(self, "release", release_args(handle), self.request_timeout, retry=True)
         return ReleaseResult.from_result(result)
 
     def status(self, key: str) -> LockStatus:
         """Who holds ``key`` right now, without trying to take it."""
         self._raise_unreported()
-        result = self._call("status", {"key": check_key(key)}, self.request_timeout, retry=True)
+        result = _call(self, "status", {"key": check_key(key)}, self.request_timeout, retry=True)
         return LockStatus.from_result(result)
 
     def list(
@@ -303,7 +309,7 @@ class LockClient:
         """
         self._raise_unreported()
         args = list_args(prefix, limit, after)
-        locks, more = list_result(self._call("list", args, self.request_timeout, retry=True))
+        locks, more = list_result(_call(self, "list", args, self.request_timeout, retry=True))
         return [LockStatus.from_result(item) for item in locks], more
 
     def break_lock(self, key: str, reason: str) -> BreakResult:
@@ -314,7 +320,7 @@ class LockClient:
         host: at most ``break_grace`` + 1 s) before it answers.
         """
         self._raise_unreported()
-        result = self._call("break", break_args(key, reason), self.request_timeout, retry=False)
+        result = _call(self, "break", break_args(key, reason), self.request_timeout, retry=False)
         return BreakResult.from_result(result)
 
     def stats(self) -> dict[str, Any]:
@@ -382,7 +388,7 @@ class LockClient:
         True when a break was waiting for it. Never retried.
         """
         args = {"handle": release_args(handle)["handle"]}
-        result = self._call("stopped", args, self.request_timeout, retry=False)
+        result = _call(self, "stopped", args, self.request_timeout, retry=False)
         return bool(dict_result("stopped", result).get("stopped"))
 
     def listen_for_losses(self) -> None:
@@ -443,15 +449,21 @@ class LockClient:
 
         first_args, read_timeout = build()
         result = RenewResult.from_result(
-            self._call(
-                "renew", first_args, read_timeout, retry=True, again=build, give_up_at=give_up_at
+            _call(
+                self,
+                "renew",
+                first_args,
+                read_timeout,
+                retry=True,
+                again=build,
+                give_up_at=give_up_at,
             )
         )
         result.apply_to(handle, ttl_ms)
         return result
 
     def _dict_result(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        return dict_result(op, self._call(op, args, self.request_timeout, retry=True))
+        return dict_result(op, _call(self, op, args, self.request_timeout, retry=True))
 
     def _next_id(self) -> int:
         with self._id_lock:
@@ -486,87 +498,88 @@ class LockClient:
             if self._conn is conn:
                 self._conn = None
 
-    def _call(
-        self,
-        op: str,
-        args: dict[str, Any],
-        read_timeout: float | None,
-        *,
-        retry: bool,
-        again: _Build | None = None,
-        give_up_at: float | None = None,
-        repark: float | None = None,
-    ) -> Any:
-        """Send ``op`` and return its ``result``, reconnecting and re-sending as documented.
 
-        ``repark`` (a blocking acquire's deadline, monotonic): ``SHUTTING_DOWN``
-        and a connection lost after sending are retried too, up to that
-        deadline (or ``retry_window``, whichever ends later): a parked acquire
-        was never granted, so it is always safe to park it again.
+def _call(
+    client: LockClient,
+    op: str,
+    args: dict[str, Any],
+    read_timeout: float | None,
+    *,
+    retry: bool,
+    again: _Build | None = None,
+    give_up_at: float | None = None,
+    repark: float | None = None,
+) -> Any:
+    """Send ``op`` for ``client``; its ``result``, reconnecting and re-sending as documented.
 
-        ``retry`` says whether a request that was sent, but whose connection
-        broke before the reply, may be sent again. ``again`` recomputes the
-        arguments and read time-out for each re-send; ``give_up_at``
-        (monotonic) ends re-sending early.
-        """
-        reparks = repark is not None  # a blocking acquire: see Attempts.reparks
-        attempts: Attempts | None = None  # made at the first failure, not per request
-        while True:
-            at_once = False
-            shutting_down: ShuttingDownError | None = None
+    ``repark`` (a blocking acquire's deadline, monotonic): ``SHUTTING_DOWN``
+    and a connection lost after sending are retried too, up to that
+    deadline (or ``retry_window``, whichever ends later): a parked acquire
+    was never granted, so it is always safe to park it again.
+
+    ``retry`` says whether a request that was sent, but whose connection
+    broke before the reply, may be sent again. ``again`` recomputes the
+    arguments and read time-out for each re-send; ``give_up_at``
+    (monotonic) ends re-sending early.
+    """
+    reparks = repark is not None  # a blocking acquire: see Attempts.reparks
+    attempts: Attempts | None = None  # made at the first failure, not per request
+    while True:
+        at_once = False
+        shutting_down: ShuttingDownError | None = None
+        try:
+            conn = client._connection()
+        except PermissionError:
+            raise SocketPermissionError(client.socket_path) from None
+        except OSError as exc:
+            failure = f"cannot connect ({exc.strerror or exc})"
+            can_retry = client._connected_once  # nothing was sent: safe for every op
+        else:
             try:
-                conn = self._connection()
-            except PermissionError:
-                raise SocketPermissionError(self.socket_path) from None
-            except OSError as exc:
-                failure = f"cannot connect ({exc.strerror or exc})"
-                can_retry = self._connected_once  # nothing was sent: safe for every op
+                reply = conn.request(op, args, read_timeout)
+            except ConnectionLost as exc:
+                client._forget(conn)
+                if client._closed:
+                    raise _closed_error() from None
+                if not exc.sent:  # rule 1: safe for every op
+                    failure = f"connection lost before {op!r} was sent ({exc.reason})"
+                    can_retry = at_once = True
+                elif exc.protocol:  # the daemon answered garbage: do not insist
+                    raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
+                else:  # rule 2 (harmless twice) and rule 3 (a parked acquire)
+                    failure = f"connection lost during {op!r} ({exc.reason})"
+                    can_retry = retry or reparks
+                    if not can_retry:
+                        failure += "; not retried, as the daemon may have carried it out"
+            except ReplyTimeout:
+                waited = "" if read_timeout is None else f" within {read_timeout:g} s"
+                raise DaemonUnavailableError(
+                    client.socket_path, f"no reply to {op!r}{waited}"
+                ) from None
             else:
                 try:
-                    reply = conn.request(op, args, read_timeout)
-                except ConnectionLost as exc:
-                    self._forget(conn)
-                    if self._closed:
-                        raise _closed_error() from None
-                    if not exc.sent:  # rule 1: safe for every op
-                        failure = f"connection lost before {op!r} was sent ({exc.reason})"
-                        can_retry = at_once = True
-                    elif exc.protocol:  # the daemon answered garbage: do not insist
-                        raise LockdError(exc.reason, code="PROTOCOL_ERROR") from None
-                    else:  # rule 2 (harmless twice) and rule 3 (a parked acquire)
-                        failure = f"connection lost during {op!r} ({exc.reason})"
-                        can_retry = retry or reparks
-                        if not can_retry:
-                            failure += "; not retried, as the daemon may have carried it out"
-                except ReplyTimeout:
-                    waited = "" if read_timeout is None else f" within {read_timeout:g} s"
-                    raise DaemonUnavailableError(
-                        self.socket_path, f"no reply to {op!r}{waited}"
-                    ) from None
-                else:
-                    try:
-                        return unwrap(reply)
-                    except ShuttingDownError as exc:
-                        if not reparks:
-                            raise
-                        # The daemon is stopping; it closes this connection itself.
-                        shutting_down = exc
-                        failure = f"the daemon shut down during {op!r}"
-                        can_retry = True
-            if attempts is None:
-                attempts = Attempts(
-                    self.socket_path,
-                    retry_window=self.retry_window,
-                    give_up_at=give_up_at,
-                    repark=repark,
-                )
-            pause = attempts.after_failure(
-                failure, can_retry=can_retry, at_once=at_once, shutting_down=shutting_down
+                    return unwrap(reply)
+                except ShuttingDownError as exc:
+                    if not reparks:
+                        raise
+                    # The daemon is stopping; it closes this connection itself.
+                    shutting_down = exc
+                    failure = f"the daemon shut down during {op!r}"
+                    can_retry = True
+        if attempts is None:
+            attempts = Attempts(
+                client.socket_path,
+                retry_window=client.retry_window,
+                give_up_at=give_up_at,
+                repark=repark,
             )
-            if pause:
-                time.sleep(pause)
-            if again is not None:
-                args, read_timeout = again()
+        pause = attempts.after_failure(
+            failure, can_retry=can_retry, at_once=at_once, shutting_down=shutting_down
+        )
+        if pause:
+            time.sleep(pause)
+        if again is not None:
+            args, read_timeout = again()
 
 
 def _closed_error() -> LockdError:
