@@ -70,7 +70,7 @@ async def viewing(backend: EtcdBackend, key: str, waiters: int) -> None:
         return (
             key_queue is not None
             and key_queue.records is not None
-            and (len(key_queue._view().waiters) == waiters)
+            and (len(key_queue.view.directory().waiters) == waiters)
         )
 
     await until(ready)
@@ -178,14 +178,14 @@ def deaf(key_queue: KeyQueue) -> None:
     So it never sees its waiter granted (nor decides on that hand-off) and
     the grant crosses the waiter's leave.
     """
-    apply = key_queue._apply
+    apply = key_queue.view.apply
 
     def without_grants(events: list[Event]) -> None:
         mine = key_queue.expected.keys() | key_queue.waiters.keys()
         hidden = {e.kv.mod_revision for e in events if e.kv.key in mine}
         apply([e for e in events if e.kv.mod_revision not in hidden])
 
-    key_queue._apply = without_grants  # type: ignore[method-assign]
+    key_queue.view.apply = without_grants  # type: ignore[method-assign]
 
 
 async def test_a_waiter_cancelled_as_it_is_granted_leaves_no_hold(backends: Backends) -> None:
@@ -260,7 +260,7 @@ async def test_a_waiter_record_without_its_hold_is_granted_by_its_own_daemon(
             [],
             [PutOp(waiter.record.etcd_key, json.dumps(old).encode(), lease=waiter.record.lease)],
         )
-        await until(lambda: not one._queues["o"]._view().waiters[0].grantable)
+        await until(lambda: not one._queues["o"].view.directory().waiters[0].grantable)
         assert await one.release("o", holder.handle)
         await until(lambda: len(results) == 1)
         granted = results[0]
@@ -284,7 +284,7 @@ async def test_a_grant_the_watch_showed_before_its_waiter_joined_is_delivered(
     backend = await backends("n1")
     layout = backend.layout
     key_queue = KeyQueue(backend, "j", revision=10)
-    key_queue._learn(Directory(key="j", revision=10))
+    key_queue.view.learn(Directory(key="j", revision=10))
     waiter_key = layout.waiter("j", 1, 1)
     record = Waiter(
         waiter_key, 11, "user:bob", None, "exclusive", 1, "n1", 1, "H1", 2000, 7, "job", False
@@ -292,7 +292,7 @@ async def test_a_grant_the_watch_showed_before_its_waiter_joined_is_delivered(
     hold = record.hold("j")
     granted = replace(hold, lease=5, ttl_ms=2000, expires_at=1, tied=True)
     hold_key = layout.hold("j", "H1")
-    key_queue._apply(
+    key_queue.view.apply(
         [
             Event("PUT", KeyValue(waiter_key, record.value(), 11, 11, 1, 1), None),
             Event("DELETE", KeyValue(waiter_key, b"", 0, 12, 0, 0), None),
