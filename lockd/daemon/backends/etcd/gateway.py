@@ -23,8 +23,8 @@ Why this shape:
   find out what happened from the keys it wrote, instead of the client
   guessing by retrying. After it saw a member's endpoint refuse connections,
   it sends a write only through a member that no longer follows that one
-  (``_check_leader``): a write forwarded to a dead leader is the commonest
-  way to an unknown outcome.
+  (``Leadership.check`` in ``leader.py``): a write forwarded to a dead leader
+  is the commonest way to an unknown outcome.
 - **No reads from a member that lost its leader.** Every request carries
   etcd's ``hasleader`` metadata (gateway header ``Grpc-Metadata-hasleader``):
   a member cut off from the quorum refuses at once ("no leader") instead of
@@ -34,8 +34,6 @@ Why this shape:
 
 from __future__ import annotations
 
-import enum
-import json
 import math
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -46,15 +44,26 @@ from typing import Any
 
 import trio
 
-from lockd.daemon.backends import BackendUnavailable
-from lockd.daemon.backends.etcd.transport import (
-    HttpFailure,
-    MaybeSent,
-    NotSent,
-    Pool,
-    Response,
-    StreamingResponse,
+from lockd.daemon.backends.etcd.failures import (
+    GRPC_NOT_FOUND,
+    INVALID_TOKEN,
+    Attempts,
+    EtcdError,
+    EtcdRefused,
+    EtcdUnavailable,
+    Failure,
+    LeaseNotFound,
+    NoLiveLeader,
+    WatchCompacted,
+    classify,
+    encode_body,
+    error_of,
+    failure_of,
+    json_doc,
 )
+from lockd.daemon.backends.etcd.leader import LEADER_POLL, Leadership
+from lockd.daemon.backends.etcd.transport import HttpFailure, MaybeSent, NotSent, Pool
+from lockd.daemon.backends.etcd.watch import Watch
 from lockd.daemon.backends.etcd.wire import (
     Compare,
     DeleteOp,
@@ -70,79 +79,25 @@ from lockd.daemon.backends.etcd.wire import (
     RangeResult,
     TxnResult,
     WatchRequest,
-    WatchResponse,
     txn_body,
 )
 
-# gRPC status codes etcd answers with (the gateway puts them in "code").
-GRPC_CANCELLED = 1
-GRPC_UNKNOWN = 2
-GRPC_INVALID_ARGUMENT = 3
-GRPC_DEADLINE_EXCEEDED = 4
-GRPC_NOT_FOUND = 5
-GRPC_RESOURCE_EXHAUSTED = 8
-GRPC_ABORTED = 10
-GRPC_UNIMPLEMENTED = 12
-GRPC_INTERNAL = 13
-GRPC_UNAVAILABLE = 14
-GRPC_UNAUTHENTICATED = 16
-
-# etcd errors that mean the request was never proposed to raft: safe to send
-# again, to this member later or to another one now.
-NOT_PROPOSED = (
-    "etcdserver: no leader",
-    "etcdserver: too many requests",
-    "etcdserver: not capable",
-    "etcdserver: unhealthy cluster",
-)
-INVALID_TOKEN = "etcdserver: invalid auth token"
-
-# gRPC codes with which a member says it could not finish the request, not
-# that it refuses it: it may have been proposed (and committed) all the same.
-# Code 1 "grpc: the client connection is closing" is what etcd's gateway
-# answers while its member shuts down gracefully (SIGTERM); 14 covers
-# "request timed out", "leader changed", "server stopped".
-INTERRUPTED = frozenset(
-    {
-        GRPC_CANCELLED,
-        GRPC_UNKNOWN,
-        GRPC_DEADLINE_EXCEEDED,
-        GRPC_ABORTED,
-        GRPC_INTERNAL,
-        GRPC_UNAVAILABLE,
-    }
-)
-# gRPC codes that mean the request itself was malformed: a bug of ours.
-MALFORMED = frozenset({GRPC_INVALID_ARGUMENT, GRPC_UNIMPLEMENTED})
-
-
-class Failure(enum.Enum):
-    """What an etcd error reply means for the request that got it (``classify``)."""
-
-    #: never proposed to raft: send it again, here later or elsewhere now.
-    NOT_PROPOSED = "not proposed"
-    #: the member gave up on it: it may have been applied (a read may go again).
-    OUTCOME_UNKNOWN = "outcome unknown"
-    #: etcd's answer stands (a lease gone, no rights, no space): not applied.
-    REFUSED = "refused"
-    #: the request was malformed: a bug in this client.
-    BUG = "bug"
-
-
-def classify(code: int, message: str, http_status: int) -> Failure:
-    """The one place that says what an etcd error reply means (docs/etcd-design.md §8).
-
-    ``code`` is the gRPC code the gateway reports (0 when the reply had
-    none), ``http_status`` the HTTP status it came with.
-    """
-    if message in NOT_PROPOSED or message == INVALID_TOKEN:
-        return Failure.NOT_PROPOSED
-    if code in INTERRUPTED or (code == 0 and http_status >= 500):
-        return Failure.OUTCOME_UNKNOWN
-    if code in MALFORMED:
-        return Failure.BUG
-    return Failure.REFUSED
-
+# What the etcd client raises, and the reading of etcd's errors, live in
+# failures.py; they are the client's, so they are importable from here too.
+__all__ = [
+    "GRPC_NOT_FOUND",
+    "LEADER_POLL",
+    "EtcdError",
+    "EtcdGateway",
+    "EtcdRefused",
+    "EtcdUnavailable",
+    "Failure",
+    "GatewaySettings",
+    "LeaseNotFound",
+    "Watch",
+    "WatchCompacted",
+    "classify",
+]
 
 REQUIRE_LEADER = ("Grpc-Metadata-hasleader", "true")
 
@@ -151,66 +106,6 @@ REQUIRE_LEADER = ("Grpc-Metadata-hasleader", "true")
 # healthy member answers in milliseconds (p99 ~0.2 s on the loaded test box).
 READ_ATTEMPT = 1.0
 WRITE_ATTEMPT = 2.0
-
-# After every endpoint failed in a row, wait before the next round; doubles
-# up to the cap, so a cluster that is electing a leader (1-2 s) is not
-# flooded, and one that is back is found within a tenth of a second.
-BACKOFF_FIRST = 0.02
-BACKOFF_CAP = 0.1
-
-# While writes wait for an election to end, one probe per gateway asks the
-# members whom they follow this often (a status read: no raft), so the writes
-# go out within this long of the new leader, whatever their number. The
-# back-off above used to pace each write's own probing: it reached its 0.25 s
-# cap within the election and added up to 0.25 s after it (bench/etcd_chaos.py,
-# leader kills: 0.09 / 0.23 / 0.40 s median / p90 / max from the new leader to
-# the first grant).
-LEADER_POLL = 0.05
-
-
-class NoLiveLeader(NotSent):
-    """The member asked follows no leader, or one this client saw die: an election is
-    under way, and a write sent now would wait for it inside etcd (or be refused)."""
-
-
-class EtcdUnavailable(BackendUnavailable):
-    """etcd could not be reached, or had no quorum, within the request's bound.
-
-    ``maybe_committed`` is true when a write was possibly applied although no
-    answer came back: the caller must look at what it wrote before acting on
-    it as failed (for a grant: release it once etcd answers again).
-    """
-
-    def __init__(self, message: str, *, maybe_committed: bool = False) -> None:
-        super().__init__(message)
-        self.maybe_committed = maybe_committed
-
-
-class EtcdError(Exception):
-    """etcd answered and refused the request. As such (not a subclass): the request was
-    malformed, a bug of ours (``Failure.BUG``); the daemon answers it INTERNAL."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"etcd error {code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class EtcdRefused(EtcdError, BackendUnavailable):
-    """etcd refused a well-formed request (``Failure.REFUSED``): no rights, no space, a
-    compacted revision, failed login. Not applied; clients get BACKEND_UNAVAILABLE."""
-
-
-class LeaseNotFound(EtcdRefused):
-    """The lease does not exist (it expired or was revoked)."""
-
-
-class WatchCompacted(Exception):
-    """The watch asked for history etcd has compacted away; read again, then watch anew."""
-
-    def __init__(self, compact_revision: int) -> None:
-        super().__init__(f"revisions before {compact_revision} are compacted")
-        self.compact_revision = compact_revision
 
 
 @dataclass(frozen=True)
@@ -255,20 +150,8 @@ class EtcdGateway:
         self._endpoints = [e.rstrip("/") for e in settings.endpoints]
         self._current = 0  # the endpoint that answered last
         self._token: str | None = None
-        # Which member answers at each endpoint (from reply headers), and the
-        # members whose endpoint refused a connection since the last leader
-        # check: see _check_leader.
-        self._member_ids: dict[str, int] = {}
-        self._down_members: set[int] = set()
-        # Where writes go: the leader's own endpoint, learned from a status
-        # reply (None: not known, ask before the next write). Forgotten when a
-        # reply's raft term moves on (an election happened) or the leader
-        # fails a request. See _write_endpoint.
-        self._leader_endpoint: str | None = None
-        self._term = 0
-        # Set while one call asks the members for a live leader on behalf of
-        # every write waiting for one (_leader_elected); None when nobody asks.
-        self._leader_probe: trio.Event | None = None
+        # Who leads, where writes go, the wait for an election (leader.py).
+        self._leader = Leadership(self._endpoints, self._post)
         # The running watches per endpoint: a member that stops answering
         # requests (stopped, cut off) has its watches moved elsewhere at
         # once (_mark_suspect), as a silent watch would miss every event.
@@ -393,9 +276,9 @@ class EtcdGateway:
         ``settings.timeout`` (or a write's outcome is unknown), ``EtcdError``
         when etcd refused the request.
         """
-        data = body.encode() if isinstance(body, str) else _encode(body)
+        data = body.encode() if isinstance(body, str) else encode_body(body)
         deadline = trio.current_time() + self.settings.timeout
-        attempts = _Attempts(len(self._endpoints))
+        attempts = Attempts(len(self._endpoints))
         if trio.current_effective_deadline() <= deadline:
             # The caller's bound ends first (in the daemon, every request's
             # does): it cancels this call before a bound of ours could end
@@ -409,27 +292,27 @@ class EtcdGateway:
             maybe_committed=attempts.maybe_committed,
         )
 
-    async def _call(self, path: str, data: bytes, idempotent: bool, attempts: _Attempts) -> Json:
+    async def _call(self, path: str, data: bytes, idempotent: bool, attempts: Attempts) -> Json:
         """Try the endpoints in turn until one answers (unbounded: ``call`` bounds it)."""
         while True:
             endpoint = self.endpoint
             attempts.maybe_committed = not idempotent
             try:
                 if not idempotent:
-                    endpoint = await self._write_endpoint(endpoint)
+                    endpoint = await self._leader.write_endpoint(endpoint)
                 return await self._post(endpoint, path, data, idempotent=idempotent)
             except NoLiveLeader as failure:
                 # Nothing was sent: wait for the election (one probe for all),
                 # then go at once to the leader it found.
                 attempts.maybe_committed = False
                 attempts.last = f"{endpoint}: {failure}"
-                await self._leader_elected()
+                await self._leader.elected()
                 continue
             except NotSent as failure:
                 attempts.maybe_committed = False
                 why = str(failure)
-                if endpoint == self._leader_endpoint:
-                    self._leader_endpoint = None
+                if endpoint == self._leader.endpoint:
+                    self._leader.endpoint = None
             except MaybeSent as failure:
                 if not idempotent:
                     # The leader did not answer in time (stopped, or cut off):
@@ -443,67 +326,11 @@ class EtcdGateway:
                 self._mark_suspect(endpoint)
             await self._next_endpoint(attempts, f"{endpoint}: {why}")
 
-    async def _write_endpoint(self, endpoint: str) -> str:
-        """The endpoint a write goes to: the leader's own, whenever it is known.
-
-        A write sent to a follower is forwarded to the leader; if that one
-        just died, etcd holds the write up to its 7 s proposal timeout and
-        answers with an unknown outcome. Sent to the leader itself, the same
-        write finds the connection refused (not sent: try again once a new
-        leader is known) or times out after ``WRITE_ATTEMPT`` (the leader is
-        then suspect). Learned from a status read (no raft) when unknown,
-        after an election (a reply's raft term moved on) or a failure.
-        """
-        if self._down_members:  # a member was seen down: wait for a live leader
-            await self._check_leader(endpoint)
-        elif self._leader_endpoint is None:
-            try:
-                await self._check_leader(endpoint)
-            except NoLiveLeader:
-                raise  # an election is under way: wait for it rather than send
-            except NotSent:
-                return endpoint  # who leads is not known: the member forwards it
-        return self._leader_endpoint or endpoint
-
-    async def _leader_elected(self) -> None:
-        """Return once some member names a live leader (``_leader_endpoint`` is then set, when
-        it is one of ours), asking every :data:`LEADER_POLL` seconds.
-
-        One call probes and the other writes waiting for the election wait for
-        it, so a leader kill costs the cluster a few status reads per poll,
-        not a few per waiting write. Bounded by the caller's deadline; a
-        prober cancelled by its own lets the others go, and the next of them
-        to find no leader probes.
-        """
-        probe = self._leader_probe
-        if probe is not None:
-            await probe.wait()
-            return
-        self._leader_probe = probe = trio.Event()
-        try:
-            while not await self._leader_found():
-                await trio.sleep(LEADER_POLL)
-        finally:
-            self._leader_probe = None
-            probe.set()
-
-    async def _leader_found(self) -> bool:
-        """Ask the members in turn whom they follow (those seen down last); True once one
-        names a live leader."""
-        down = self._down_members
-        for endpoint in sorted(self._endpoints, key=lambda e: self._member_ids.get(e) in down):
-            try:
-                await self._check_leader(endpoint)
-            except NotSent:
-                continue
-            return True
-        return False
-
     def _suspect(self, endpoint: str) -> None:
-        if endpoint in self._member_ids:
-            self._down_members.add(self._member_ids[endpoint])
-        if endpoint == self._leader_endpoint:
-            self._leader_endpoint = None
+        if endpoint in self._leader.member_ids:
+            self._leader.down_members.add(self._leader.member_ids[endpoint])
+        if endpoint == self._leader.endpoint:
+            self._leader.endpoint = None
         self._mark_suspect(endpoint)
 
     def _mark_suspect(self, endpoint: str) -> None:
@@ -511,7 +338,7 @@ class EtcdGateway:
         for watch in list(self._watches.get(endpoint, ())):
             watch.move_on()
 
-    async def _next_endpoint(self, attempts: _Attempts, failure: str) -> None:
+    async def _next_endpoint(self, attempts: Attempts, failure: str) -> None:
         """Move on to the next endpoint; after a whole round of failures, back off first."""
         attempts.last = failure
         self._current = (self._current + 1) % len(self._endpoints)
@@ -526,73 +353,11 @@ class EtcdGateway:
     def _read_timeout(self, *, idempotent: bool) -> float:
         # Shorter than the budget, so a stopped or cut-off member costs one
         # attempt, not the whole etcd_timeout: a read then goes to the next
-        # member; a write (to the leader itself, see _write_endpoint) ends
+        # member; a write (to the leader itself, see Leadership.write_endpoint) ends
         # as outcome unknown, which its caller resolves from what it wrote.
         if idempotent:
             return min(self.settings.timeout / 2, READ_ATTEMPT)
         return min(self.settings.timeout, WRITE_ATTEMPT)
-
-    async def _check_leader(self, endpoint: str) -> None:
-        """Refuse to send a write through a member that still follows a member we saw die.
-
-        After the leader's endpoint refused a connection, the other members
-        keep forwarding proposals to it until they elect a new leader
-        (~1.5 s), and etcd then holds such a write up to its 7 s proposal
-        timeout with an unknown outcome. Asking the member whom it follows
-        (a read, no raft) lets the write wait for the election instead, and
-        go through as a write whose outcome is known.
-        """
-        try:
-            status = await self._post(endpoint, "/v3/maintenance/status", b"{}", idempotent=True)
-        except MaybeSent as failure:  # a read failed: the write itself was never sent
-            raise NotSent(str(failure)) from None
-        leader = int(status.get("leader", 0))
-        if leader in self._down_members and await self._leads_again(leader):
-            self._down_members.discard(leader)
-        if leader == 0:
-            raise NoLiveLeader("no leader yet (an election is under way)")
-        if leader in self._down_members:
-            raise NoLiveLeader(f"no live leader yet (follows {leader:x}, which is down)")
-        self._down_members.clear()  # a new leader: forwarding works again
-        self._leader_endpoint = await self._endpoint_of(leader, endpoint)
-
-    async def _endpoint_of(self, member: int, asked: str) -> str | None:
-        """Our endpoint of ``member`` (None if it has none among ours)."""
-        for endpoint, known in self._member_ids.items():
-            if known == member:
-                return endpoint
-        try:
-            doc = await self._post(asked, "/v3/cluster/member/list", b"{}", idempotent=True)
-        except (NotSent, MaybeSent):
-            return None
-        mine = set(self._endpoints)
-        for entry in doc.get("members", ()):
-            for url in entry.get("clientURLs", ()):
-                if str(url).rstrip("/") in mine:
-                    self._member_ids[str(url).rstrip("/")] = int(entry.get("ID", 0))
-        for endpoint, known in self._member_ids.items():
-            if known == member:
-                return endpoint
-        return None
-
-    async def _leads_again(self, member: int) -> bool:
-        """True when ``member``, seen down, answers on its own endpoint and leads.
-
-        A member that was restarted can win the next election before any
-        other leader shows up; without asking it, writes would wait for a
-        leader outside the down set for as long as it leads.
-        """
-        for endpoint, known in list(self._member_ids.items()):
-            if known != member:
-                continue
-            try:
-                status = await self._post(
-                    endpoint, "/v3/maintenance/status", b"{}", idempotent=True
-                )
-            except (NotSent, MaybeSent):
-                return False
-            return int(status.get("leader", 0)) == member
-        return False
 
     async def _post(self, endpoint: str, path: str, data: bytes, *, idempotent: bool) -> Json:
         """One attempt; ``NotSent``/``MaybeSent`` for failures another endpoint may not have."""
@@ -607,25 +372,25 @@ class EtcdGateway:
                 read_timeout=self._read_timeout(idempotent=idempotent),
             )
         except NotSent:  # the transport raises it only when no connection could be made
-            if endpoint in self._member_ids:
-                self._down_members.add(self._member_ids[endpoint])
+            if endpoint in self._leader.member_ids:
+                self._leader.down_members.add(self._leader.member_ids[endpoint])
             self._mark_suspect(endpoint)
             raise
-        doc = _json(reply.body)
+        doc = json_doc(reply.body)
         if reply.status == 200:
             header = doc.get("header")
             if isinstance(header, dict) and "member_id" in header:
-                self._member_ids[endpoint] = int(header["member_id"])
+                self._leader.member_ids[endpoint] = int(header["member_id"])
                 term = int(header.get("raft_term", 0))
-                if term > self._term:
-                    if self._term:  # an election since: who leads is asked again
-                        self._leader_endpoint = None
-                    self._term = term
+                if term > self._leader.term:
+                    if self._leader.term:  # an election since: who leads is asked again
+                        self._leader.endpoint = None
+                    self._leader.term = term
             return doc
-        code, message = _error_of(doc, reply)
+        code, message = error_of(doc, reply)
         if message == INVALID_TOKEN:
             self._token = None  # expired (simple tokens live 5 min idle): log in again
-        raise _failure(code, message, reply.status)
+        raise failure_of(code, message, reply.status)
 
     async def _auth_headers(self, endpoint: str) -> tuple[tuple[str, str], ...]:
         if self.settings.username is None:
@@ -637,215 +402,18 @@ class EtcdGateway:
                     reply = await self._http.request(
                         endpoint,
                         "/v3/auth/authenticate",
-                        _encode(credentials),
+                        encode_body(credentials),
                         (REQUIRE_LEADER,),
                         connect_timeout=self._connect_timeout(),
                     )
                 except MaybeSent as failure:  # logging in twice does no harm
                     raise NotSent(f"logging in failed ({failure})") from None
-                doc = _json(reply.body)
+                doc = json_doc(reply.body)
                 if reply.status != 200:
-                    code, message = _error_of(doc, reply)
-                    refused = _failure(code, message, reply.status)
+                    code, message = error_of(doc, reply)
+                    refused = failure_of(code, message, reply.status)
                     if isinstance(refused, HttpFailure):  # logging in again does no harm
                         raise NotSent(message)
                     raise type(refused)(code, f"login as {self.settings.username!r}: {message}")
                 self._token = str(doc["token"])
             return (REQUIRE_LEADER, ("Authorization", self._token))
-
-
-class Watch:
-    """A running watch: ``async for response in watch``; resumes on another endpoint.
-
-    Iteration raises ``WatchCompacted`` when the history it needs is gone,
-    ``EtcdUnavailable`` when no endpoint takes the watch back within the
-    gateway's timeout, and ``EtcdError`` when etcd refuses it.
-    """
-
-    def __init__(self, gateway: EtcdGateway, request: WatchRequest) -> None:
-        self._gateway = gateway
-        self._request = request
-        # The first revision not yet delivered (0: "from now", until the first
-        # reply tells us what now is).
-        self.next_revision = request.start_revision
-        self._response: StreamingResponse | None = None
-        self._resumed = False
-        self._endpoint: str | None = None  # the member serving it
-        self._reading: trio.CancelScope | None = None  # the wait for its next line
-
-    def __aiter__(self) -> Watch:
-        return self
-
-    async def __anext__(self) -> WatchResponse:
-        while True:
-            if self._response is None:
-                self._response = await self._open()
-            self._reading = reading = trio.CancelScope()
-            line = None
-            try:
-                with reading:
-                    line = await self._response.next_line()
-            except HttpFailure:
-                line = None
-            finally:
-                self._reading = None
-            if reading.cancelled_caught:  # its member failed a request: move on
-                await self._resume_elsewhere()
-                continue
-            if line is None:
-                await self._resume_elsewhere()  # the member went away
-                continue
-            if not line.strip():
-                continue
-            doc = json.loads(line)
-            if "error" in doc:  # the member lost its leader (or stops): resume elsewhere
-                code, message = _error_of(doc, None)
-                failure = _failure(code, message, 0)
-                if not isinstance(failure, HttpFailure):
-                    raise failure
-                await self._resume_elsewhere()
-                continue
-            response = WatchResponse.parse(doc.get("result", {}))
-            if response.compact_revision:
-                raise WatchCompacted(response.compact_revision)
-            if response.canceled:
-                await self._resume_elsewhere()
-                continue
-            self._advance(response)
-            if response.created and self._resumed:
-                continue  # the caller saw the watch start once; a resumption is invisible
-            return response
-
-    def _advance(self, response: WatchResponse) -> None:
-        if response.events:
-            self.next_revision = response.events[-1].kv.mod_revision + 1
-        elif response.created and self.next_revision == 0:
-            # A watch "from now": everything after the revision it started at.
-            self.next_revision = response.header.revision + 1
-
-    def move_on(self) -> None:
-        """Resume elsewhere at the next chance (its member stopped answering)."""
-        if self._reading is not None:
-            self._reading.cancel()
-
-    async def _resume_elsewhere(self) -> None:
-        await self._drop()
-        self._resumed = True
-        self._gateway._current = (self._gateway._current + 1) % len(self._gateway._endpoints)
-
-    async def _open(self) -> StreamingResponse:
-        """Start the watch on a live endpoint from ``next_revision``, within the timeout."""
-        body = self._request.body(start_revision=self.next_revision)
-        gateway = self._gateway
-        attempts = _Attempts(len(gateway._endpoints))
-        with trio.move_on_after(gateway.settings.timeout):
-            while True:
-                endpoint = gateway.endpoint
-                try:
-                    response = await self._start(endpoint, body)
-                except HttpFailure as failure:
-                    await gateway._next_endpoint(attempts, f"{endpoint}: {failure}")
-                    continue
-                self._endpoint = endpoint
-                gateway._watches.setdefault(endpoint, set()).add(self)
-                return response
-        raise EtcdUnavailable(
-            f"no etcd endpoint took the watch within {gateway.settings.timeout:g} s "
-            f"(last: {attempts.last})"
-        )
-
-    async def _start(self, endpoint: str, body: str) -> StreamingResponse:
-        gateway = self._gateway
-        headers = await gateway._auth_headers(endpoint)
-        # A watch is silent while nothing changes: no read timeout (the
-        # caller's bound covers waiting for the response head).
-        response = await gateway._http.stream(
-            endpoint,
-            "/v3/watch",
-            body.encode(),
-            headers,
-            connect_timeout=gateway._connect_timeout(),
-        )
-        if response.status == 200:
-            return response
-        try:
-            error = await response.read()
-        finally:
-            await response.aclose()
-        code, message = _error_of(_json(error), Response(response.status, response.reason, error))
-        if message == INVALID_TOKEN:
-            gateway._token = None
-        failure = _failure(code, message, response.status)
-        if isinstance(failure, HttpFailure):  # a watch changes nothing: start it elsewhere
-            raise NotSent(message)
-        raise failure
-
-    async def _drop(self) -> None:
-        if self._endpoint is not None:
-            self._gateway._watches.get(self._endpoint, set()).discard(self)
-            self._endpoint = None
-        response, self._response = self._response, None
-        if response is not None:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
-
-    async def aclose(self) -> None:
-        """Cancel the watch (etcd ends it when its connection closes)."""
-        await self._drop()
-
-
-class _Attempts:
-    """Failover bookkeeping of one call: back off after each full round of failed endpoints."""
-
-    __slots__ = ("backoff", "endpoints", "failures", "last", "maybe_committed")
-
-    def __init__(self, endpoints: int) -> None:
-        self.endpoints = endpoints
-        self.failures = 0
-        self.backoff = BACKOFF_FIRST
-        self.last = "no answer"
-        #: the last attempt was a write that may have reached etcd.
-        self.maybe_committed = False
-
-    async def after_failure(self) -> None:
-        self.failures += 1
-        if self.failures % self.endpoints == 0:
-            await trio.sleep(self.backoff)
-            self.backoff = min(2 * self.backoff, BACKOFF_CAP)
-
-
-def _encode(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def _json(body: bytes) -> Json:
-    try:
-        doc = json.loads(body)
-    except ValueError:  # UnicodeDecodeError included
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _error_of(doc: Mapping[str, Any], reply: Response | None) -> tuple[int, str]:
-    """(gRPC code, message) of an error reply, in either of the gateway's two shapes."""
-    error = doc.get("error")
-    if isinstance(error, dict):  # the shape streams use
-        return int(error.get("grpc_code", 0)), str(error.get("message", ""))
-    message = doc.get("message") or error
-    if not message and reply is not None:
-        message = reply.reason or f"HTTP {reply.status}"
-    return int(doc.get("code", 0)), str(message)
-
-
-def _failure(code: int, message: str, http_status: int) -> HttpFailure | EtcdError:
-    """The exception for an error reply, as ``classify`` reads it."""
-    kind = classify(code, message, http_status)
-    if kind is Failure.NOT_PROPOSED:
-        return NotSent(message)
-    if kind is Failure.OUTCOME_UNKNOWN:
-        return MaybeSent(message)
-    if kind is Failure.BUG:
-        return EtcdError(code, message)
-    if code == GRPC_NOT_FOUND and "lease not found" in message:
-        return LeaseNotFound(code, message)
-    return EtcdRefused(code, message)
