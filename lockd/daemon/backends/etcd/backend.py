@@ -39,6 +39,7 @@ from lockd.daemon.backends.etcd.holdloss import BREAK_RECORD, break_record
 from lockd.daemon.backends.etcd.holdwatch import HoldWatch
 from lockd.daemon.backends.etcd.leases import HEADROOM_S, LeasePool
 from lockd.daemon.backends.etcd.nodeclaim import pid_place
+from lockd.daemon.backends.etcd.reading import DirectoryReader
 from lockd.daemon.backends.etcd.reconcile import Reconciler
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout
 from lockd.daemon.backends.etcd.session import Session
@@ -49,23 +50,18 @@ from lockd.daemon.backends.etcd.waiting import KeyQueue
 from lockd.daemon.backends.etcd.wire import (
     Compare,
     DeleteOp,
-    KeyValue,
     Op,
     PutOp,
     RangeOp,
     RangeResult,
-    prefix_end,
 )
 from lockd.daemon.clock import Clock
 from lockd.daemon.protocol import Acquire
-from lockd.daemon.waiterview import MAX_LISTED_WAITERS
 from lockd.identity import Caller
 from lockd.timefmt import format_epoch_ms
 
 log = logging.getLogger("lockd.etcd")
 
-#: records read per range while paging ``list``.
-LIST_CHUNK = 512
 #: failed releases remembered for their holders' retries (the oldest forgotten).
 RELEASED_LATER_KEPT = 4096
 
@@ -89,6 +85,8 @@ class EtcdBackend:
         #: the highest fence this daemon handed out (``stats``).
         self.last_fence = 0
         self._queues: dict[str, KeyQueue] = {}
+        #: status and list: a key's directory, held keys a page at a time.
+        self.reader = DirectoryReader(etcd, self.layout)
         #: etcd keys to delete and leases to revoke once etcd answers.
         self.cleanup = CleanupList(etcd, self.layout)
         #: hold keys whose release failed and went to the clean-up list, oldest
@@ -260,8 +258,7 @@ class EtcdBackend:
         return known
 
     async def _read(self, key: str) -> Directory:
-        result = await self.etcd.range(RangeOp(self.layout.directory(key), prefix=True))
-        return Directory.parse(self.layout, key, result.kvs, result.header.revision)
+        return await self.reader.read(key)
 
     # -------------------------------------------------------------- acquire
 
@@ -398,50 +395,13 @@ class EtcdBackend:
         return not hold.needs_binding or bool(getattr(bindings, "prev_kvs", None))
 
     async def status(self, key: str) -> RemoteStatus:
-        directory = await self._read(key)
-        return _remote_status(key, directory)
+        return await self.reader.status(key)
 
     async def list_held(
         self, prefix: str, limit: int, after: str | None
     ) -> tuple[list[RemoteStatus], str | None]:
-        """Held keys under ``prefix`` in key order after ``after``, at most ``limit``.
-
-        Reads the records from the first candidate key on, in chunks, all at
-        the first chunk's revision, until it has ``limit`` + 1 held keys (to
-        know whether more remain): a page costs its own records.
-        """
-        layout = self.layout
-        low = layout.locks + prefix.encode().hex().encode()
-        high = prefix_end(low)
-        start = max(low, layout.after(after)) if after is not None else low
-        revision = 0
-        page: list[RemoteStatus] = []
-        current: str | None = None
-        records: list[KeyValue] = []
-
-        def flush() -> None:
-            if current is not None:
-                directory = Directory.parse(layout, current, records, revision)
-                if directory.holds:
-                    page.append(_remote_status(current, directory))
-
-        while len(page) <= limit:
-            read = RangeOp(start, range_end=high, limit=LIST_CHUNK, revision=revision)
-            result = await self.etcd.range(read)
-            revision = revision or result.header.revision
-            for record in result.kvs:
-                key = layout.lock_key(record.key)
-                if key != current:
-                    flush()
-                    current, records = key, []
-                records.append(record)
-            if not result.more:
-                flush()
-                break
-            start = result.kvs[-1].key + b"\0"
-        if len(page) > limit:
-            return page[:limit], page[limit - 1].key
-        return page, None
+        """Held keys under ``prefix`` in key order after ``after`` (:class:`DirectoryReader`)."""
+        return await self.reader.list_held(prefix, limit, after)
 
     async def break_lock(
         self,
@@ -498,9 +458,3 @@ class EtcdBackend:
         """``stats`` gauges: this daemon's own (counting every host's keys would need a scan)."""
         waiters = sum(len(q.waiters) for q in self._queues.values())
         return {"held": None, "waiters": waiters, "fence": self.last_fence, "node": self.node}
-
-
-def _remote_status(key: str, directory: Directory) -> RemoteStatus:
-    """status/list's view of a key: holders, the waiter count and the first waiters."""
-    queued = [w.queued() for w in directory.waiters[:MAX_LISTED_WAITERS]]
-    return RemoteStatus(key, directory.holds, len(directory.waiters), queued)
