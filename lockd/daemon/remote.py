@@ -34,11 +34,10 @@ from typing import Any, Protocol
 
 import trio
 
-from lockd.contract import HOLDER_FIELDS as SHARED_HOLDER_FIELDS
 from lockd.core import Refused
-from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold, RemoteStatus
+from lockd.daemon.backends import BackendUnavailable, RemoteBackend, RemoteHold
 from lockd.daemon.events import RETAKE, SESSION, PendingBreak, Watched
-from lockd.daemon.holder import holder_fields, holder_process
+from lockd.daemon.holder import holder_process
 from lockd.daemon.leases import Lease
 from lockd.daemon.protocol import (
     Acquire,
@@ -53,8 +52,8 @@ from lockd.daemon.protocol import (
     Stats,
     Status,
 )
+from lockd.daemon.remoteviews import RemoteViews
 from lockd.daemon.service import BrokenHold, LockService, timed_out, visible_locks
-from lockd.daemon.waiterview import waiter_list
 from lockd.identity import Caller
 from lockd.logfmt import kv
 from lockd.timefmt import format_epoch_ms
@@ -79,8 +78,9 @@ class RemoteService:
         self.backend = backend
         #: handles this daemon is releasing now: their deletion is no loss.
         self._releasing: set[str] = set()
-        #: where this daemon's pids mean something (``alive`` of its own holds).
-        self._pid_place: str | None = getattr(backend, "pid_place", None)
+        #: the wire documents of the backend's holds (a grant, status, list).
+        #: ``pid_place``: where this daemon's pids mean something (``alive``).
+        self.views = RemoteViews(service.clock, backend.node, getattr(backend, "pid_place", None))
 
     @staticmethod
     def awaits(request: Request) -> bool:
@@ -376,7 +376,7 @@ class RemoteService:
             log.debug(
                 kv(event="granted", key=req.key, principal=caller.principal, fence=outcome.fence)
             )
-        return RemoteReply(self.handle_view(outcome), outcome)
+        return RemoteReply(self.views.handle_view(outcome), outcome)
 
     def _tell_retaken(self, caller: Caller, hold: RemoteHold) -> None:
         """A re-take through this daemon ended the same owner's holds granted here: tell them."""
@@ -433,11 +433,14 @@ class RemoteService:
             service.stats.count("renewals")
             return {"renewed": True, "leaseExpiresAt": format_epoch_ms(renewed.expires_at)}
         if isinstance(request, Status):
-            return self.status_view(await backend.status(request.key))
+            return self.views.status_view(await backend.status(request.key))
         if isinstance(request, ListLocks):
             service.gate.authorize(caller, "list")
             page, after = await backend.list_held(request.prefix, request.limit, request.after)
-            return {"locks": visible_locks(caller, map(self.status_view, page)), "next": after}
+            return {
+                "locks": visible_locks(caller, map(self.views.status_view, page)),
+                "next": after,
+            }
         raise AssertionError(f"unhandled op {request.op}")
 
     async def _break(self, caller: Caller, request: Break, told: list[Watched]) -> dict[str, Any]:
@@ -460,61 +463,6 @@ class RemoteService:
         broken: list[BrokenHold] = [*deleted, *(w for w in told if w.handle not in handles)]
         broken.sort(key=lambda hold: hold.fence)
         return self.service.break_result(caller, request.key, request.reason, broken)
-
-    # ------------------------------------------------------------ views
-
-    def handle_view(self, hold: RemoteHold) -> dict[str, Any]:
-        """The handle of a grant; ``ttlMs`` is the effective TTL (whole seconds)."""
-        return {
-            "key": hold.key,
-            "handle": hold.handle,
-            "fence": hold.fence,
-            "owner": hold.owner,
-            "ttlMs": hold.ttl_ms,
-            "leaseExpiresAt": format_epoch_ms(hold.expires_at),
-        }
-
-    def holder_view(self, hold: RemoteHold, now: int) -> dict[str, Any]:
-        return {
-            "heldBy": hold.principal,
-            "owner": hold.owner,
-            "fence": hold.fence,
-            "leaseExpiresAt": format_epoch_ms(hold.expires_at),
-            "expiresInMs": max(0, hold.expires_at - now),
-            **self._holder_process(hold),
-            "node": hold.node,
-        }
-
-    def _holder_process(self, hold: RemoteHold) -> dict[str, Any]:
-        """``pid``, ``process``, ``alive``: known for holds of this node whose pids we share.
-
-        A hold granted through this daemon records its holder's start time
-        and where its pid means something (boot and pid namespace); only a
-        daemon of that node seeing the same pids can look (docs/contract.md
-        §12.2). Holds of other nodes, and records without a start time
-        (older daemons), say null.
-        """
-        start = getattr(hold, "pid_start", None)
-        place = getattr(hold, "pid_place", None)
-        mine = hold.node == self.backend.node and place and place == self._pid_place
-        return holder_fields(hold.pid, hold.process, start if mine else None)
-
-    def status_view(self, st: RemoteStatus) -> dict[str, Any]:
-        """docs/contract.md §3, §10, §11: as the embedded status, plus ``node`` on each holder."""
-        now = self.service.clock.wall_ms()
-        holders = [self.holder_view(hold, now) for hold in st.holds[:MAX_LISTED_HOLDERS]]
-        first = st.holds[0] if st.holds else None
-        return {
-            "key": st.key,
-            "held": bool(holders),
-            **(holders[0] if holders else dict.fromkeys(HOLDER_FIELDS)),
-            "waiters": st.waiters,
-            "waiterList": waiter_list(st.queue, now),
-            "mode": first.mode if first else None,
-            "limit": first.limit if first else None,
-            "holderCount": len(st.holds),
-            "holders": holders,
-        }
 
 
 class StopRequest(Protocol):
@@ -543,8 +491,3 @@ class HoldWatchLike(Protocol):
     await_stop: Callable[[StopRequest], Awaitable[bool]]
 
     def follow(self, handle: str, fence: int) -> None: ...
-
-
-#: holders listed per key by status and list (docs/contract.md §10).
-MAX_LISTED_HOLDERS = 100
-HOLDER_FIELDS = (*SHARED_HOLDER_FIELDS, "node")
