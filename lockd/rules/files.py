@@ -141,17 +141,11 @@ def rule_files(rule_sets_dir: Path, *, trusted_owners: frozenset[int] | None = N
     """
     if trusted_owners is not None:
         problem = _foreign_ancestor(rule_sets_dir, trusted_owners)
-        if problem is not None:
-            raise RuleSetError(
-                str(rule_sets_dir),
-                None,
-                None,
-                f"{problem}: anyone who can write it sets the policy",
-            )
-        try:
-            problem = _foreign_writer(rule_sets_dir.stat(), trusted_owners)
-        except OSError:
-            problem = None  # missing (open default) or unreadable: listing says which
+        if problem is None:
+            try:
+                problem = _foreign_writer(rule_sets_dir.stat(), trusted_owners)
+            except OSError:
+                problem = None  # missing (open default) or unreadable: listing says which
         if problem is not None:
             raise RuleSetError(
                 str(rule_sets_dir),
