@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
+from typing import NoReturn
 
 import click
 from click.core import ParameterSource
@@ -392,6 +393,16 @@ HANDLE = click.option(
 )
 
 
+def _fail_not_held(key: str, what: str, reason: str | None, default: str) -> NoReturn:
+    """Exit 6: the handle no longer holds ``key`` (renew and release say it alike)."""
+    fail(
+        f"{what}: the handle no longer holds {key!r} "
+        f"({reason or default}: expired, broken, released or re-taken)",
+        EXIT_LOST,
+        details={"key": key, "reason": reason},
+    )
+
+
 def _handle_from(handle_id: str | None) -> str:
     """The handle id from stdin (``-``), ``$LOCKD_HANDLE`` or the argument.
 
@@ -439,12 +450,7 @@ def renew(
     if as_json:
         print_json(result.raw)
     if not result.renewed:
-        fail(
-            f"lease lost: the handle no longer holds {key!r} "
-            f"({result.reason or 'lease_lost'}: expired, broken, released or re-taken)",
-            EXIT_LOST,
-            details={"key": key, "reason": result.reason},
-        )
+        _fail_not_held(key, "lease lost", result.reason, "lease_lost")
     if not as_json:
         left = format_relative(ms_until(result.lease_expires_at))
         click.echo(f"renewed {key!r}: expires {left} ({format_time(result.lease_expires_at)})")
@@ -469,12 +475,7 @@ def release(key: str, handle_id: str | None, socket_path: str | None, as_json: b
     if as_json:
         print_json(result.raw)
     if not result.released:
-        fail(
-            f"not the holder: the handle no longer holds {key!r} "
-            f"({result.reason or 'not_holder'}: expired, broken, released or re-taken)",
-            EXIT_LOST,
-            details={"key": key, "reason": result.reason},
-        )
+        _fail_not_held(key, "not the holder", result.reason, "not_holder")
     if not as_json:
         click.echo(f"released {key!r}")
 
