@@ -6,14 +6,26 @@ run`` uses it too.
 
 from __future__ import annotations
 
-from lockd_client import Holder, LockStatus
+from lockd_client import Holder, LockStatus, Waiter
 
 from lockd.textsafe import visible
+from lockd.timefmt import format_duration_ms
 
-__all__ = ["HOLDER_COLUMNS", "holder_cells", "mode_text", "pid_cell", "who_holds"]
+__all__ = [
+    "HOLDER_COLUMNS",
+    "WAITER_COLUMNS",
+    "holder_cells",
+    "mode_text",
+    "pid_cell",
+    "waiter_cells",
+    "who_holds",
+]
 
 #: The columns of one holder in ``locks list`` and ``locks status``.
 HOLDER_COLUMNS = ("HELD BY", "OWNER", "PID", "PROCESS", "FENCE")
+
+#: The columns of one waiter in ``locks status`` and ``locks top`` (queue order).
+WAITER_COLUMNS = ("POS", "WAITER", "PID", "PROCESS", "MODE", "WAITING")
 
 
 def mode_text(status: LockStatus) -> str | None:
@@ -55,6 +67,16 @@ def who_holds(status: LockStatus, most: int = 3) -> str:
 def holder_cells(holder: Holder) -> tuple[object, ...]:
     """One holder's cells under :data:`HOLDER_COLUMNS`."""
     return (holder.held_by, holder.owner, pid_cell(holder), holder.process, holder.fence)
+
+
+def waiter_cells(waiter: Waiter) -> tuple[object, ...]:
+    """One waiter's cells under :data:`WAITER_COLUMNS`; a semaphore waiter wants one slot."""
+    if waiter.limit is not None and waiter.limit > 1:
+        mode = f"1 of {waiter.limit} slots"
+    else:
+        mode = waiter.mode or "exclusive"
+    waiting = format_duration_ms(waiter.waiting_ms) if waiter.waiting_ms is not None else None
+    return (waiter.position, waiter.principal, waiter.pid, waiter.process, mode, waiting)
 
 
 def pid_cell(entry: Holder | LockStatus) -> object:

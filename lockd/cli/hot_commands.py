@@ -23,9 +23,15 @@ from lockd.cli.output import (
     render_fields,
     render_table,
 )
-from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text, pid_cell
+from lockd.describe import (
+    HOLDER_COLUMNS,
+    WAITER_COLUMNS,
+    holder_cells,
+    mode_text,
+    pid_cell,
+    waiter_cells,
+)
 from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
-from lockd.timefmt import format_duration_ms
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
@@ -75,37 +81,12 @@ def show_status(key: str, socket_path: str | None, as_json: bool) -> None:
         table = render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows)
         echo("Holders:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
     if st.waiter_list:  # docs/contract.md §12: who waits, in queue order
-        queue_rows: list[tuple[object, ...]] = [
-            (
-                w.position,
-                w.principal,
-                w.pid,
-                w.process,
-                _waiter_mode(w.mode, w.limit),
-                format_duration_ms(w.waiting_ms) if w.waiting_ms is not None else None,
-                *([w.node] if st.node else []),
-            )
-            for w in st.waiter_list
-        ]
-        headers = (
-            "POS",
-            "WAITER",
-            "PID",
-            "PROCESS",
-            "MODE",
-            "WAITING",
-            *(["NODE"] if st.node else []),
-        )
+        queue_rows = [(*waiter_cells(w), *([w.node] if st.node else [])) for w in st.waiter_list]
+        headers = (*WAITER_COLUMNS, *(["NODE"] if st.node else []))
         table = render_table(headers, queue_rows)
         echo("Queue:\n" + "\n".join(f"  {line}" for line in table.splitlines()))
         if st.waiters > len(st.waiter_list):
             echo(f"  ... {st.waiters - len(st.waiter_list)} more waiting")
-
-
-def _waiter_mode(mode: str | None, limit: int | None) -> str:
-    if limit is not None and limit > 1:
-        return f"1 of {limit} slots"
-    return mode or "exclusive"
 
 
 def run_command(opts: RunOptions, *, json_output: bool) -> int:

@@ -28,8 +28,7 @@ from lockd.cli.common import (
     render_table,
     socket_option,
 )
-from lockd.describe import HOLDER_COLUMNS, holder_cells, mode_text
-from lockd.timefmt import format_duration_ms
+from lockd.describe import HOLDER_COLUMNS, WAITER_COLUMNS, holder_cells, mode_text, waiter_cells
 
 #: the counters whose per-second rates the header shows, and their labels.
 RATE_COUNTERS = (
@@ -58,12 +57,6 @@ def rates(
     return out
 
 
-def _mode(mode: str | None, limit: int | None) -> str:
-    if limit is not None and limit > 1:
-        return f"{limit} slots"
-    return mode or "exclusive"
-
-
 def render_frame(
     locks: Sequence[LockStatus],
     per_second: Mapping[str, float] | None,
@@ -90,18 +83,8 @@ def render_frame(
             "  " + line for line in render_table((*HOLDER_COLUMNS, "EXPIRES IN"), rows).splitlines()
         ]
         if status.waiter_list:
-            queue = [
-                (
-                    w.position,
-                    w.principal,
-                    w.pid,
-                    w.process,
-                    _mode(w.mode, w.limit),
-                    format_duration_ms(w.waiting_ms) if w.waiting_ms is not None else None,
-                )
-                for w in status.waiter_list
-            ]
-            table = render_table(("POS", "WAITER", "PID", "PROCESS", "MODE", "WAITING"), queue)
+            queue = [waiter_cells(w) for w in status.waiter_list]
+            table = render_table(WAITER_COLUMNS, queue)
             lines += ["  " + line for line in table.splitlines()]
             if status.waiters > len(status.waiter_list):
                 lines.append(f"  ... {status.waiters - len(status.waiter_list)} more waiting")
