@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client"))
 from lockd_client import Handle, LockClient, LockdError
 
 from bench.common import LockdDaemon
-from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster, EtcdMember
+from lockd.testing.etcd_cluster import ETCD_FLAGS, EtcdBackend, EtcdCluster, EtcdMember
 
 KEYS = ("hot-a", "hot-b")
 #: the faults of one round, in order (leader kills three times as often: the
@@ -392,9 +392,11 @@ def check_overlaps(run: Run) -> list[str]:
 
 
 @contextlib.contextmanager
-def system(daemon_count: int) -> Iterator[tuple[EtcdCluster, list[LockdDaemon], str]]:
+def system(
+    daemon_count: int, etcd_flags: tuple[str, ...] = ETCD_FLAGS
+) -> Iterator[tuple[EtcdCluster, list[LockdDaemon], str]]:
     root = Path(tempfile.mkdtemp(prefix="lockd-chaos-", dir="/tmp"))
-    cluster = EtcdCluster(root).start()
+    cluster = EtcdCluster(root, flags=etcd_flags).start()
     prefix = f"/lockd-chaos/{os.getpid()}/"
     etcd = EtcdBackend(endpoints=tuple(cluster.endpoints), prefix=prefix)
     daemons = [
@@ -425,11 +427,12 @@ def chaos(
     grace: float = 4.0,
     stall_s: float = 2.0,
     log_to: Path | None = None,
+    etcd_flags: tuple[str, ...] = ETCD_FLAGS,
 ) -> tuple[Run, list[str]]:
     """Run ``faults`` in order against a fresh system; the run and its problems."""
     run = Run()
     down: set[int] = set()
-    with system(3) as (cluster, daemons, prefix):
+    with system(3, etcd_flags) as (cluster, daemons, prefix):
         threads = [
             threading.Thread(
                 target=worker,
@@ -510,10 +513,26 @@ def main() -> int:
     parser.add_argument("--grace", type=float, default=4.0, help="quiet seconds after each fault")
     parser.add_argument("--stall", type=float, default=2.0, help="seconds free with waiters")
     parser.add_argument("--logs", type=Path, help="write the daemons' logs here")
+    parser.add_argument(
+        "--election-ms",
+        type=int,
+        default=1000,
+        help="etcd's --election-timeout (its default; a member waits 1-2x this for a leader)",
+    )
+    parser.add_argument(
+        "--heartbeat-ms", type=int, default=100, help="etcd's --heartbeat-interval (its default)"
+    )
     args = parser.parse_args()
     faults = [args.only] * args.rounds if args.only else list(ROUND) * args.rounds
+    etcd_flags = (
+        f"--heartbeat-interval={args.heartbeat_ms}",
+        f"--election-timeout={args.election_ms}",
+        "--pre-vote=true",
+    )
     started = time.monotonic()
-    run, problems = chaos(faults, grace=args.grace, stall_s=args.stall, log_to=args.logs)
+    run, problems = chaos(
+        faults, grace=args.grace, stall_s=args.stall, log_to=args.logs, etcd_flags=etcd_flags
+    )
     to_wall = time.time() - time.monotonic()  # the daemons' logs show wall-clock times
     for fault in run.faults:
         pause = "-" if fault.pause is None else f"{fault.pause:.2f}"

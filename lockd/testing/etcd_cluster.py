@@ -190,6 +190,7 @@ class EtcdCluster:
     size: int = 3
     tls: TlsFiles | None = None  # serve clients over TLS and require client certificates
     members: list[EtcdMember] = field(default_factory=list)
+    flags: tuple[str, ...] = ETCD_FLAGS  # timing flags every member gets (bench/etcd_chaos.py)
 
     @property
     def endpoints(self) -> list[str]:
@@ -344,7 +345,7 @@ class EtcdCluster:
                     f"--initial-cluster-state={state}",
                     "--logger=zap",
                     "--log-level=warn",
-                    *ETCD_FLAGS,
+                    *self.flags,
                     *(member.tls.server_flags() if member.tls else []),
                 ],
                 stdin=subprocess.DEVNULL,
