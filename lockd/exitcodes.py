@@ -9,8 +9,6 @@ of ``lockd run``) can use them without the command-line layer.
 
 from __future__ import annotations
 
-import json
-
 from lockd_client import (
     DeadlockError,
     InvalidRequestError,
@@ -134,4 +132,6 @@ def error_document(code: str, message: str, details: dict[str, Any] | None = Non
         "message": message,
         "details": details or {},
     }
+    import json  # here: only a failure under --json writes it (start-up, issue 24)
+
     return json.dumps({"error": body}, ensure_ascii=False, separators=(",", ":"))

@@ -9,7 +9,6 @@ everywhere here, never float seconds.
 
 from __future__ import annotations
 
-import functools
 import time
 
 
@@ -18,11 +17,22 @@ def wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-@functools.lru_cache(maxsize=256)
+#: ``_utc_second`` answers lately given: deadlines of one busy second share
+#: their prefix, and strftime is the costly part of formatting a reply time.
+#: A dict, not ``functools.lru_cache``: the CLI imports this module, and
+#: functools (with collections) is a start-up cost (issue 24). Bounded;
+#: emptied when full.
+_utc_seconds: dict[int, str] = {}
+_UTC_SECONDS_MAX = 256
+
+
 def _utc_second(seconds: int) -> str:
-    # Deadlines of one busy second share their prefix; strftime is the
-    # costly part of formatting a reply time.
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    text = _utc_seconds.get(seconds)
+    if text is None:
+        if len(_utc_seconds) >= _UTC_SECONDS_MAX:
+            _utc_seconds.clear()
+        text = _utc_seconds[seconds] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    return text
 
 
 def format_epoch_ms(epoch_ms: int) -> str:

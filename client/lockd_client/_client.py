@@ -53,8 +53,8 @@ from __future__ import annotations
 import builtins
 import itertools
 import os
-import threading
 import time
+from _thread import allocate_lock  # threading.Lock itself, without threading's imports (issue 24)
 
 from ._connection import Connection, ConnectionLost, ReplyTimeout
 from ._errors import (
@@ -120,12 +120,12 @@ class LockClient:
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.retry_window = retry_window
-        self._lock = threading.Lock()
+        self._lock = allocate_lock()
         self._conn: Connection | None = None
         self._connected_once = False
         self._closed = False
         self._ids = itertools.count(1)
-        self._id_lock = threading.Lock()
+        self._id_lock = allocate_lock()
         #: losses of ``lock()`` holds the daemon pushed, raised at the next call.
         self._unreported: list[LockLostError] = []
         #: every connection asks for lease-loss events (see ``listen_for_losses``).

@@ -31,14 +31,20 @@ in programs that restored its default action.
 
 from __future__ import annotations
 
-import contextlib
+# The C layers of socket and threading: ``socket`` builds its enums and
+# ``threading`` pulls in functools and collections at import, together a
+# good part of a ``lockd`` command's start-up (issue 24). A connection needs
+# neither (an AF_UNIX stream socket, locks; a Condition only once a second
+# thread waits on it).
+import _socket
 import math
 import os
 import select
-import socket
 import struct
-import threading
 import time
+from _socket import AF_UNIX, SHUT_RDWR, SO_SNDTIMEO, SOCK_STREAM, SOL_SOCKET
+from _socket import socket as _unix_socket
+from _thread import allocate_lock
 
 from ._events import Loss, LossBook, loss_from
 from ._requests import late_grant
@@ -47,13 +53,14 @@ from ._wire import BadLine, ReplyLines, encode_request
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Callable
     from typing import Any
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 
 _READ_CHUNK = 65536
-_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_NOSIGNAL = getattr(_socket, "MSG_NOSIGNAL", 0)
 _POLLIN = select.POLLIN
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int; a longer wait just loops
 _NO_LIMIT = struct.pack("@ll", 0, 0)  # SO_SNDTIMEO of zero: wait as long as it takes
@@ -80,14 +87,15 @@ class ReplyTimeout(Exception):
 class Connection:
     """A connected socket plus the bookkeeping that lets threads share it."""
 
-    def __init__(self, sock: socket.socket, next_id: Callable[[], int]) -> None:
+    def __init__(self, sock: _unix_socket, next_id: Callable[[], int]) -> None:
         self._sock = sock
         self._next_id = next_id
         self._poller = select.poll()
         self._poller.register(sock.fileno(), _POLLIN)
-        self._send_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._send_lock = allocate_lock()
+        self._lock = allocate_lock()
+        #: on ``_lock``, made when a thread first parks (:meth:`_park_locked`)
+        self._cond: threading.Condition | None = None
         self._parked = 0  # threads in self._cond.wait(): notify only when > 0
         self._lines = ReplyLines()
         self._replies: dict[int, dict[str, Any]] = {}
@@ -124,21 +132,21 @@ class Connection:
         :mod:`lockd_client._trust`).
         """
         trusted = check_folder(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = _unix_socket(AF_UNIX, SOCK_STREAM)
         try:
             # A blocking connect waits in a full listen backlog ("clients wait
             # in the backlog"); settimeout() would make it non-blocking and
             # fail at once with EAGAIN. For AF_UNIX the kernel bounds that
             # wait by SO_SNDTIMEO, so the connect timeout goes there.
             if connect_timeout is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connect_timeout))
+                sock.setsockopt(SOL_SOCKET, SO_SNDTIMEO, _timeval(connect_timeout))
             sock.connect(path)
             check_peer(path, sock, trusted)
             # Blocking from here on: reads wait in poll(), and the kernel's
             # SO_SNDTIMEO bounds a stuck send (EAGAIN), so sendall() needs no
             # poll() of its own before each send.
             send_limit = _timeval(send_timeout) if send_timeout is not None else _NO_LIMIT
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, send_limit)
+            sock.setsockopt(SOL_SOCKET, SO_SNDTIMEO, send_limit)
         except BaseException:
             sock.close()
             raise
@@ -202,11 +210,7 @@ class Connection:
                 if remaining <= 0 or stop.is_set() or self._wakeups != wakeups:
                     return None
                 if self._reading:
-                    self._parked += 1
-                    try:
-                        self._cond.wait(remaining)
-                    finally:
-                        self._parked -= 1
+                    self._park_locked(remaining)
                 else:
                     if self._wake_fds is None:
                         self._wake_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -224,10 +228,11 @@ class Connection:
         with self._lock:
             self._wakeups += 1
             if self._reading and self._wake_fds is not None:
-                with contextlib.suppress(OSError):
+                try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                     os.write(self._wake_fds[1], b"x")
-            if self._parked:
-                self._cond.notify_all()
+                except OSError:
+                    pass
+            self._notify_locked()
 
     def close(self) -> None:
         """Close the connection; threads waiting on it get ConnectionLost."""
@@ -235,6 +240,23 @@ class Connection:
             self._kill_locked("the client closed the connection")
 
     # -- internals ----------------------------------------------------------
+
+    def _park_locked(self, timeout: float | None) -> None:
+        """Wait (the lock released) until the reader files replies or leaves its place."""
+        if self._cond is None:
+            import threading  # here: only a second thread waiting on the connection needs it
+
+            self._cond = threading.Condition(self._lock)
+        self._parked += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._parked -= 1
+
+    def _notify_locked(self) -> None:
+        """Wake the parked threads, if any (a thread parks only through :meth:`_park_locked`)."""
+        if self._parked and self._cond is not None:
+            self._cond.notify_all()
 
     def _lost(self, *, sent: bool) -> ConnectionLost:
         dead = self._dead
@@ -257,11 +279,7 @@ class Connection:
                     if remaining <= 0:
                         raise ReplyTimeout()
                 if self._reading:
-                    self._parked += 1
-                    try:
-                        self._cond.wait(remaining)
-                    finally:
-                        self._parked -= 1
+                    self._park_locked(remaining)
                 else:
                     self._read_once_locked(remaining)
                     if self._late_sends:  # give them back now, not when our reply comes
@@ -309,8 +327,7 @@ class Connection:
             self._kill_locked(f"reading failed ({_describe(exc)})")
         finally:
             self._reading = False
-            if self._parked:
-                self._cond.notify_all()  # replies filed, or the reader's place is free
+            self._notify_locked()  # replies filed, or the reader's place is free
             if self._dead is not None:
                 self._close_fd_locked()
 
@@ -321,8 +338,10 @@ class Connection:
         ours = False
         for fd, _ in ready:
             if fd == wake_fd:
-                with contextlib.suppress(OSError):
+                try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                     os.read(wake_fd, 4096)
+                except OSError:
+                    pass
             else:
                 ours = True
         return ours
@@ -395,9 +414,11 @@ class Connection:
     def _kill_locked(self, reason: str, *, protocol: bool = False) -> None:
         if self._dead is None:
             self._dead = ConnectionLost(reason, protocol=protocol)
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll()
-            self._cond.notify_all()
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
+                self._sock.shutdown(SHUT_RDWR)  # wakes a reader blocked in poll()
+            except OSError:
+                pass
+            self._notify_locked()
         if not self._reading:
             self._close_fd_locked()
 
@@ -408,8 +429,10 @@ class Connection:
                 self._sock.close()
             if self._wake_fds is not None:
                 for fd in self._wake_fds:
-                    with contextlib.suppress(OSError):
+                    try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                         os.close(fd)
+                    except OSError:
+                        pass
 
 
 def _timeval(seconds: float) -> bytes:

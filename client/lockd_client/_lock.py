@@ -5,7 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from datetime import UTC, datetime
+
+try:  # the C datetime, as in _results (issue 24)
+    from _datetime import UTC, datetime
+except ImportError:
+    from datetime import UTC, datetime
 
 from ._errors import LockdError, LockLostError
 from ._events import Loss

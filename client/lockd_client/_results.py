@@ -6,7 +6,13 @@ timezone-aware :class:`~datetime.datetime` objects (UTC).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+# The C datetime, whose classes ``datetime`` re-exports: the ``datetime``
+# module runs its pure-Python twin first, a cost every ``lockd`` command paid
+# at start-up (issue 24).
+try:
+    from _datetime import UTC, datetime
+except ImportError:  # an interpreter without the C module
+    from datetime import UTC, datetime
 
 from ._errors import LockdError
 from ._record import Frozen, Record

@@ -19,10 +19,9 @@ own uid as the trusted owners).
 
 from __future__ import annotations
 
-import contextlib
+import _socket  # not socket: its enums cost start-up (issue 24)
 import os
 import pwd
-import socket
 import stat
 import struct
 
@@ -56,8 +55,10 @@ _MAX_HOPS = 40
 def trusted_uids() -> frozenset[int]:
     """Root, the caller's effective uid, and the ``lockd`` system user if it exists."""
     uids = {0, os.geteuid()}
-    with contextlib.suppress(KeyError):
+    try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
         uids.add(pwd.getpwnam(SYSTEM_USER).pw_uid)
+    except KeyError:
+        pass
     return frozenset(uids)
 
 
@@ -148,7 +149,7 @@ def check_folder(path: str) -> frozenset[int]:
 
 def check_peer(path: str, sock: _Socket, trusted: frozenset[int]) -> None:
     """Check 2 on a connected socket (UntrustedDaemonError); every client runs both."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, _gid = _PEERCRED.unpack(raw)
     if uid not in trusted:
         reason = f"the process listening on it (pid {pid}) runs as {_owner(uid)}"

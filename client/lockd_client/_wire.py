@@ -8,10 +8,7 @@ the same results as the general code.
 
 from __future__ import annotations
 
-import json
-import json.encoder
 import math
-import re
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
@@ -40,12 +37,42 @@ MAX_OWNER_CHARS = 256
 MAX_REASON_CHARS = 1024
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: C0 and C1 control characters (what a ``[\x00-\x1f\x7f-\x9f]`` regex matches),
+#: for ``str.translate``: a key is checked on every request, and ``re`` is
+#: not imported at start-up (issue 24).
+_CONTROL = dict.fromkeys([*range(0x20), *range(0x7F, 0xA0)])
 
-_DECODER = json.JSONDecoder()
-#: The scanner behind ``raw_decode`` (C when available), called without its
-#: wrapper. JSONDecoder sets it in __init__; the type stubs do not list it.
-_scan_once: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
+
+#: ``json.decoder``'s constants (``parse_constant`` of ``json.loads``).
+_CONSTANTS = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}
+
+
+class _ScanContext:
+    """What ``json.JSONDecoder()`` hands its C scanner: ``json.loads``' defaults."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = _CONSTANTS.__getitem__
+
+
+def _c_scanner() -> Callable[[str, int], tuple[Any, int]] | None:
+    """The scanner ``json.JSONDecoder`` builds (``_json.make_scanner``), made without
+    importing ``json``: its decoder module compiles regular expressions at import,
+    which with ``re`` itself cost a ``lockd`` command more than its request
+    (issue 24). None when the interpreter has no ``_json``."""
+    try:
+        from _json import make_scanner
+    except ImportError:
+        return None
+    scanner: Callable[[str, int], tuple[Any, int]] = make_scanner(_ScanContext())  # type: ignore[arg-type]
+    return scanner
+
+
+#: The scanner behind ``raw_decode``, called without its wrapper.
+_scan_once = _c_scanner()
 
 
 def decode(text: str) -> Any:
@@ -58,13 +85,17 @@ def decode(text: str) -> Any:
     raises StopIteration or ValueError) takes the full decoder, which also
     raises the usual ValueError for garbage.
     """
-    try:
-        obj, end = _scan_once(text, 0)
-    except (StopIteration, ValueError):
-        return _DECODER.decode(text)
-    if end != len(text):
-        return _DECODER.decode(text)
-    return obj
+    if _scan_once is not None:
+        try:
+            obj, end = _scan_once(text, 0)
+        except (StopIteration, ValueError):
+            pass
+        else:
+            if end == len(text):
+                return obj
+    import json  # here: whitespace, garbage, or no C scanner (the full decoder and its errors)
+
+    return json.loads(text)
 
 
 class BadLine(ValueError):
@@ -135,25 +166,34 @@ def _build_encoder() -> Callable[[dict[str, Any]], str]:
     encoder is made once here when the interpreter has it and it agrees with
     the pure-Python one on a sample; otherwise a pre-built JSONEncoder is used.
     """
-    slow = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return slow
     try:
-        fast = make(
-            None, _refuse, json.encoder.encode_basestring, None, ":", ",", False, False, False
-        )
+        from _json import encode_basestring, make_encoder
+    except ImportError:
+        return _slow_encoder()
+    try:
+        fast = make_encoder(None, _refuse, encode_basestring, None, ":", ",", False, False, False)
         join = "".join
 
         def encode_fast(message: dict[str, Any]) -> str:
             return join(fast(message, 0))
 
         sample = {"id": 1, "op": "x", "key": 'é\n"', "b": True, "n": None}
-        if encode_fast(sample) != slow(sample):
-            return slow
+        if encode_fast(sample) != _SAMPLE_TEXT:
+            return _slow_encoder()
     except Exception:  # an interpreter whose private encoder differs: use the public one
-        return slow
+        return _slow_encoder()
     return encode_fast
+
+
+#: What ``json.JSONEncoder`` (the options of :func:`_slow_encoder`) makes of the sample
+#: above; checked against it in tests/unit/test_client_wire.py.
+_SAMPLE_TEXT = '{"id":1,"op":"x","key":"é\\n\\"","b":true,"n":null}'
+
+
+def _slow_encoder() -> Callable[[dict[str, Any]], str]:
+    import json
+
+    return json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 
 _encode_text = _build_encoder()
@@ -164,7 +204,15 @@ def encode(message: dict[str, Any]) -> bytes:
     return (_encode_text(message) + "\n").encode("utf-8")
 
 
-_quote = json.encoder.encode_basestring  # what the encoders above use for every str
+def _quote_text() -> Callable[[str], str]:
+    try:
+        from _json import encode_basestring
+    except ImportError:
+        from json.encoder import encode_basestring
+    return encode_basestring
+
+
+_quote = _quote_text()  # what the encoders above use for every str
 _int_text = int.__repr__  # what they use for every int (subclasses included)
 #: ``,"name":`` for each field name met so far (a handful: the protocol's own).
 _field_heads: dict[str, str] = {}
@@ -242,7 +290,7 @@ def seconds_to_ms(value: object, name: str, *, allow_zero: bool) -> int:
 
 
 def _has_control(text: str) -> bool:
-    return _CONTROL.search(text) is not None
+    return len(text.translate(_CONTROL)) != len(text)
 
 
 #: Keys that passed :func:`check_key` lately: a program uses a few keys over and

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import UTC, datetime
+
+try:  # the C datetime: the datetime module runs its pure-Python twin first (issue 24)
+    from _datetime import UTC, datetime
+except ImportError:
+    from datetime import UTC, datetime
 
 from lockd_client import (
     DaemonUnavailableError,

@@ -11,8 +11,10 @@ entry (``lockd.cli.fast``), which must run the hot commands without click.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +155,82 @@ def test_run_through_the_entry_imports_no_dataclasses_typing_logging_or_subproce
     assert "lockd.run.supervisor" in modules  # the probe saw lockd run itself start
     for module in (*NOT_AT_START, "logging", "subprocess"):
         assert module not in modules, module
+
+
+#: What a status started through the entry used to import and no longer does
+#: (issue 24): ``re`` (json's decoder, the key check), ``json`` itself,
+#: socket's and threading's Python layers (their C modules do), ``datetime``'s
+#: pure-Python twin (``_datetime`` does), and what those pulled in: enum,
+#: functools, collections, contextlib. Counted beyond what the interpreter
+#: loads before any command (a development venv's editable finder loads
+#: ``re`` and others at start: they cost a command nothing there).
+NOT_FOR_STATUS = (
+    "re",
+    "json",
+    "socket",
+    "selectors",
+    "threading",
+    "datetime",
+    "enum",
+    "functools",
+    "collections",
+    "contextlib",
+)
+
+#: The probes below list modules one a line: json, which the other probes use,
+#: is among the modules watched.
+PRELOADED = "import sys; print('\\n'.join(sorted(sys.modules)))"
+
+#: The console script's entry, as ENTRY_MODULES, without importing json itself.
+BARE_ENTRY_MODULES = """
+import atexit, sys
+sys.argv[0] = "lockd"
+atexit.register(lambda: print("\\n".join(sorted(sys.modules))))
+from lockd.cli.fast import main
+main()
+"""
+
+
+def module_lines(argv: list[str], **kwargs: object) -> set[str]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)  # type: ignore[call-overload]
+    return set(out.stdout.split())
+
+
+def preloaded() -> set[str]:
+    """The modules this interpreter has loaded before running anything (site, .pth files)."""
+    return module_lines([sys.executable, "-c", PRELOADED])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["locks", "status", "k", "--socket", MISSING],
+        ["--socket", MISSING, "locks", "status", "--", "-k"],
+    ],
+    ids=["status", "status -- -k"],
+)
+def test_status_through_the_entry_imports_only_c_layers(args: list[str]) -> None:
+    modules = module_lines([sys.executable, "-c", BARE_ENTRY_MODULES, *args]) - preloaded()
+    assert "lockd_client._connection" in modules  # the probe saw the request being made
+    assert sorted(m for m in NOT_FOR_STATUS if m in modules) == []
+
+
+#: ``bin/lockd``, the installed ``lockd`` command, run as the interpreter runs a script.
+SCRIPT_MODULES = """
+import atexit, sys
+path = sys.argv[1]
+sys.argv[:2] = ["lockd"]
+atexit.register(lambda: print("\\n".join(sorted(sys.modules))))
+exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__"})
+"""
+
+
+def test_the_lockd_script_itself_imports_no_re() -> None:
+    # pip's wrapper for a [project.scripts] entry imports re before lockd
+    # starts: the command is a plain script instead (pyproject.toml).
+    script = Path(__file__).resolve().parents[2] / "bin" / "lockd"
+    argv = [sys.executable, "-c", SCRIPT_MODULES, str(script), "locks", "status", "k"]
+    env = {**os.environ, "LOCKD_SOCKET": MISSING}
+    modules = module_lines(argv, env=env) - preloaded()
+    assert "lockd_client._connection" in modules  # lockd ran up to its request
+    assert "re" not in modules and "click" not in modules

@@ -6,6 +6,7 @@ scripts, per connection, what it reads and answers. No daemon is involved.
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import errno
 import fcntl
@@ -29,6 +30,7 @@ from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 import lockd_client
+import lockd_client._connection
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -1281,10 +1283,14 @@ def test_socket_permission_denied_names_owner_and_mode(
 ) -> None:
     server = serve(responder(answer))
 
-    def refuse(self: socket.socket, address: object) -> None:
-        raise PermissionError(errno.EACCES, "Permission denied")
+    class Refusing(_socket.socket):
+        """A socket whose connect is refused as for a non-member (the tests run as root)."""
 
-    monkeypatch.setattr(socket.socket, "connect", refuse)
+        def connect(self, address: object) -> None:
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    # The client connects with the C socket type (lockd_client._connection, issue 24).
+    monkeypatch.setattr(lockd_client._connection, "_unix_socket", Refusing)
     os.chmod(server.path, 0o660)
     with make_client(server.path) as client, pytest.raises(SocketPermissionError) as caught:
         client.hello()

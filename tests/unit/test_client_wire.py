@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 import pytest
@@ -141,6 +142,65 @@ def test_a_single_bad_line_is_refused_as_before(line: bytes) -> None:
 def test_a_single_blank_line_is_skipped() -> None:
     assert _wire.ReplyLines().feed(b"  \n") == []
     assert _wire.ReplyLines().feed(b"\n") == []
+
+
+# The client decodes and encodes with json's C pieces, without importing json
+# (issue 24): what they give must be what json.loads / json.JSONEncoder give.
+_json_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(),
+        st.text(),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _loaded(text: str) -> object:
+    try:
+        return ("ok", json.loads(text))
+    except ValueError as exc:
+        return ("error", type(exc))
+
+
+@given(
+    value=_json_values,
+    separators=st.sampled_from([(",", ":"), (", ", ": ")]),
+    padding=st.sampled_from(["", " ", "\t", " \n"]),
+    ascii_only=st.booleans(),
+)
+def test_decode_is_json_loads(
+    value: object, separators: tuple[str, str], padding: str, ascii_only: bool
+) -> None:
+    text = padding + json.dumps(value, separators=separators, ensure_ascii=ascii_only) + padding
+    assert repr(_loaded(text)) == repr(("ok", _wire.decode(text)))
+
+
+@given(st.text(max_size=30))
+def test_decode_refuses_what_json_loads_refuses(text: str) -> None:
+    expected = _loaded(text)
+    try:
+        got: object = ("ok", _wire.decode(text))
+    except ValueError as exc:
+        got = ("error", type(exc))
+    assert repr(got) == repr(expected)
+
+
+def test_the_encoder_sample_is_what_json_writes() -> None:
+    sample = {"id": 1, "op": "x", "key": 'é\n"', "b": True, "n": None}
+    slow = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    assert slow.encode(sample) == _wire._SAMPLE_TEXT
+    assert _wire.encode(sample) == (slow.encode(sample) + "\n").encode()
+
+
+@given(st.text())
+def test_control_characters_are_found_as_the_regex_finds_them(text: str) -> None:
+    assert _wire._has_control(text) == (re.search(r"[\x00-\x1f\x7f-\x9f]", text) is not None)
 
 
 # -- results -------------------------------------------------------------------------
