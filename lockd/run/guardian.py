@@ -42,16 +42,21 @@ has no children (a live descendant always has an ancestor chain ending here).
 
 from __future__ import annotations
 
+# socket's C layer: the socket module builds its enums at import, a cost
+# every ``lockd run`` paid (issue 24); a Unix socket pair needs none of it.
+import _socket
 import contextlib
 import errno
-import json
 import os
 import select
 import signal
-import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from array import array
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
 
 #: How COMMAND meets the terminal (the MODE argument).
 NO_TERMINAL, TERMINAL_FOREGROUND, TERMINAL_BACKGROUND = 0, 1, 2
@@ -241,7 +246,7 @@ class Command:
                 env = read_all(go_r)
                 if not env:
                     os._exit(code)  # no key for COMMAND: end without running it
-                self._exec(argv, mode, inherited, json.loads(env), err_w)
+                self._exec(argv, mode, inherited, load_env(env.decode()), err_w)
             except BaseException as exc:  # the child must never return into the guardian's code
                 err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOEXEC
                 text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -284,7 +289,7 @@ class Command:
     def go(self, env: dict[str, str]) -> tuple[int, str] | None:
         """Let the child exec COMMAND with ``env``; (errno, text) if exec failed."""
         with contextlib.suppress(OSError):
-            os.write(self._go_w, json.dumps(env).encode())
+            os.write(self._go_w, dump_env(env).encode())
         os.close(self._go_w)
         said = read_all(self._err_r).decode(errors="replace")
         os.close(self._err_r)
@@ -301,6 +306,73 @@ class Command:
             os.waitpid(self.pid, 0)
 
 
+def send_fds(sock: _socket.socket, data: bytes, fds: list[int]) -> None:
+    """``socket.send_fds(sock, [data], fds)``: ``data`` with ``fds`` riding along (SCM_RIGHTS)."""
+    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array("i", fds))])
+
+
+def recv_fds(sock: _socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """``socket.recv_fds``: up to ``bufsize`` bytes and the descriptors sent with them."""
+    fds = array("i")
+    data, ancdata, _flags, _addr = sock.recvmsg(bufsize, _socket.CMSG_LEN(maxfds * fds.itemsize))
+    for level, kind, cmsg in ancdata:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds.frombytes(cmsg[: len(cmsg) - (len(cmsg) % fds.itemsize)])
+    return data, list(fds)
+
+
+def dump_env(env: Mapping[str, str]) -> str:
+    """``json.dumps(dict(env))``: ASCII, so a variable that is not UTF-8 (a lone
+    surrogate from os.environ) comes back as it went.
+
+    Written with json's C pieces when the interpreter has them: the json
+    module compiles regular expressions at import, pulling in ``re``, a cost
+    every ``lockd run`` paid for one object of strings (issue 24).
+    """
+    try:
+        from _json import encode_basestring_ascii as quote
+    except ImportError:
+        import json
+
+        return json.dumps(dict(env))
+    return "{" + ", ".join(f"{quote(name)}: {quote(value)}" for name, value in env.items()) + "}"
+
+
+class _JSONDefaults:
+    """What ``json.loads`` hands json's C scanner (see :func:`load_env`)."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = {
+        "-Infinity": -float("inf"),
+        "Infinity": float("inf"),
+        "NaN": float("nan"),
+    }.__getitem__
+
+
+def load_env(text: str) -> dict[str, str]:
+    """``json.loads(text)`` for :func:`dump_env`'s output (the scanner, when C has one)."""
+    try:
+        from _json import make_scanner
+    except ImportError:
+        pass
+    else:
+        try:
+            env, end = make_scanner(_JSONDefaults())(text, 0)  # type: ignore[arg-type]
+        except (StopIteration, ValueError):
+            pass
+        else:
+            if end == len(text) and isinstance(env, dict):
+                return env
+    import json  # anything else: json's own answer, errors included
+
+    loaded: dict[str, str] = json.loads(text)
+    return loaded
+
+
 def read_all(fd: int) -> bytes:
     data = b""
     while chunk := os.read(fd, 65536):
@@ -312,7 +384,7 @@ class Control:
     """Lines from ``lockd run`` on the control socket, and the descriptors sent with them."""
 
     def __init__(self, fd: int) -> None:
-        self.sock = socket.socket(fileno=fd)
+        self.sock = _socket.socket(fileno=fd)
         self.fds: list[int] = []  # kept open, never used: the daemon connection's copy
         self._pending = b""
         self.closed = False
@@ -322,7 +394,7 @@ class Control:
 
     def read(self) -> list[str]:
         """What one read brings (whole lines); sets ``closed`` at end of file."""
-        data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+        data, fds = recv_fds(self.sock, 1 << 16, 4)
         for fd in fds:
             os.set_inheritable(fd, False)
         self.fds.extend(fds)
@@ -370,7 +442,7 @@ def main(args: list[str]) -> int:
     if word != "go":
         command.cancel()
         return 0
-    failed = command.go(json.loads(env))
+    failed = command.go(load_env(env))
     if failed is not None:
         say(f"error {failed[0]} {failed[1]}")
         Tree(say, command.pid).end(0)

@@ -8,7 +8,6 @@ to import the other.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from enum import StrEnum
 
@@ -177,6 +176,8 @@ class Reporter:
         """Report something that is not (yet) the run's failure."""
         line = None
         if self.json_lines:
+            import json  # here: only --json writes it (start-up, issue 24)
+
             body = {"warning": {"code": code, "message": message, "details": details}}
             line = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
         self._write(line, message)

@@ -14,14 +14,15 @@ handlers only there.
 
 from __future__ import annotations
 
+# The C layers of socket and queue: the socket module builds its enums and
+# queue.py pulls in heapq for classes lockd run does not use (issue 24).
+import _socket
 import contextlib
-import json
 import os
-import queue
 import signal
-import socket
 import sys
 import threading
+from _queue import Empty, SimpleQueue
 
 from lockd_client._record import Frozen
 
@@ -157,7 +158,7 @@ class Guardian:
     """
 
     def __init__(self, argv: Sequence[str], mode: int) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         status_r, status_w = os.pipe()  # close-on-exec: pass_fds makes the child's copy inheritable
         args = [str(theirs.fileno()), str(status_w), str(mode), "--", *argv]
         self._proc: Any = None  # the Popen of a guardian run as a program
@@ -180,9 +181,9 @@ class Guardian:
         finally:
             theirs.close()
             os.close(status_w)
-        self._ctrl: socket.socket | None = ours
+        self._ctrl: _socket.socket | None = ours
         self._status = os.fdopen(status_r, "rb", buffering=0)
-        self._messages: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._messages: SimpleQueue[Message] = SimpleQueue()
         self.finished = False  # "empty" (or the guardian's end) was seen
         first = self._read_line()
         word, _, rest = first.partition(" ")
@@ -198,8 +199,8 @@ class Guardian:
         Raises :class:`CommandNotStarted` when exec failed.
         """
         assert self._ctrl is not None
-        body = json.dumps(dict(env)).encode() + b"\n"
-        socket.send_fds(self._ctrl, [b"go "], [conn_fd] if conn_fd is not None else [])
+        body = guardian.dump_env(env).encode() + b"\n"
+        guardian.send_fds(self._ctrl, b"go ", [conn_fd] if conn_fd is not None else [])
         self._ctrl.sendall(body)
         first = self._read_line()
         word, _, rest = first.partition(" ")
@@ -217,7 +218,7 @@ class Guardian:
         """The guardian's next line, or None after ``timeout`` seconds."""
         try:
             message = self._messages.get(timeout=timeout)
-        except queue.Empty:
+        except Empty:
             return None
         if message.word in ("empty", "gone"):
             self.finished = True

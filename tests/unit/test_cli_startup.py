@@ -234,3 +234,14 @@ def test_the_lockd_script_itself_imports_no_re() -> None:
     modules = module_lines(argv, env=env) - preloaded()
     assert "lockd_client._connection" in modules  # lockd ran up to its request
     assert "re" not in modules and "click" not in modules
+
+
+def test_run_through_the_entry_imports_no_json_socket_re_or_datetime() -> None:
+    # lockd run needs threads and signals (threading, enum through signal),
+    # but neither json nor socket's Python layer: the guardian's control
+    # socket and COMMAND's environment go through their C modules.
+    args = ["run", "k", "--socket", MISSING, "--", "true"]
+    modules = module_lines([sys.executable, "-c", BARE_ENTRY_MODULES, *args]) - preloaded()
+    assert "lockd.run.guardian" in modules  # the probe saw the guardian start
+    for module in ("re", "json", "socket", "selectors", "datetime"):
+        assert module not in modules, module

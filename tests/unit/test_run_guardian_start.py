@@ -12,11 +12,14 @@ match, and neither guardian may hold the extra descriptor.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 #: argv[1]: "fork" or "exec" (a thread kept alive forces the program); argv[2]: the output file.
 STARTER = r"""
@@ -100,3 +103,41 @@ def test_the_same_descriptors_and_never_lockd_runs_own(both: dict[str, tuple]) -
         _, fds, stray = both[how]
         assert stray not in {n for n, kind in fds if kind == "/dev/null"}, how
         assert [n for n, _ in fds][:3] == [0, 1, 2]
+
+
+# COMMAND's environment travels as JSON written and read with json's C pieces
+# (lockd.run.guardian.dump_env / load_env, issue 24): the same text as
+# json.dumps, read back as json.loads reads it, undecodable bytes included.
+_env_text = st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=0x10FFFF))
+
+
+@given(st.dictionaries(_env_text, _env_text, max_size=8))
+def test_the_environment_travels_as_json_dumps_writes_it(env: dict[str, str]) -> None:
+    from lockd.run.guardian import dump_env, load_env
+
+    text = dump_env(env)
+    assert text == json.dumps(env)
+    assert load_env(text) == env == json.loads(text)
+
+
+def test_descriptors_ride_along_with_the_go_line() -> None:
+    import _socket
+
+    from lockd.run.guardian import recv_fds, send_fds
+
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    read_end, write_end = os.pipe()
+    try:
+        send_fds(ours, b"go ", [write_end])
+        data, fds = recv_fds(theirs, 1 << 16, 4)
+        assert data == b"go " and len(fds) == 1
+        os.write(fds[0], b"x")  # the copy is the pipe's write end
+        assert os.read(read_end, 1) == b"x"
+        os.close(fds[0])
+        send_fds(ours, b"kill 0\n", [])
+        assert recv_fds(theirs, 1 << 16, 4) == (b"kill 0\n", [])
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        ours.close()
+        theirs.close()
