@@ -26,6 +26,7 @@ imports :mod:`lockd_client` (every command needs it) but not click.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -96,6 +97,11 @@ class RunCall:
         from lockd.cli.hot_commands import run_command
         from lockd.cli.output import echo
         from lockd.run.options import OnLost, RunOptions
+        from lockd.run.supervisor import run_locked  # noqa: F401  (loaded before the collector is back)
+
+        # Loaded: lockd run may supervise COMMAND for hours, with the
+        # collector on as in any program (see main()).
+        gc.enable()
 
         if not self.json_output:
             for hint in self.hints:
@@ -334,13 +340,29 @@ def completing(environ: Mapping[str, str]) -> bool:
 
 
 def main() -> None:
-    """``lockd``: a hot command without click, anything else through the click group."""
+    """``lockd``: a hot command without click, anything else through the click group.
+
+    The ``lockd`` script (bin/lockd) and ``python -m lockd`` turn the cyclic
+    garbage collector off before they import anything: loading modules makes
+    many objects and no garbage, and the collections it set off cost a
+    ``lockd run`` ~3 ms of CPU (issue 24, bench/startup.py). It is turned
+    back on for every command but ``locks status`` (one request, then exit)
+    once that command's modules are loaded: here for the click commands
+    (``serve``, ``locks top`` run for long), in :class:`RunCall` for ``lockd
+    run``. When a hot command is done, everything is frozen (``gc.freeze``):
+    the collection the interpreter runs at exit has nothing left to look at
+    (another ~4 ms for ``lockd run``); objects are still freed as it tears
+    the modules down, and the standard streams flushed.
+    """
     call: Callable[[], int] | None = None
     if streams_are_utf8() and not completing(os.environ):
         call = recognise(sys.argv[1:])
     if call is None:
+        gc.enable()
         from lockd.cli.root import main as click_main
 
         click_main()
         return
-    sys.exit(call())
+    status = call()
+    gc.freeze()
+    sys.exit(status)

@@ -245,3 +245,35 @@ def test_run_through_the_entry_imports_no_json_socket_re_or_datetime() -> None:
     assert "lockd.run.guardian" in modules  # the probe saw the guardian start
     for module in ("re", "json", "socket", "selectors", "datetime"):
         assert module not in modules, module
+
+
+#: bin/lockd run as a script, saying at exit whether the collector is on.
+SCRIPT_GC = """
+import atexit, gc, sys
+path = sys.argv[1]
+sys.argv[:2] = ["lockd"]
+atexit.register(lambda: print("collector", "on" if gc.isenabled() else "off"))
+exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__"})
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "collector"),
+    [
+        (["locks", "status", "k"], "off"),  # one request, then exit
+        (["run", "k", "--", "true"], "on"),  # may supervise COMMAND for hours
+        (["locks", "list"], "on"),  # click: serve, top and the rest
+        (["run", "--help"], "on"),
+    ],
+    ids=["status", "run", "click", "run --help"],
+)
+def test_the_collector_is_off_only_while_a_command_loads(args: list[str], collector: str) -> None:
+    script = Path(__file__).resolve().parents[2] / "bin" / "lockd"
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT_GC, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LOCKD_SOCKET": MISSING},
+    )
+    assert out.stdout.split()[-2:] == ["collector", collector], out.stderr
