@@ -277,3 +277,35 @@ def test_the_collector_is_off_only_while_a_command_loads(args: list[str], collec
         env={**os.environ, "LOCKD_SOCKET": MISSING},
     )
     assert out.stdout.split()[-2:] == ["collector", collector], out.stderr
+
+
+EXIT_PROBE = """
+import sys, threading
+from lockd.cli import fast
+if sys.argv[1] == "thread":
+    done = threading.Event()
+    waiter = threading.Thread(target=done.wait, args=(30,))
+    waiter.start()
+    print(fast._nothing_left_to_do())
+    done.set()
+elif sys.argv[1] == "atexit":
+    import atexit
+    atexit.register(print, "handler ran")
+    print(fast._nothing_left_to_do())
+else:
+    print(fast._nothing_left_to_do())
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "skips"), [("plain", "True"), ("thread", "False"), ("atexit", "False")]
+)
+def test_a_hot_command_skips_the_teardown_only_when_nothing_waits_for_it(
+    case: str, skips: str
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_PROBE, case], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split()[0] == skips, out.stderr
+    if case == "atexit":  # and the handler still runs at the usual exit
+        assert out.stdout.split("\n")[1] == "handler ran"
