@@ -100,7 +100,11 @@ class RunCall:
         from lockd.run.supervisor import run_locked  # noqa: F401  (loaded before the collector is back)
 
         # Loaded: lockd run may supervise COMMAND for hours, with the
-        # collector on as in any program (see main()).
+        # collector on as in any program (see main()); what is loaded so far
+        # is frozen first, as the gc docs advise before a fork: the
+        # collector never walks it again, so neither lockd run nor its
+        # forked guardian writes to (and copies) the pages they share.
+        gc.freeze()
         gc.enable()
 
         if not self.json_output:
