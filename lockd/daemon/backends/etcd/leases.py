@@ -61,6 +61,11 @@ class KeptLease:
         less than :data:`HEADROOM_S` ago), so a hold given it now needs no keepalive."""
         return self.alive_until - now_ms >= self.ttl * 1000
 
+    def ageing(self, now_ms: int) -> bool:
+        """True when it has less than half its headroom left beyond a full TTL: a
+        keepalive now keeps it fresh for its next grant (``HoldSupply.keep_lease``)."""
+        return self.alive_until - now_ms < self.ttl * 1000 + HEADROOM_S * 500
+
 
 @dataclass(eq=False)
 class Refresh:

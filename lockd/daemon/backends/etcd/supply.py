@@ -75,6 +75,9 @@ class HoldSupply:
         #: TTLs with a lease being granted ahead.
         self.granting: set[int] = set()
         self._seq = itertools.count(1)
+        #: keepalives under way for kept leases, by lease id: a grant that takes
+        #: one of them waits for it rather than sending another.
+        self._refreshing: dict[int, Refresh] = {}
         #: where lease refreshes and grants ahead run (the backend's, once it runs).
         self.nursery: trio.Nursery | None = None
 
@@ -93,9 +96,7 @@ class HoldSupply:
             if kept.fresh(now_ms):
                 refresh = Refresh.needless(kept)
             else:
-                refresh = Refresh(kept)
-                assert self.nursery is not None
-                self.nursery.start_soon(logged, "lease_refresh", partial(self._refresh, refresh))
+                refresh = self._refreshing.get(kept.id) or self._start_refresh(kept)
             # Its true end, for when the hold gives it back.
             self.leases.note(kept.id, kept.alive_until)
             hold = replace(
@@ -122,6 +123,13 @@ class HoldSupply:
         )
         return hold, None
 
+    def _start_refresh(self, lease: KeptLease) -> Refresh:
+        """A keepalive of ``lease``, in the background."""
+        refresh = self._refreshing[lease.id] = Refresh(lease)
+        assert self.nursery is not None
+        self.nursery.start_soon(logged, "lease_refresh", partial(self._refresh, refresh))
+        return refresh
+
     async def _refresh(self, refresh: Refresh) -> None:
         sent = self._clock.wall_ms()
         try:
@@ -131,6 +139,8 @@ class HoldSupply:
         except (EtcdUnavailable, EtcdError):
             pass  # the grant's put fails on a lost lease; else the old bound stands
         finally:
+            if self._refreshing.get(refresh.lease.id) is refresh:
+                del self._refreshing[refresh.lease.id]
             refresh.done.set()
 
     async def settle(self, hold: Hold, refresh: Refresh | None) -> Hold:
@@ -169,8 +179,26 @@ class HoldSupply:
             self.granting.discard(ttl_s)
 
     def keep_lease(self, lease: KeptLease) -> None:
+        """Keep the lease of a hold that ended (no key on it any more) for the next grant.
+
+        One that comes back with less than half its headroom left beyond a
+        full TTL is refreshed now, in the background (its keys are gone, so
+        the keepalive lengthens no hold): the grant that takes it next,
+        often a hand-off to another daemon's waiter, which must wait for a
+        stale lease's keepalive before its transaction (waiting.py), then
+        finds it fresh. Leases rotate through the pool within milliseconds
+        under steady use, so few go stale between their return and their
+        next grant.
+        """
         if not self.leases.keep(lease):
             self._cleanup.revoke_later(lease.id)
+            return
+        if (
+            lease.ageing(self._clock.wall_ms())
+            and lease.id not in self._refreshing
+            and self.nursery is not None
+        ):
+            self._start_refresh(lease)
 
     async def hold_puts(self, hold: Hold) -> list[Op]:
         ops: list[Op] = [
