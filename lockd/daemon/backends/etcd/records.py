@@ -26,6 +26,7 @@ and hex keeps byte order, so etcd's key order is the lock keys' order and
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,10 @@ class Hold:
 
     @classmethod
     def parse(cls, key: str, handle: str, kv: KeyValue) -> Hold:
+        return _parsed_hold(key, handle, kv)
+
+    @classmethod
+    def _parse(cls, key: str, handle: str, kv: KeyValue) -> Hold:
         doc: dict[str, Any] = json.loads(kv.value)
         return cls(
             key=key,
@@ -228,6 +233,10 @@ class Waiter:
 
     @classmethod
     def parse(cls, kv: KeyValue) -> Waiter:
+        return _parsed_waiter(kv)
+
+    @classmethod
+    def _parse(cls, kv: KeyValue) -> Waiter:
         doc: dict[str, Any] = json.loads(kv.value)
         return cls(
             etcd_key=kv.key,
@@ -370,6 +379,24 @@ class Directory:
             if is_retake(hold.principal, hold.owner, principal, owner):
                 return hold
         return None
+
+
+#: records parsed lately, kept per kind. A key's queue decides from the
+#: same records again at every watch event (``KeyQueue._view``), and parsing
+#: them (JSON, then a frozen dataclass of ~20 fields) was a tenth of a
+#: daemon's CPU under B2. A record is the same record only with the same
+#: key, value, revisions and lease: ``KeyValue`` (frozen) compares them all.
+PARSED_KEPT = 2048
+
+
+@functools.lru_cache(maxsize=PARSED_KEPT)
+def _parsed_hold(key: str, handle: str, kv: KeyValue) -> Hold:
+    return Hold._parse(key, handle, kv)
+
+
+@functools.lru_cache(maxsize=PARSED_KEPT)
+def _parsed_waiter(kv: KeyValue) -> Waiter:
+    return Waiter._parse(kv)
 
 
 def _mode(mode: str) -> queue.Mode:
