@@ -425,7 +425,7 @@ class Acquirer:
         """Take back a waiter record the first transaction wrote; a grant of it that came
         first, if one did.
 
-        As a leaving waiter does (KeyQueue._withdraw): the deletion and a read
+        As a leaving waiter does (``Departures._withdraw``): the deletion and a read
         of its hold in one transaction; once the key is gone no grant of it
         can commit. While etcd does not answer, the clean-up list deletes the
         key, then the hold and binding a grant may have written.

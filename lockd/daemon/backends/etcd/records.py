@@ -382,7 +382,7 @@ class Directory:
 
 
 #: records parsed lately, kept per kind. A key's queue decides from the
-#: same records again at every watch event (``KeyQueue._view``), and parsing
+#: same records again at every watch event (``QueueView.directory``), and parsing
 #: them (JSON, then a frozen dataclass of ~20 fields) was a tenth of a
 #: daemon's CPU under B2. A record is the same record only with the same
 #: key, value, revisions and lease: ``KeyValue`` (frozen) compares them all.

@@ -185,7 +185,7 @@ class HoldSupply:
         full TTL is refreshed now, in the background (its keys are gone, so
         the keepalive lengthens no hold): the grant that takes it next,
         often a hand-off to another daemon's waiter, which must wait for a
-        stale lease's keepalive before its transaction (waiting.py), then
+        stale lease's keepalive before its transaction (granting.py), then
         finds it fresh. Leases rotate through the pool within milliseconds
         under steady use, so few go stale between their return and their
         next grant.
