@@ -45,6 +45,11 @@ from lockd.testing.etcd_cluster import EtcdBackend, EtcdCluster
 from lockd.testing.polling import wait_for
 from lockd.testing.wire import RawConn
 from tests.backend_differences import difference
+from tests.depth import register_profiles
+
+# Before any test module is imported: their settings(max_examples=examples(N))
+# read the loaded profile (quick, or deep under LOCKD_SLOW=1; tests/depth.py).
+register_profiles()
 
 # The etcd cluster fixtures (etcd_cluster, new_etcd_cluster).
 pytest_plugins = ["tests.etcd_fixtures"]

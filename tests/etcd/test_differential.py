@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 from lockd.daemon.backends.etcd.gateway import EtcdGateway, GatewaySettings
 from lockd.testing.etcd_cluster import EtcdCluster
+from tests.depth import examples
 from tests.differential import (
     CLIENTS,
     KEYS,
@@ -302,7 +303,9 @@ async def run_etcd_cluster(ops: list[Op], endpoints: list[str], nodes: int = 1) 
 
 # ------------------------------------------------------------------- tests
 
-FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def semaphore(client: int, owner: str | None = None, wait_s: int | None = 40) -> Acquire:
@@ -347,7 +350,7 @@ def test_the_engine_and_the_etcd_backend_decide_as_the_model(ops: list[Op]) -> N
     check_fences("etcd (fake)", etcd, ties_allowed=False)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(TAKEN_BACK_FROM_THE_QUEUE)
 @example(SHARED_GROUP)
 @given(operations)
@@ -359,7 +362,7 @@ def test_two_etcd_hosts_decide_as_the_model(ops: list[Op]) -> None:
     check_fences("etcd (fake, two hosts)", etcd, ties_allowed=False)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck))
 @given(operations)
 def test_the_etcd_backend_on_a_real_cluster_decides_as_the_model(
     etcd_cluster: EtcdCluster, ops: list[Op]
@@ -371,7 +374,7 @@ def test_the_etcd_backend_on_a_real_cluster_decides_as_the_model(
     check_fences("etcd (real)", etcd, ties_allowed=False)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=list(HealthCheck))
 @given(operations)
 def test_two_etcd_hosts_on_a_real_cluster_decide_as_the_model(
     etcd_cluster: EtcdCluster, ops: list[Op]

@@ -29,6 +29,7 @@ from lockd.daemon.protocol import Acquire, Break, ProtocolError, parse_request
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.wire import RawConn, check_error, check_invalid, unique
 from tests.conftest import Backend
+from tests.depth import examples
 
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 HANDLE_FIELDS = {"key", "handle", "fence", "owner", "ttlMs", "leaseExpiresAt"}
@@ -468,7 +469,7 @@ def guard(lockd: DaemonProcess) -> Iterator[tuple[LockClient, Any]]:
     "junk lines test the parser and server, which are the same for both backends"
 )
 @settings(
-    max_examples=100,
+    max_examples=examples(100),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from lockd.daemon.cold import ColdLeases
 from lockd.daemon.engine import EXCLUSIVE, SHARED, Busy, Lease, LockEngine
+from tests.depth import examples
 from tests.engine_twins import apply_op, written
 
 from .test_engine import grant, make_engine, park
@@ -95,7 +96,7 @@ def test_a_key_with_several_leases_is_taken_whole_by_its_first_deadline() -> Non
     assert (cold.key_count, cold.lease_count, cold.next_deadline()) == (1, 1, 99)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     counts=st.lists(st.integers(1, 3), min_size=1, max_size=300),
     probes=st.lists(st.integers(0, 700), max_size=20),
@@ -121,7 +122,7 @@ def test_cold_keys_are_found_through_the_posts_as_in_a_sorted_list(
     assert cold.lease_count == sum(n for k, n in zip(keys, counts, strict=True) if k not in taken)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     deadlines=st.lists(st.lists(st.integers(-5, 60), min_size=1, max_size=3), max_size=120),
     steps=st.lists(
@@ -357,7 +358,7 @@ ops = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(leases=stored_leases(), steps=st.lists(st.tuples(st.integers(0, 60), ops), max_size=25))
 def test_cold_restore_answers_exactly_as_restore(leases: list[Lease], steps: list[Any]) -> None:
     fence = max((lease.fence for lease in leases), default=0)

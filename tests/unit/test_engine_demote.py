@@ -23,6 +23,7 @@ from lockd.daemon import engine as engine_module
 from lockd.daemon.cold import ColdLeases
 from lockd.daemon.demoted import MAX_DEADLINE, DemotedKeys, _pop, _push
 from lockd.daemon.engine import EXCLUSIVE, SHARED, Changes, Lease, LockEngine
+from tests.depth import examples
 from tests.engine_twins import apply_op, written
 
 from .test_engine import grant, make_engine, park
@@ -246,7 +247,7 @@ def woken(changes: Changes) -> Any:
     return [(w.id, w.timed_out, w.lease.fence if w.lease else None) for w in changes.resolved]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 30), ops), max_size=30))
 def test_demoting_answers_exactly_as_keeping_everything(steps: list[Any]) -> None:
     with pytest.MonkeyPatch.context() as patch:

@@ -56,6 +56,7 @@ from lockd.daemon.engine import (
 )
 from lockd.daemon.holds import fits
 from lockd.daemon.leases import MAX_LISTED_HOLDERS
+from tests.depth import examples
 
 from .test_store import persisted
 
@@ -553,7 +554,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(
-    max_examples=200,
+    max_examples=examples(200),
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from lockd.daemon import engine as engine_module
 from lockd.daemon.engine import Lease, LockEngine
+from tests.depth import examples
 from tests.engine_twins import apply_op, written
 
 from .test_engine import make_engine
@@ -100,7 +101,7 @@ def test_a_step_with_uncommitted_changes_is_refused() -> None:
         e.restore_step(0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     leases=stored_leases(),
     steps=st.lists(st.tuples(st.integers(0, 60), ops, st.booleans()), max_size=25),

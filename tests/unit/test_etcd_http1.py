@@ -24,6 +24,7 @@ from lockd.daemon.backends.etcd.http1 import (
     ResponseReader,
     request_head,
 )
+from tests.depth import examples
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def responses(draw: st.DrawFn) -> bytes:
     )
 
 
-@settings(max_examples=250, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(250), suppress_health_check=[HealthCheck.too_slow])
 @given(responses(), st.lists(st.integers(0, 1000), max_size=8))
 def test_a_gateway_response_reads_as_h11_reads_it(response: bytes, cuts: list[int]) -> None:
     pieces = split(response, cuts)
@@ -182,7 +183,7 @@ def mangled(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(500), suppress_health_check=[HealthCheck.too_slow])
 @given(mangled(), st.lists(st.integers(0, 1000), max_size=4))
 def test_whatever_it_accepts_h11_accepts_alike(response: bytes, cuts: list[int]) -> None:
     pieces = split(response, cuts)

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockd.daemon.backends.etcd.queue import Claim, blockers, decide, fits
+from tests.depth import examples
 
 # A key's claims share one limit: limit 1 mixes exclusive and shared,
 # limit > 1 is a semaphore (exclusive only).
@@ -171,7 +172,7 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(limits, steps)
 def test_no_waiter_sleeps_while_the_rules_would_grant_it(
     limit: int, script: list[tuple[str, object]]

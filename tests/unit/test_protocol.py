@@ -34,6 +34,7 @@ from lockd.daemon.protocol import (
     encode_result,
     parse_request,
 )
+from tests.depth import examples
 
 #: 341 three-byte characters: 1023 bytes of UTF-8.
 EURO_1023 = "\u20ac" * 341
@@ -466,7 +467,7 @@ def expected_id(obj: object) -> int | str | None:
     return rid
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=300))
 def test_arbitrary_bytes_only_raise_protocol_error(data: bytes) -> None:
     try:
@@ -477,7 +478,7 @@ def test_arbitrary_bytes_only_raise_protocol_error(data: bytes) -> None:
         assert isinstance(request, Request) and request.op in OPS
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(obj=request_objects | json_values)
 def test_arbitrary_json_only_raises_protocol_error(obj: object) -> None:
     raw = json.dumps(obj).encode()
@@ -493,7 +494,7 @@ def test_arbitrary_json_only_raises_protocol_error(obj: object) -> None:
         assert set(obj) <= {"id", "op", *FIELD_NAMES} - {"ttl"}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     op=st.sampled_from(sorted(OPS)),
     name=st.text(min_size=1, max_size=10).filter(

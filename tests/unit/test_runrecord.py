@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from lockd.daemon.runrecord import RunRecord, RunRecordError, record_path
 from lockd.daemon.store import GrantsOnHold, Store, StoreError
 from lockd.daemon.verify import ROW_TEXT_SQL, row_checksum
+from tests.depth import examples
 
 from .test_store import BOOT, OTHER_BOOT, changes, lease
 
@@ -28,7 +29,7 @@ from .test_store import BOOT, OTHER_BOOT, changes, lease
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     key=text.filter(bool),
     owner=st.none() | text,
