@@ -12,11 +12,13 @@ were.
 
 The crash is real: a daemon subprocess under load from a client thread,
 killed with SIGKILL. The damage is then applied to copies of the files it
-left, one variant at a time. The fast lane restarts a real daemon on a
-handful of variants; the wide sweep (``LOCKD_SLOW=1``) checks hundreds
-of offsets of both files and many truncations through the daemon's own
-start-up code in-process (``lockd.daemon.serve._open_store``), which is what
-``lockd serve`` runs before it answers anything.
+left, one variant at a time. One crash serves the whole module: every test
+starts from the files exactly as it left them (``crashed`` restores them).
+The fast lane restarts a real daemon on a handful of variants; the wide
+sweep (``LOCKD_SLOW=1``) checks hundreds of offsets of both files and many
+truncations through the daemon's own start-up code in-process
+(``lockd.daemon.serve._open_store``), which is what ``lockd serve`` runs
+before it answers anything.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,9 +140,23 @@ def _crash_under_load(daemon: DaemonProcess) -> Crashed:
     return crashed
 
 
+@pytest.fixture(scope="module")
+def crash() -> Iterator[Crashed]:
+    """One crash under load for the module (what it leaves is only read, and restored)."""
+    root = Path(tempfile.mkdtemp(prefix="lockd-", dir="/tmp"))
+    daemon = DaemonProcess.in_folder(root)
+    try:
+        yield _crash_under_load(daemon)
+    finally:
+        daemon.terminate()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
-def crashed(daemon_paths: DaemonProcess) -> Crashed:
-    return _crash_under_load(daemon_paths)
+def crashed(crash: Crashed) -> Crashed:
+    """The module's crash, its files put back as the crash left them (and nothing else)."""
+    crash.restore()
+    return crash
 
 
 def _digest(path: Path) -> str | None:
@@ -238,11 +255,17 @@ def test_undamaged_crash_starts_with_every_lease(crashed: Crashed) -> None:
     assert check_start(crashed, lambda: None) == "started"
 
 
-def test_real_daemon_refuses_a_damaged_wal_and_accepts_on_request(
-    crashed: Crashed, daemon_paths: DaemonProcess
-) -> None:
+def test_real_daemon_refuses_a_damaged_wal_and_accepts_on_request(crashed: Crashed) -> None:
     """The whole path through ``lockd serve``: the refusal, then --accept-data-loss."""
-    crashed.restore()
+    daemon = DaemonProcess.in_folder(crashed.root)  # on the crash's own files
+    try:
+        _refuse_then_accept_data_loss(crashed, daemon)
+    finally:
+        daemon.terminate()
+        crashed.restore()  # what the accepting daemon wrote goes: the next test starts clean
+
+
+def _refuse_then_accept_data_loss(crashed: Crashed, daemon_paths: DaemonProcess) -> None:
     flip(crashed.wal, WAL_HEADER + (_frames(crashed) // 2) * FRAME + 200)
     before = {p: _digest(p) for p in (crashed.db, crashed.wal)}
     run = daemon_paths.serve_once(timeout=60)
