@@ -26,6 +26,15 @@ from lockd.testing.polling import wait_for
 pytestmark = pytest.mark.both_backends
 
 
+@pytest.fixture(scope="module")
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """The module's one daemon for the tests that leave it running, each on keys of its own.
+
+    The tests that stop, kill or freeze a daemon start their own (``daemon_paths``).
+    """
+    return lockd
+
+
 def waiters(client: LockClient, key: str) -> int:
     return client.status(key).waiters
 
@@ -139,9 +148,10 @@ class Waiter(threading.Thread):
 
 
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
-def test_parked_acquires_survive_restarts_under_load(daemon: DaemonProcess, how: str) -> None:
+def test_parked_acquires_survive_restarts_under_load(daemon_paths: DaemonProcess, how: str) -> None:
     """Twelve waiters (half with an owner) parked on a held key, while other clients
     hammer the daemon; the daemon is restarted twice; every waiter gets the key once."""
+    daemon = daemon_paths.start()
     key = f"repark:{how}"
     holder = LockClient(daemon.socket)
     held = holder.acquire(key, ttl=60, timeout=1, owner="holder")
@@ -206,8 +216,9 @@ def _cli(daemon: DaemonProcess, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_cli_waits_survive_a_restart(daemon: DaemonProcess) -> None:
+def test_cli_waits_survive_a_restart(daemon_paths: DaemonProcess) -> None:
     """``lockd locks acquire --wait`` and ``lockd run --wait`` park again after a restart."""
+    daemon = daemon_paths.start()
     with LockClient(daemon.socket) as client:
         held = client.acquire("repark:cli", ttl=60, timeout=1)
         acquire = _cli(daemon, "locks", "acquire", "repark:cli", "--ttl", "30s", "--wait", "60s")
@@ -228,10 +239,11 @@ def test_cli_waits_survive_a_restart(daemon: DaemonProcess) -> None:
         assert run_out == "ran\n"
 
 
-def test_auto_renew_reports_loss_before_the_lease_runs_out(daemon: DaemonProcess) -> None:
+def test_auto_renew_reports_loss_before_the_lease_runs_out(daemon_paths: DaemonProcess) -> None:
     """``lock(auto_renew=True)``: with a frozen daemon, ``on_lost`` comes while
     the lease still holds, so the block can stop before another holder may get
     the key (a margin of a tenth of the TTL)."""
+    daemon = daemon_paths.start()
     assert daemon.proc is not None
     lost_at: list[float] = []
     done = threading.Event()
