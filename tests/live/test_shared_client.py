@@ -18,6 +18,12 @@ from lockd.testing.polling import wait_for
 pytestmark = pytest.mark.both_backends
 
 
+@pytest.fixture(scope="module")
+def daemon(lockd: DaemonProcess) -> DaemonProcess:  # the fixture, not the function below
+    """The module's one daemon (on the module's backend): each test has keys of its own."""
+    return lockd
+
+
 def lockd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*LOCKD, *args], capture_output=True, text=True, timeout=60, env=daemon.env
