@@ -19,6 +19,15 @@ from lockd.testing.daemon import LOCKD, DaemonProcess
 NOBODY = 65534
 
 
+@pytest.fixture(scope="module")
+def daemon(lockd: DaemonProcess) -> DaemonProcess:  # the fixture, not the function below
+    """The module's one daemon: each test has keys of its own and leaves it as it was.
+
+    The permission test opens the daemon's folder to everyone: it starts its own.
+    """
+    return lockd
+
+
 def lockd(
     *args: str, env: dict[str, str] | None = None, **kw: Any
 ) -> subprocess.CompletedProcess[str]:
@@ -167,8 +176,11 @@ def test_run_ttl_bare_number_warns(daemon: DaemonProcess) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
-def test_permission_denied_on_the_socket_names_owner_and_mode(daemon: DaemonProcess) -> None:
+def test_permission_denied_on_the_socket_names_owner_and_mode(
+    daemon_paths: DaemonProcess,
+) -> None:
     """A user who may not open the socket is told so (exit 3), not "start the daemon"."""
+    daemon = daemon_paths.start()
     os.chmod(daemon.root, 0o755)  # the folder is open; the socket (0600, root) is not
     # The interpreter lives where nobody may not read: import everything as
     # root, then become nobody and run the command in the same process.
