@@ -21,6 +21,12 @@ from lockd.testing.wire import RawConn
 pytestmark = pytest.mark.both_backends
 
 
+@pytest.fixture(scope="module")
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """The module's one daemon (on its backend): each test queues on a key of its own."""
+    return lockd
+
+
 def replies_by_id(raw: RawConn, count: int) -> dict[Any, dict[str, Any]]:
     got = {}
     for _ in range(count):
