@@ -23,6 +23,12 @@ from lockd_client.trio import TrioLockClient
 from lockd.testing.daemon import DaemonProcess
 
 
+@pytest.fixture(scope="module")
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """The module's one daemon: each test holds keys of its own."""
+    return lockd
+
+
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[bytes]]:
     """A descendant of this process: one the daemon believes as a holder."""
