@@ -11,6 +11,7 @@ README cannot drift from what a newcomer's copy-paste does.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -48,10 +49,22 @@ def test_readme_has_a_quick_start_at_the_top() -> None:
     assert serve.startswith("lockd serve")
 
 
+def _venv_with_pip(venv: Path) -> None:
+    """A fresh venv with pip in it, the version this run's own venv has.
+
+    Made without ensurepip, whose install byte-compiles all of pip (~6 s of
+    CPU, 30-50 s on a loaded machine); pip compiles what it runs as it goes.
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
+    version = f"pip=={importlib.metadata.version('pip')}"
+    subprocess.run([*pip, "install", "-q", "--no-compile", version], check=True, timeout=300)
+
+
 def test_quick_start_verbatim_after_pip_install(tmp_path: Path) -> None:
     (install, serve), commands = quick_start_blocks()[:2]
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    _venv_with_pip(venv)
     bin_dir = venv / "bin"
     # A user-mode environment of its own: the socket lands in XDG_RUNTIME_DIR.
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"lockd-qs-{os.getpid()}"
@@ -68,6 +81,9 @@ def test_quick_start_verbatim_after_pip_install(tmp_path: Path) -> None:
         XDG_CONFIG_HOME=str(tmp_path / "config"),
         XDG_DATA_HOME=str(tmp_path / "data"),
         HOME=str(tmp_path),
+        # pip's own cache, which HOME above would hide: what it holds is what
+        # pip would fetch again (on CI, scripts/test's install just filled it).
+        PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR") or str(Path.home() / ".cache" / "pip"),
         PIP_DISABLE_PIP_VERSION_CHECK="1",
         **{SESSION_ENV: SESSION_TOKEN},
     )
