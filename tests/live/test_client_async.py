@@ -40,6 +40,15 @@ RACE_LEADS = (0, 0, 0.0005, 0.002)
 RACE_GAPS = (0, 0, 0.0001, 0.0005, 0.001)
 
 
+@pytest.fixture(scope="module")
+def daemon(lockd: DaemonProcess) -> DaemonProcess:
+    """The module's one daemon (on its backend): each test uses keys of its own.
+
+    ``test_asyncio_operations`` lists every ``aio:`` key: it starts a daemon of its own.
+    """
+    return lockd
+
+
 class StatusClient(Protocol):
     """The status call both async clients have (asyncio's and trio's)."""
 
@@ -80,7 +89,9 @@ def settles_free(socket: object, key: str, timeout: float = 10.0) -> bool:
 # -- asyncio ------------------------------------------------------------------------------
 
 
-def test_asyncio_operations(daemon: DaemonProcess) -> None:
+def test_asyncio_operations(daemon_paths: DaemonProcess) -> None:
+    daemon = daemon_paths.start()
+
     async def main() -> None:
         async with AsyncLockClient(daemon.socket) as client:
             assert (await client.hello())["protocol"] == 1
