@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ def test_cli_status_and_top_show_the_queue(lockd: DaemonProcess, conns: list[Raw
 def test_wait_line_names_holder_and_position(lockd: DaemonProcess, conns: list[RawConn]) -> None:
     holder = conns[0]
     key = unique("line")
-    assert holder.result({"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60_000}) is not None
+    held = holder.result({"id": 1, "op": "tryAcquire", "key": key, "ttlMs": 60_000})
+    assert held is not None
     from lockd_client import LockClient
 
     class Tty(io.StringIO):
@@ -127,19 +129,31 @@ def test_wait_line_names_holder_and_position(lockd: DaemonProcess, conns: list[R
             return True
 
     out = Tty()
+    ours = "1st of 1 in the queue"
+    freed: list[BaseException] = []
+
+    def release_once_drawn() -> None:
+        # The holder lets go once the line has shown our place, not after a
+        # fixed wait: the first draw comes 0.5 s in, later on a loaded box.
+        try:
+            wait_for(lambda: ours in out.getvalue(), timeout=60, what="the line to show our place")
+        except BaseException as exc:
+            freed.append(exc)
+        holder.result({"id": 2, "op": "release", "key": key, "handle": held["handle"]})
+
     line = WaitLine(key, str(lockd.socket), stream=out)
+    releaser = threading.Thread(target=release_once_drawn)
     with LockClient(str(lockd.socket)) as client, line:
         assert line.enabled
-        try:
-            client.acquire(key, ttl=5, timeout=1.5)
-        except Exception as exc:
-            assert type(exc).__name__ == "LockTimeoutError"
+        releaser.start()
+        client.acquire(key, ttl=5, timeout=120)
+    releaser.join()
+    assert not freed, freed
     text = out.getvalue()
     assert text.endswith("\r\x1b[K")  # erased before anything else is printed
     drawn = [part for part in text.split("\r\x1b[K") if part]
-    assert drawn, "nothing was drawn while waiting"
-    assert drawn[-1].startswith("waiting ") and f"for '{key}': held by user:root" in drawn[-1]
-    assert "1st of 1 in the queue" in drawn[-1]
+    shown = next(part for part in drawn if ours in part)
+    assert shown.startswith("waiting ") and f"for '{key}': held by user:root" in shown
 
 
 # --------------------------------------------------------------------- plain functions
