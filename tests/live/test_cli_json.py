@@ -55,7 +55,8 @@ def the_error(result: subprocess.CompletedProcess[str], *, log: bool = False) ->
 def test_every_failure_is_one_json_line(daemon: DaemonProcess, short_tmp: Path) -> None:
     env = daemon.env
     with LockClient(daemon.socket) as client:
-        client.acquire("j:busy", ttl=60, timeout=1, owner="first")
+        # An hour: "busy" must hold for the whole test, which took over 60 s on a loaded box.
+        client.acquire("j:busy", ttl=3600, timeout=1, owner="first")
         handle = client.acquire("j:lost", ttl=60, timeout=1)
         assert client.break_lock("j:lost", "test").broken
     nowhere = {**os.environ, "LOCKD_SOCKET": str(short_tmp / "none.sock")}
