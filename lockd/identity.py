@@ -22,6 +22,7 @@ Identity fails closed, never degrades:
 from __future__ import annotations
 
 import errno
+import functools
 import grp
 import logging
 import os
@@ -83,9 +84,10 @@ class Caller:
     #: recorded with its holds so that status can say whether it still runs.
     start: int | None = None
 
-    @property
+    @functools.cached_property
     def principal(self) -> str:
         # Interned: the leases of one caller share one string, not one each.
+        # Made once per caller (a connection's), not on every request.
         return sys.intern(f"{self.kind}:{self.name}")
 
     @property

@@ -181,13 +181,17 @@ class ColdPath:
 
     def warm_key(self, key: str) -> None:
         """Load ``key`` if it is still cold, or maybe stored (before anything looks at it)."""
+        if self.needs_load(key):
+            self.warm([key])
+
+    def needs_load(self, key: str) -> bool:
+        """Is ``key`` cold, or maybe stored (so :meth:`warm_key` would read the store)?"""
         cold = self.cold
-        if (
+        return bool(
             (cold.key_count or cold.loading)
             and key not in self._table.keys
             and (key in cold or cold.unknown(key))
-        ):
-            self.warm([key])
+        )
 
     # -------------------------------------------------------------- demotion
 

@@ -49,6 +49,8 @@ the state it works on:
 * :mod:`lockd.daemon.coldpath` -- restore, cold keys loaded on demand,
   demotion of settled keys;
 * :mod:`lockd.daemon.journal` -- the effects to commit and the undo log;
+* :mod:`lockd.daemon.lonekeys` -- the common case with less work: a free
+  key granted, a key's only holder released (the service's fast path);
 * :mod:`lockd.daemon.engineviews` -- what ``status`` and ``list`` show.
 
 Requests are all or nothing: a request's own changes are recorded in an undo
@@ -87,6 +89,7 @@ from lockd.daemon.leases import (
     Waiter,
     new_handle_id,
 )
+from lockd.daemon.lonekeys import LoneKeys
 from lockd.daemon.waitqueue import WaitQueues
 
 __all__ = [
@@ -152,6 +155,8 @@ class LockEngine:
         queues = self._queues = WaitQueues(table, deadlines, journal, waiters)
         coldpath = self._coldpath = ColdPath(table, deadlines, journal)
         self._expiry = Expiry(table, deadlines, queues, coldpath, journal)
+        #: the common case the service's fast path answers (lockd.daemon.lonekeys).
+        self.lone = LoneKeys(table, self._expiry, coldpath, journal)
         # Tests read these by their old names; each is never replaced.
         self._keys, self._owned, self._conn_leases = table.keys, table.owned, table.conn_leases
         self._waiters, self._conn_waiters = waiters, queues.conn_waiters

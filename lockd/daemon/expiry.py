@@ -134,6 +134,41 @@ class Expiry:
         deadlines.compact_if_bloated(table)
         return caught_up
 
+    def quiet(self, now: int) -> bool:
+        """No deadline has come by ``now`` and the timer is not behind (the fast path's check).
+
+        Reads the heaps' tops as they are: a dead entry on top can only make
+        it answer False, so it never answers True when :meth:`due` would be
+        true. Then :meth:`catch_up` would apply nothing, and
+        :meth:`pass_quietly` does what is left of it.
+        """
+        if self.behind:
+            return False
+        deadlines = self._deadlines
+        heap = deadlines.lease_heap
+        if heap and heap[0][0] <= now:
+            return False
+        wheap = deadlines.waiter_heap
+        if wheap and wheap[0][0] <= now:
+            return False
+        cold = self._coldpath.cold
+        if cold.key_count:
+            cold_at = cold.next_deadline()
+            if cold_at is not None and cold_at <= now:
+                return False
+        return True
+
+    def pass_quietly(self, now: int, key: str) -> None:
+        """:meth:`catch_up` for a loaded ``key`` when :meth:`quiet` said nothing is due.
+
+        Nothing is applied; what stays is its bookkeeping: the key is the
+        most recently used (demotion), and dead heap entries do not pile up.
+        """
+        coldpath = self._coldpath
+        coldpath.last_now = now
+        coldpath.touch(key)
+        self._deadlines.compact_if_bloated(self._table)
+
     def catch_up(self, now: int, key: str | None) -> None:
         """Time passes before a request: a few due deadlines, then all of ``key``'s."""
         if key is not None:

@@ -119,33 +119,74 @@ class KeyTable:
     # ----------------------------------------------------------------- grants
 
     def _new_lease(self, now: int, claim: Waiter, slot: int) -> Lease:
-        self.fence += 1
-        lease = Lease(
+        return self.new_lease(
+            now,
             claim.key,
-            self._new_handle(),
-            self.fence,
-            claim.owner,
             claim.principal,
+            claim.owner,
             claim.ttl_ms,
-            now + claim.ttl_ms,
-            claim.conn if claim.release_on_close else None,
+            claim.conn,
+            claim.release_on_close,
             claim.mode,
             claim.limit,
-            slot,
             claim.pid,
             claim.process,
             claim.pid_start,
+            slot,
         )
-        lease.taken_by = claim.conn
+
+    def new_lease(
+        self,
+        now: int,
+        key: str,
+        principal: str,
+        owner: str | None,
+        ttl_ms: int,
+        conn: int,
+        release_on_close: bool,
+        mode: str,
+        limit: int,
+        pid: int | None,
+        process: str | None,
+        pid_start: int | None,
+        slot: int = 0,
+    ) -> Lease:
+        """A new hold with the next fence and a new handle (not yet anyone's)."""
+        self.fence += 1
+        lease = Lease(
+            key,
+            self._new_handle(),
+            self.fence,
+            owner,
+            principal,
+            ttl_ms,
+            now + ttl_ms,
+            conn if release_on_close else None,
+            mode,
+            limit,
+            slot,
+            pid,
+            process,
+            pid_start,
+        )
+        lease.taken_by = conn
         return lease
 
     def grant_fresh(self, now: int, claim: Waiter) -> Lease:
         """The common case, a key nobody holds: one new state, one undo entry."""
-        lease = self._new_lease(now, claim, 0)
-        state = KeyState(claim.mode, claim.limit)
+        return self.grant_free(self._new_lease(now, claim, 0))
+
+    def grant_free(self, lease: Lease) -> Lease:
+        """Make a new ``lease`` (slot 0) the only holder of its key, which nobody holds.
+
+        The engine's fast path makes the lease without a waiter
+        (:meth:`new_lease`, then this: :meth:`lockd.daemon.lonekeys.LoneKeys.grant`).
+        """
+        key = lease.key
+        state = KeyState(lease.mode, lease.limit)
         state.count, state.first, state.last, state.next_slot = 1, lease, lease, 1
-        self._undo.put(self.keys, claim.key, state)
-        self.sorted_keys.add(claim.key)
+        self._undo.put(self.keys, key, state)
+        self.sorted_keys.add(key)
         self.lease_count += 1
         self._granted(lease)
         return lease

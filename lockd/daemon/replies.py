@@ -131,18 +131,24 @@ class Replies:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
 
-    def wall(self, boot_deadline: int) -> str:
-        """A boot-clock deadline as the wall-clock time it falls on."""
-        return format_epoch_ms(self.clock.wall_ms() + boot_deadline - self.clock.boot_ms())
+    def wall(self, boot_deadline: int, boot_now: int | None = None) -> str:
+        """A boot-clock deadline as the wall-clock time it falls on.
 
-    def lease_view(self, lease: Lease) -> dict[str, Any]:
+        ``boot_now``: the boot clock as the caller just read it (spares a read).
+        """
+        clock = self.clock
+        if boot_now is None:
+            boot_now = clock.boot_ms()
+        return format_epoch_ms(clock.wall_ms() + boot_deadline - boot_now)
+
+    def lease_view(self, lease: Lease, boot_now: int | None = None) -> dict[str, Any]:
         return {
             "key": lease.key,
             "handle": lease.handle,
             "fence": lease.fence,
             "owner": lease.owner,
             "ttlMs": lease.ttl_ms,
-            "leaseExpiresAt": self.wall(lease.expires_at),
+            "leaseExpiresAt": self.wall(lease.expires_at, boot_now),
         }
 
     def holder_view(self, lease: Lease) -> dict[str, Any]:

@@ -63,6 +63,7 @@ from lockd.daemon.engine import (
     Waiter,
 )
 from lockd.daemon.events import LossEvent, LossWatch, PendingBreak
+from lockd.daemon.fastpath import FastPath
 from lockd.daemon.gate import (
     COSTLY_RULE_S,
     DEFAULT_MAX_PENDING_PER_CONNECTION,
@@ -238,6 +239,20 @@ class LockService:
         #: backend, which holds the lock state (the engine and store stay
         #: empty) and whose answers the server awaits (``backend.awaits``).
         self.backend: LockBackend = _backend(self, remote)
+        #: the common case answered with less work (lockd.daemon.fastpath): the
+        #: embedded backend only; None sends every request the usual way.
+        self.fast: FastPath | None = None
+        if remote is None and store is not None:
+            self.fast = FastPath(
+                engine,
+                store,
+                self.gate,
+                self.commits,
+                self.losses,
+                self.replies,
+                clock,
+                self.stats,
+            )
         #: the server's own gauges (uptime, connections) for the ``stats`` op.
         self.server_gauges: Callable[[], dict[str, Any]] = dict
 

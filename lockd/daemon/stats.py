@@ -2,8 +2,10 @@
 
 Latencies keep the last :data:`WINDOW` samples per op in a ring (the
 config's ``stats_window``): memory is fixed, percentiles describe recent
-behaviour, and recording costs one list store on the hot path. A blocking
-acquire's latency includes its wait.
+behaviour, and recording costs one list store on the hot path. The server
+times one request in :data:`SAMPLE_EVERY` of those it answers at once (the
+others are only counted: ``count`` stays exact) and every request that
+waits in a task of its own. A blocking acquire's latency includes its wait.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 from lockd.metrics import COUNTERS
 
 WINDOW = 2048
+#: the server times one in this many of the requests it answers at once, at random.
+SAMPLE_EVERY = 8
 
 
 class LatencyWindow:
@@ -70,6 +74,13 @@ class StatsRecorder:
         if window is None:
             window = self.latency[op] = LatencyWindow(self.window)
         window.record(ms)
+
+    def tally(self, op: str) -> None:
+        """One more request of ``op``, not timed (the server samples what it times)."""
+        window = self.latency.get(op)
+        if window is None:
+            window = self.latency[op] = LatencyWindow(self.window)
+        window.count += 1
 
     def snapshot(self, gauges: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -58,6 +58,16 @@ class ExpiryTimer:
         # sleep long, so hand-offs after a resume are late by a second at most.
         scope.deadline = trio.current_time() + min(delay, TIMER_MAX_SLEEP)
 
+    def lease_added(self, expires_at: int) -> None:
+        """A new lease runs out at ``expires_at``: :meth:`reschedule` if that is before the target.
+
+        The fast path's grant adds this one deadline and nothing else
+        (its release only takes one away), so the engine is not asked:
+        the target is never later than the earliest deadline.
+        """
+        if self._scope is not None and (self._target is None or expires_at < self._target):
+            self.reschedule()
+
     async def run(self) -> None:
         """The timer task: runs until cancelled."""
         while True:
