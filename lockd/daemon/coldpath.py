@@ -168,7 +168,7 @@ class ColdPath:
         key = group[0].key
         self._table.restore_key(group)
         self.touch(key)
-        self._table.sorted_keys.add(key)
+        self._table.index_key(key)
         for lease in group:
             self._deadlines.push_lease(lease)
 
