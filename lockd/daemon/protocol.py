@@ -200,6 +200,16 @@ def _utf8_len(text: str) -> int | None:
 
 def check_key(value: object, field: str = "key") -> str:
     """A key: 1-1024 bytes of UTF-8 without control characters."""
+    # The usual key is ASCII: one byte per character, and for ASCII "no
+    # control character" is exactly isprintable(). Two C calls instead of
+    # an encode and a regex search; anything else is checked in full below.
+    if (
+        type(value) is str
+        and value.isascii()
+        and value.isprintable()
+        and 1 <= len(value) <= MAX_KEY_BYTES
+    ):
+        return value
     if not isinstance(value, str):
         raise invalid(field, f"{field} must be a string")
     size = _utf8_len(value)
@@ -213,6 +223,14 @@ def check_key(value: object, field: str = "key") -> str:
 
 
 def _text(value: object, field: str, max_chars: int, *, min_chars: int = 1) -> str:
+    # ASCII without control characters (see check_key): only the length to check.
+    if (
+        type(value) is str
+        and value.isascii()
+        and value.isprintable()
+        and min_chars <= len(value) <= max_chars
+    ):
+        return value
     if not isinstance(value, str):
         raise invalid(field, f"{field} must be a string")
     if not min_chars <= len(value) <= max_chars:
