@@ -123,12 +123,12 @@ async def test_a_prober_cancelled_by_its_deadline_lets_the_next_write_probe(
             done[name] += 1
 
     async def elect() -> None:
-        await trio.sleep(1.5)
+        await trio.sleep(1.5)  # autojump_clock: the election 1.5 s in, no real time
         cluster.leader, cluster.term = MEMBER[ENDPOINTS[1]], 3
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(write, 0.5, "short")  # probes first, gives up at 0.5 s
-        await trio.sleep(0.01)
+        await trio.sleep(0.01)  # autojump_clock: the short write probes first, no real time
         nursery.start_soon(write, 4.0, "long")  # waits on that probe, then probes itself
         nursery.start_soon(elect)
     assert done == Counter({"long": 1})
