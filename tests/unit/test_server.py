@@ -241,11 +241,17 @@ async def test_close_noticed_while_pending_limit_reached(short_tmp: Path) -> Non
         # Three parked acquires in one write: the third waits for a pending slot.
         await client.send(*(acquire(i, "busy", timeoutMs=600_000) for i in (2, 3, 4)))
         assert await until(lambda: h.engine.waiter_count == 2)
+
+        def state() -> tuple[int, bool]:
+            return h.engine.waiter_count, h.service.status("mine")["held"]
+
         client.close()
         # docs/contract.md §2/§3: a waiter whose connection closes leaves the queue, and a
-        # releaseOnClose lease is released at once when its connection closes.
-        await until(lambda: h.engine.waiter_count == 0, timeout=1.0)
-        waiters, mine = h.engine.waiter_count, h.service.status("mine")["held"]
+        # releaseOnClose lease is released at once when its connection closes. Both are
+        # waited for: the waiters leave as the connection's tasks end, and the lease goes
+        # a scheduling step later, when the connection's teardown runs.
+        await until(lambda: state() == (0, False), timeout=1.0)
+        waiters, mine = state()
     assert (waiters, mine) == (0, False)
 
 
