@@ -149,7 +149,8 @@ def read_junit(path: Path, result: RunResult) -> None:
             problem = case.find(outcome)
             if problem is not None:
                 message = (problem.get("message") or problem.text or outcome).strip()
-                first_line = message.splitlines()[0] if message else outcome
+                # The message is often a repr, with its line breaks escaped.
+                first_line = message.splitlines()[0].split("\\n")[0] if message else outcome
                 result.failures.setdefault(test_id(case), f"{outcome}: {first_line}"[:120])
 
 
