@@ -607,11 +607,12 @@ def test_second_daemon_on_the_same_database_refuses_at_once(
     shared: DaemonProcess, client: LockClient
 ) -> None:
     handle = client.acquire("db-owner", ttl=60, timeout=1)
-    started = time.monotonic()
     second = shared.serve_once(socket=shared.root / "second.sock")
     assert second.returncode == 1
     assert "in use by another process" in second.stderr and str(shared.db) in second.stderr
-    assert time.monotonic() - started < 4  # no SQLite busy wait
+    # "At once" (no SQLite busy wait) is timed in process, by test_store's
+    # test_a_database_in_use_is_refused_without_a_busy_wait: around this whole
+    # second daemon, Python's start-up on a starved CPU took longer than the bound.
     assert not (shared.root / "second.sock").exists()
     assert client.status("db-owner").fence == handle.fence
 

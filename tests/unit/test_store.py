@@ -6,6 +6,7 @@ import gc
 import shutil
 import sqlite3
 import stat
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -449,3 +450,18 @@ def test_background_check_sees_the_commits_a_crash_left_in_the_wal(
     reopened.wait_checked()
     assert len(rows) == 300
     reopened.close()
+
+
+def test_a_database_in_use_is_refused_without_a_busy_wait(db_path: Path) -> None:
+    """A second Store on a database another one holds is refused at once: SQLite's busy
+    handler (Python's default is to retry for 5 s) would not help, since the holder
+    keeps it for good (exclusive locking). Timed here, in process, rather than around a
+    second daemon's whole start, where a starved CPU's Python start-up is most of it."""
+    holder = Store(db_path, BOOT)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="in use by another process"):
+            Store(db_path, BOOT)
+        assert time.monotonic() - started < 1.0
+    finally:
+        holder.close()
