@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import lockd_client._client
 import pytest
 from click.testing import CliRunner
 from hypothesis import given
@@ -111,7 +112,7 @@ def test_acquire_without_timeout_sends_the_longest_wait_and_parks_again(
     client = LockClient("/nowhere")
     sent: list[dict[str, Any]] = []
 
-    def fake_call(op: str, args: dict[str, Any], *rest: Any, **kw: Any) -> Any:
+    def fake_call(_client: Any, op: str, args: dict[str, Any], *rest: Any, **kw: Any) -> Any:
         sent.append(args)
         if len(sent) < 3:
             raise LockTimeoutError("timed out", code="LOCK_TIMEOUT", details={"key": "k"})
@@ -124,7 +125,7 @@ def test_acquire_without_timeout_sends_the_longest_wait_and_parks_again(
             "leaseExpiresAt": "2026-12-03T10:00:00.000Z",
         }
 
-    monkeypatch.setattr(client, "_call", fake_call)
+    monkeypatch.setattr(lockd_client._client, "_call", fake_call)  # the client's request loop
     handle = client.acquire("k")
     assert handle.fence == 7
     assert [a["timeoutMs"] for a in sent] == [MAX_TIMEOUT_MS] * 3
