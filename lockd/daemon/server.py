@@ -483,10 +483,11 @@ class LockServer:
         A request a remote backend decides without waiting in a queue comes
         back as a coroutine for the connection's own task to await.
         """
-        # Latency is sampled (stats.SAMPLE_EVERY); a request that waits in a
+        # Latency is sampled (stats.SAMPLE_EVERY, all of an op's first
+        # stats.SAMPLE_ALL_BELOW); a request that waits in a
         # task of its own is always timed, from its parse at the latest.
         timed = _random() < _SAMPLED
-        started = time.perf_counter() if timed else 0.0
+        started = time.perf_counter()
         handed_off = False
         fast_answer = False
         request: Request | None = None
@@ -556,7 +557,7 @@ class LockServer:
             self._outbox.reply_internal(conn, request)
         finally:
             if request is not None and not handed_off:
-                if timed:
+                if timed or service.stats.few_samples(request.op):
                     self._outbox.observe(request.op, started)
                 else:
                     service.stats.tally(request.op)

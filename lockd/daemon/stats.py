@@ -4,7 +4,8 @@ Latencies keep the last :data:`WINDOW` samples per op in a ring (the
 config's ``stats_window``): memory is fixed, percentiles describe recent
 behaviour, and recording costs one list store on the hot path. The server
 times one request in :data:`SAMPLE_EVERY` of those it answers at once (the
-others are only counted: ``count`` stays exact) and every request that
+others are only counted: ``count`` stays exact), every one of an op that has
+fewer than :data:`SAMPLE_ALL_BELOW` samples, and every request that
 waits in a task of its own. A blocking acquire's latency includes its wait.
 """
 
@@ -16,8 +17,11 @@ from typing import Any
 from lockd.metrics import COUNTERS
 
 WINDOW = 2048
-#: the server times one in this many of the requests it answers at once, at random.
+#: the server times one in this many of the requests it answers at once, at random...
 SAMPLE_EVERY = 8
+#: ...once an op has this many samples in its window; before that it times every one, so
+#: that an op seldom asked still shows its latency (a single request included).
+SAMPLE_ALL_BELOW = 128
 
 
 class LatencyWindow:
@@ -74,6 +78,11 @@ class StatsRecorder:
         if window is None:
             window = self.latency[op] = LatencyWindow(self.window)
         window.record(ms)
+
+    def few_samples(self, op: str) -> bool:
+        """Has ``op`` fewer than :data:`SAMPLE_ALL_BELOW` samples (then every request is timed)?"""
+        window = self.latency.get(op)
+        return window is None or len(window._samples) < SAMPLE_ALL_BELOW
 
     def tally(self, op: str) -> None:
         """One more request of ``op``, not timed (the server samples what it times)."""
