@@ -29,17 +29,16 @@ import trio
 from lockd import core
 from lockd.config import BackendSettings
 from lockd.core import Refused
-from lockd.daemon.backends import BackendUnavailable
 from lockd.daemon.backends.etcd.cleanup import CleanupList
+from lockd.daemon.backends.etcd.delivery import Delivery
 from lockd.daemon.backends.etcd.gateway import (
-    EtcdError,
     EtcdGateway,
     EtcdUnavailable,
     LeaseNotFound,
 )
 from lockd.daemon.backends.etcd.records import Directory, Hold, Layout, Waiter
 from lockd.daemon.backends.etcd.sessionkeeper import SessionKeeper
-from lockd.daemon.backends.etcd.supply import HoldSupply, kept_lease, lease_seconds
+from lockd.daemon.backends.etcd.supply import HoldSupply, lease_seconds
 from lockd.daemon.backends.etcd.waiting import RETRY_INTERVAL, KeyQueue, LocalWaiter
 from lockd.daemon.backends.etcd.wire import (
     Compare,
@@ -122,6 +121,8 @@ class Acquirer:
         self._queue_for = queue_for
         #: keys a blocking acquire parked on lately (oldest first): see :meth:`_try`.
         self._parked_keys: dict[str, None] = {}
+        #: a grant's way to its caller: untied first, or discarded.
+        self.delivery = Delivery(etcd, layout, settings.etcd_timeout, supply, cleanup, track)
 
     async def acquire(
         self,
@@ -181,7 +182,7 @@ class Acquirer:
             template = replace(template, handle=outcome.record.handle or "")
             return await self._wait(template, ttl_s, conn, outcome, deadline, parked)
         if isinstance(outcome, Crossed):
-            return await self._deliver(outcome.hold, conn, deadline)
+            return await self.delivery.deliver(outcome.hold, conn, deadline)
         return outcome
 
     async def _try(
@@ -228,7 +229,7 @@ class Acquirer:
             try:
                 return await self._supply.settle(outcome, refresh)
             except BaseException:  # cancelled after the commit: nobody gets the handle
-                self.release_undelivered(outcome)
+                self.delivery.release_undelivered(outcome)
                 raise
         self._supply.recycle(hold, refresh)
         return outcome
@@ -262,7 +263,7 @@ class Acquirer:
             try:
                 result = await self._etcd.txn(compares, ops, failure)
             except BaseException:
-                self.release_undelivered(hold)
+                self.delivery.release_undelivered(hold)
                 if queue_as is not None:  # maybe written: taken back once etcd answers
                     self._cleanup.delete_later(queue_as.etcd_key)
                 raise
@@ -301,7 +302,7 @@ class Acquirer:
                 crossed = await self._unqueue(key, queued)
                 if crossed is not None:
                     if isinstance(verdict, Refused):
-                        await self.discard(crossed)
+                        await self.delivery.discard(crossed)
                         return verdict
                     return Crossed(crossed)
                 # Gone without a grant: the decision stands (the guard below
@@ -400,26 +401,11 @@ class Acquirer:
             if waiter is not None and key_queue is not None:
                 crossed = await key_queue.leave(waiter)
                 if crossed is not None:
-                    await self.discard(crossed)
+                    await self.delivery.discard(crossed)
             raise
         if granted is None:
             return None
-        return await self._deliver(granted, conn, deadline)
-
-    async def _deliver(self, granted: Hold, conn: int, deadline: float) -> Hold | None:
-        """A grant to a waiter of ours, as its acquire answers it: untied first if tied."""
-        if granted.tied:
-            try:
-                confirmed = await self._confirm(granted, max(deadline, trio.current_time() + 1))
-            except BaseException:
-                await self.discard(granted)
-                raise
-            if confirmed is None:
-                await self.discard(granted)
-                return None
-            granted = confirmed
-        self._track(granted, conn)
-        return granted
+        return await self.delivery.deliver(granted, conn, deadline)
 
     async def _unqueue(self, key: str, record: Waiter) -> Hold | None:
         """Take back a waiter record the first transaction wrote; a grant of it that came
@@ -472,82 +458,3 @@ class Acquirer:
             directory = directory_of(self._layout, key, result.responses[1], result.header.revision)
             record = replace(record, create_revision=result.header.revision)
             return LocalWaiter(record, template, ttl_s), directory
-
-    async def _untie_txn(self, hold: Hold) -> bool:
-        """Rewrite a tied hold untied, if it is unchanged and still live (its binding there).
-
-        The binding must exist: once it is gone (the session ended) the hold
-        is dead, and other daemons' decisions delete it; untying it then
-        would bring back a hold they may be granting over.
-        """
-        hold_key = self._layout.hold(hold.key, hold.handle)
-        binding_key = self._layout.binding(hold.key, hold.handle)
-        result = await self._etcd.txn(
-            [
-                Compare(hold_key, "mod_revision", "==", hold.mod_revision),
-                Compare(binding_key, "version", ">", 0),
-            ],
-            [
-                PutOp(hold_key, replace(hold, tied=False).value(), lease=hold.lease),
-                DeleteOp(binding_key),
-            ],
-            [RangeOp(hold_key)],
-        )
-        if result.succeeded:
-            return True
-        # An earlier attempt whose outcome was unknown may have untied it:
-        # then the same grant (its create revision, the fence) is there untied.
-        read = result.responses[0]
-        assert isinstance(read, RangeResult)
-        if read.kvs and read.kvs[0].create_revision == hold.fence:
-            return not Hold.parse(hold.key, hold.handle, read.kvs[0]).needs_binding
-        return False
-
-    async def _confirm(self, hold: Hold, deadline: float) -> Hold | None:
-        """Untie a tied hold before its grant is answered (docs/contract.md: an acknowledged hold
-        lasts
-        its TTL whichever daemon dies when).
-
-        Until then it ends with this daemon's session, like any grant that was
-        never delivered. Retried while etcd does not answer, up to the
-        acquire's ``deadline``; None when that passed first (the caller then
-        discards the grant and times out). ``EtcdUnavailable`` when the hold
-        was dead already (this daemon's session ended under it).
-        """
-        with trio.move_on_at(deadline):
-            while True:
-                try:
-                    if await self._untie_txn(hold):
-                        return replace(hold, tied=False)
-                except (EtcdUnavailable, EtcdError) as exc:
-                    log.info(kv(event="untie_retry", key=hold.key, error=exc))
-                    await trio.sleep(RETRY_INTERVAL)
-                    continue
-                raise EtcdUnavailable(
-                    f"the grant of {hold.key!r} ended with this daemon's etcd session"
-                )
-        return None
-
-    async def discard(self, hold: Hold) -> None:
-        """Delete a grant nobody will get, before the caller answers (``cancel``: CANCELLED
-        comes once the key is free of it). Shielded and bounded by the etcd timeout; the
-        clean-up list takes it when etcd does not answer in time."""
-        hold_key, binding_key = (
-            self._layout.hold(hold.key, hold.handle),
-            self._layout.binding(hold.key, hold.handle),
-        )
-        with trio.CancelScope(shield=True), trio.move_on_after(self._timeout):
-            try:
-                await self._etcd.txn([], [DeleteOp(hold_key), DeleteOp(binding_key)])
-            except (BackendUnavailable, EtcdError) as exc:
-                log.info(kv(event="discard_later", key=hold.key, error=exc))
-            else:
-                self._supply.keep_lease(kept_lease(hold))
-                return
-        self.release_undelivered(hold)
-
-    def release_undelivered(self, hold: Hold) -> None:
-        """A grant nobody will get: its records deleted and its lease revoked, once etcd answers."""
-        self._cleanup.delete_later(self._layout.hold(hold.key, hold.handle))
-        self._cleanup.delete_later(self._layout.binding(hold.key, hold.handle))
-        self._cleanup.revoke_later(hold.lease)

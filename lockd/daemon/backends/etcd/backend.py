@@ -232,11 +232,11 @@ class EtcdBackend:
 
     async def discard(self, hold: Hold) -> None:
         """Delete a grant nobody will get, before the caller answers (:class:`Acquirer`)."""
-        await self.acquirer.discard(hold)
+        await self.acquirer.delivery.discard(hold)
 
     def release_undelivered(self, hold: RemoteHold) -> None:
         assert isinstance(hold, Hold)
-        self.acquirer.release_undelivered(hold)
+        self.acquirer.delivery.release_undelivered(hold)
 
     def known_session_keys(self) -> set[bytes]:
         """Every key this daemon means to keep on its session lease (``reconcile.py``).
