@@ -48,6 +48,9 @@ EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
 #: Interrupted by Ctrl-C (the shell's convention: 128 + SIGINT).
 EXIT_INTERRUPTED = 130
+#: Whoever read stdout went away (``lockd locks list | head -1``): what a shell
+#: reports for a tool that SIGPIPE ended (128 + SIGPIPE), and nothing printed.
+EXIT_PIPE_CLOSED = 141
 
 #: What the statuses every command shares mean, for help texts and README
 #: (``tests/test_exitcodes.py`` holds README's table to this).

@@ -165,17 +165,27 @@ class CliFailure(click.ClickException):
         *,
         code: str | None = None,
         details: dict[str, Any] | None = None,
+        quiet: bool = False,
     ) -> None:
         super().__init__(message)
         self.exit_code = exit_code  # type: ignore[misc]  # click reads it per instance
         self.code = code or CODE_FOR_EXIT.get(exit_code, "INTERNAL")
         self.details = details or {}
+        self.quiet = quiet
 
     @classmethod
     def of(cls, failure: Failure) -> CliFailure:
-        return cls(failure.message, failure.exit_code, code=failure.code, details=failure.details)
+        return cls(
+            failure.message,
+            failure.exit_code,
+            code=failure.code,
+            details=failure.details,
+            quiet=failure.quiet,
+        )
 
     def show(self, file: IO[Any] | None = None) -> None:
+        if self.quiet:
+            return
         echo_error(self.format_message(), self.code, self.details)
 
 

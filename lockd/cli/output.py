@@ -38,6 +38,7 @@ from lockd.exitcodes import (
     EXIT_DENIED,
     EXIT_INTERRUPTED,
     EXIT_LOST,
+    EXIT_PIPE_CLOSED,
     EXIT_RATE_LIMITED,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -108,16 +109,19 @@ class Failure(Exception):
         *,
         code: str | None = None,
         details: dict[str, Any] | None = None,
+        quiet: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
         self.code = code or CODE_FOR_EXIT.get(exit_code, "INTERNAL")
         self.details = details or {}
+        self.quiet = quiet  # nothing to say: the status alone tells it
 
     def show(self, *, as_json: bool) -> None:
         """``lockd: message`` on stderr, or the one JSON error line under ``--json``."""
-        echo_error(self.message, self.code, self.details, as_json=as_json)
+        if not self.quiet:
+            echo_error(self.message, self.code, self.details, as_json=as_json)
 
 
 def echo_error(
@@ -185,6 +189,8 @@ def failure_from(exc: BaseException) -> Failure | None:
         return Failure(f"invalid argument: {exc}", EXIT_USAGE)
     if isinstance(exc, KeyboardInterrupt):
         return Failure("interrupted", EXIT_INTERRUPTED)
+    if isinstance(exc, BrokenPipeError):
+        return pipe_closed()
     if not isinstance(exc, Exception) or os.environ.get(DEBUG_ENV):
         return None
     text = " ".join(str(exc).split()) or "no message"
@@ -193,6 +199,22 @@ def failure_from(exc: BaseException) -> Failure | None:
         f"{type(exc).__name__}: {text}",
         EXIT_BUG,
     )
+
+
+def pipe_closed() -> Failure:
+    """stdout's reader went away (``lockd locks list | head -1``): end as tools do that
+    SIGPIPE ends -- status 141, nothing printed -- not as a bug.
+
+    stdout is pointed at /dev/null first, so that the interpreter's last
+    flush of what is still buffered does not fail again on its way out.
+    """
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):  # no stdout descriptor at all: nothing will be flushed there
+        pass
+    return Failure("output closed", EXIT_PIPE_CLOSED, quiet=True)
 
 
 # --------------------------------------------------------------------------- output

@@ -210,3 +210,30 @@ def test_permission_denied_on_the_socket_names_owner_and_mode(
     error = the_error(whoami("--json"))
     assert (error["code"], error["status"]) == ("LOCK_ACCESS_DENIED", 403)
     assert error["details"]["mode"] == "0600" and error["details"]["owner"] == "root"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("locks", "status", "pipe:k"), ("locks", "status", "pipe:k", "--json"), ("locks", "list")],
+    ids=["status (no click)", "status --json", "list (click)"],
+)
+def test_a_reader_gone_ends_the_command_quietly_with_141(
+    daemon: DaemonProcess, command: tuple[str, ...]
+) -> None:
+    # ``lockd locks list | head -0``: stdout's reader is gone before lockd
+    # writes. Like a tool SIGPIPE ends: status 141 and nothing on stderr --
+    # not "unexpected error ... BrokenPipeError" and 70.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run(
+            [*LOCKD, *command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env=daemon.env,
+        )
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (141, "")
