@@ -510,8 +510,6 @@ class LockServer:
                     if grant is not None:
                         self._timer.lease_added(grant.expires_at)
                     return None
-            if not timed:
-                started = time.perf_counter()
             service.deferred = False
             if isinstance(request, Cancel):
                 result = {"cancelled": self._waits.cancel(conn, request.target)}
