@@ -471,11 +471,8 @@ async def test_released_leases_are_reused_with_a_fresh_ttl(
     assert len(backend.leases) == 1
 
 
-async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
-    backends: Backends, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clock = SkippedClock()
-    backend = await backends(clock=clock)
+def count_keepalives(backend: EtcdBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lease ids ``backend`` sends keepalives for from now on, in order."""
     keepalive = backend.etcd.lease_keepalive
     sent: list[int] = []
 
@@ -484,6 +481,15 @@ async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
         return await keepalive(lease_id)
 
     monkeypatch.setattr(backend.etcd, "lease_keepalive", counted)
+    return sent
+
+
+async def test_a_lease_reused_right_after_its_keepalive_needs_no_other(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = SkippedClock()
+    backend = await backends(clock=clock)
+    sent = count_keepalives(backend, monkeypatch)
     # Headroom stretched to 5 s, so a loaded machine cannot make the lease stale.
     monkeypatch.setattr(backend_module, "HEADROOM_S", 5)
     first = await acquired(backend, request("f", ttl_ms=600_000))

@@ -10,7 +10,14 @@ import pytest
 
 from lockd.daemon.backends.etcd.leases import HEADROOM_S
 from lockd.testing.clock import SkippedClock
-from tests.etcd.test_etcd_backend import Backends, acquired, backends, request, until
+from tests.etcd.test_etcd_backend import (
+    Backends,
+    acquired,
+    backends,
+    count_keepalives,
+    request,
+    until,
+)
 
 __all__ = ["backends"]  # the fixture these tests use
 
@@ -20,14 +27,7 @@ async def test_an_ageing_lease_given_back_is_refreshed_before_its_next_grant(
 ) -> None:
     clock = SkippedClock()
     backend = await backends(clock=clock)
-    keepalive = backend.etcd.lease_keepalive
-    sent: list[int] = []
-
-    async def counted(lease_id: int) -> int:
-        sent.append(lease_id)
-        return await keepalive(lease_id)
-
-    monkeypatch.setattr(backend.etcd, "lease_keepalive", counted)
+    sent = count_keepalives(backend, monkeypatch)
     first = await acquired(backend, request("a", ttl_ms=3000))
     # Past half its headroom: still fresh, but not for much longer.
     clock.skip(HEADROOM_S * 700)
@@ -46,14 +46,7 @@ async def test_a_fresh_lease_given_back_is_not_refreshed(
     backends: Backends, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = await backends()
-    keepalive = backend.etcd.lease_keepalive
-    sent: list[int] = []
-
-    async def counted(lease_id: int) -> int:
-        sent.append(lease_id)
-        return await keepalive(lease_id)
-
-    monkeypatch.setattr(backend.etcd, "lease_keepalive", counted)
+    sent = count_keepalives(backend, monkeypatch)
     # A long TTL: the lease is granted with a whole headroom, so a loaded
     # machine has HEADROOM_S / 2 to get from its grant to its release.
     first = await acquired(backend, request("b", ttl_ms=600_000))
