@@ -33,6 +33,11 @@ class LatencyWindow:
         self.count = 0
         self.size = size
 
+    @property
+    def sampled(self) -> int:
+        """How many samples the window holds (at most its size)."""
+        return len(self._samples)
+
     def record(self, ms: float) -> None:
         self.count += 1
         if len(self._samples) < self.size:
@@ -82,7 +87,7 @@ class StatsRecorder:
     def few_samples(self, op: str) -> bool:
         """Has ``op`` fewer than :data:`SAMPLE_ALL_BELOW` samples (then every request is timed)?"""
         window = self.latency.get(op)
-        return window is None or len(window._samples) < SAMPLE_ALL_BELOW
+        return window is None or window.sampled < SAMPLE_ALL_BELOW
 
     def tally(self, op: str) -> None:
         """One more request of ``op``, not timed (the server samples what it times)."""
