@@ -10,7 +10,10 @@ socket buffers), distinct keys, 24 h TTL. Then:
 * the daemon stopped and started again on the same database: time from the
   exec until ``hello`` answers, RSS then, and after every lease has been
   asked about once more (``--probe`` of them, spread over the keys);
-* a held key from the fill answers ``status`` as held, before and after.
+* a held key from the fill answers ``status`` as held, before and after;
+* RSS once a ``stats`` answered (it waits for every chunk of the restore),
+  and once a grant did (it waits for the integrity check, whose mapped
+  pages of the file count in RSS while it runs).
 
 Goals (issue 26): <= 150 MB live and after restart at 1 M, restart <= 1 s.
 Prints a table and writes ``bench/results/<UTC time>-memory-<plan>.json``.
@@ -137,6 +140,22 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
             log(f"restart: hello after {start_s:.2f} s, RSS {r_rss:.0f} MB (peak {r_peak:.0f} MB)")
             r_probe_s = check_held(restarted, count, probes)
             r_probed_rss, _ = rss_mb(restarted.pid)
+            # A stats answer waits for every chunk of the restore (each lease
+            # known); a grant, for the integrity check (its mapped pages of the
+            # file count in RSS until it is done).
+            wire = Wire(restarted.socket)
+            try:
+                wire.result("stats")
+                r_checking_rss, _ = rss_mb(restarted.pid)
+                if not wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS):
+                    raise RuntimeError("restart:new was not granted")
+            finally:
+                wire.close()
+            r_loaded_rss, r_loaded_peak = rss_mb(restarted.pid)
+            log(
+                f"restart: every lease loaded, RSS {r_checking_rss:.0f} MB while the check "
+                f"ran, {r_loaded_rss:.0f} MB after it (peak {r_loaded_peak:.0f} MB)"
+            )
         finally:
             restarted.stop()
     per_lease = 1e6 / count
@@ -157,6 +176,10 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         "restart_bytes_per_lease": (r_rss - base_rss) * per_lease,
         "restart_probed_rss_mb": r_probed_rss,
         "restart_probe_s": r_probe_s,
+        "restart_loaded_rss_mb": r_loaded_rss,
+        "restart_loaded_peak_mb": r_loaded_peak,
+        "restart_checking_rss_mb": r_checking_rss,
+        "restart_loaded_bytes_per_lease": (r_loaded_rss - base_rss) * per_lease,
         "probes": probes,
     }
 
@@ -307,6 +330,13 @@ def report(r: dict[str, Any]) -> str:
             f"{r['restart_bytes_per_lease']:.0f}",
         ],
         [f"  after {r['probes']:,} status", mb(r["restart_probed_rss_mb"]), "", ""],
+        ["  after stats (every lease loaded)", mb(r["restart_checking_rss_mb"]), "", ""],
+        [
+            "  after a grant (the check done)",
+            mb(r["restart_loaded_rss_mb"]),
+            mb(r["restart_loaded_peak_mb"]),
+            f"{r['restart_loaded_bytes_per_lease']:.0f}",
+        ],
     ]
     return table(["daemon", "RSS", "peak", "B/lease"], rows)
 
