@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,8 @@ class IntegrityCheck:
 
 def _lower_priority() -> None:
     """Nice the calling thread (Linux: a thread's own nice value, its tid as the pid)."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere a thread id is no pid: setpriority would name another process
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(CHECK_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
