@@ -22,9 +22,9 @@ from lockd.daemon.verify import Findings, inspect
 #: mapped: this bounds what the start's peak RSS grows by.
 START_MMAP_BYTES = 64 << 20
 #: The check thread's nice value: on a busy box the daemon's threads share one
-#: scheduling group (autogroup), so a check at the same priority takes half of
-#: the CPU the start and the first requests need; niced, it runs on what they
-#: leave (measured in the README's restart figures).
+#: scheduling group (autogroup), so a check at the same priority competes for
+#: the CPU the daemon's requests need; niced, it runs on what they leave (a
+#: check alone took as long niced as not: README's restart figures).
 CHECK_NICE = 19
 #: SQLite VM steps between two looks of the integrity check at its cancel flag
 #: (~20 ms of quick_check; each look takes the GIL, so not much more often).
