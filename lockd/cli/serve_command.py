@@ -1,8 +1,9 @@
 """``lockd serve``'s body, shared by the click command and the fast path (no click to start).
 
 A restart's time to its first ``hello`` is mostly the interpreter and its
-imports (issue 26), and click with the client library is ~35-45 ms of CPU
-of them, several times that in wall time on a busy box. So ``lockd serve``
+imports (issue 26); click and the CLI's modules add ~12-15 ms of CPU to
+what the daemon imports anyway, several times that in wall time on a busy
+box. So ``lockd serve``
 with a command line :mod:`lockd.cli.fast` fully understands runs this
 without importing click; anything else (help, a bad option) goes through
 the click command (:func:`lockd.cli.root.serve`), which runs this too. Both
