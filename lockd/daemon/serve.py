@@ -455,7 +455,7 @@ async def _settle_after_ready(store: Store | None) -> None:
       (``gc.freeze``): start-up leaves a large heap of long-lived objects
       (modules, the CEL grammar, compiled rules), and request garbage is
       freed by reference counting. Measured ~5-10 % more round trips per
-      second; the collection costs ~20-40 ms of CPU.
+      second; the collection costs ~8-15 ms of CPU.
     """
     await trio.sleep(SETTLE_AFTER)
     if store is not None:
