@@ -10,7 +10,10 @@ socket buffers), distinct keys, 24 h TTL. Then:
 * the daemon stopped and started again on the same database: time from the
   exec until ``hello`` answers, RSS then, and after every lease has been
   asked about once more (``--probe`` of them, spread over the keys);
-* a held key from the fill answers ``status`` as held, before and after.
+* a held key from the fill answers ``status`` as held, before and after;
+* RSS once a ``stats`` answered (it waits for every chunk of the restore),
+  and once a grant did (it waits for the integrity check, whose mapped
+  pages of the file count in RSS while it runs).
 
 Goals (issue 26): <= 150 MB live and after restart at 1 M, restart <= 1 s.
 Prints a table and writes ``bench/results/<UTC time>-memory-<plan>.json``.
@@ -22,6 +25,8 @@ is started ``--runs`` times by this checkout and, with ``--baseline TREE``,
 by that one, alternately: time to ``hello``, RSS then, time to the first
 grant (a write: it waits for the integrity check), and RSS after
 ``--probes`` ``status`` calls; medians per checkout, load average beside.
+``--hello-only`` stops each start at ``hello`` (no grant, no probes): more
+starts fit in a minute, for the restart time alone.
 """
 
 from __future__ import annotations
@@ -135,6 +140,22 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
             log(f"restart: hello after {start_s:.2f} s, RSS {r_rss:.0f} MB (peak {r_peak:.0f} MB)")
             r_probe_s = check_held(restarted, count, probes)
             r_probed_rss, _ = rss_mb(restarted.pid)
+            # A stats answer waits for every chunk of the restore (each lease
+            # known); a grant, for the integrity check (its mapped pages of the
+            # file count in RSS until it is done).
+            wire = Wire(restarted.socket)
+            try:
+                wire.result("stats")
+                r_checking_rss, _ = rss_mb(restarted.pid)
+                if not wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS):
+                    raise RuntimeError("restart:new was not granted")
+            finally:
+                wire.close()
+            r_loaded_rss, r_loaded_peak = rss_mb(restarted.pid)
+            log(
+                f"restart: every lease loaded, RSS {r_checking_rss:.0f} MB while the check "
+                f"ran, {r_loaded_rss:.0f} MB after it (peak {r_loaded_peak:.0f} MB)"
+            )
         finally:
             restarted.stop()
     per_lease = 1e6 / count
@@ -155,11 +176,17 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         "restart_bytes_per_lease": (r_rss - base_rss) * per_lease,
         "restart_probed_rss_mb": r_probed_rss,
         "restart_probe_s": r_probe_s,
+        "restart_loaded_rss_mb": r_loaded_rss,
+        "restart_loaded_peak_mb": r_loaded_peak,
+        "restart_checking_rss_mb": r_checking_rss,
+        "restart_loaded_bytes_per_lease": (r_loaded_rss - base_rss) * per_lease,
         "probes": probes,
     }
 
 
-def restart_once(source: Path, count: int, probes: int, tree: Path | None) -> dict[str, float]:
+def restart_once(
+    source: Path, count: int, probes: int, tree: Path | None, hello_only: bool = False
+) -> dict[str, float]:
     """Start ``tree``'s lockd on a copy of ``source``: hello, first grant, RSS (s, MB)."""
     with workdir() as root:
         db = root / "lockd.db"
@@ -174,6 +201,12 @@ def restart_once(source: Path, count: int, probes: int, tree: Path | None) -> di
                 hello_s = time.monotonic() - t0
                 hello_cpu_s = proc_cpu_s(daemon.pid)  # steadier than wall time on a busy box
                 hello_rss, _ = rss_mb(daemon.pid)
+                if hello_only:
+                    return {
+                        "hello_s": hello_s,
+                        "hello_cpu_s": hello_cpu_s,
+                        "hello_rss_mb": hello_rss,
+                    }
                 granted = wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS)
                 grant_s = time.monotonic() - t0
                 if not granted:
@@ -195,7 +228,12 @@ def restart_once(source: Path, count: int, probes: int, tree: Path | None) -> di
 
 
 def restart_only(
-    db: Path, count: int, probes: int, runs: int, trees: dict[str, Path | None]
+    db: Path,
+    count: int,
+    probes: int,
+    runs: int,
+    trees: dict[str, Path | None],
+    hello_only: bool = False,
 ) -> dict[str, Any]:
     """Restarts of each checkout on the same database, alternately; every sample kept."""
     if not db.exists():
@@ -217,17 +255,22 @@ def restart_only(
     for i in range(runs):
         for name, tree in trees.items():
             loads.append(os.getloadavg()[0])
-            sample = restart_once(db, count, probes, tree)
+            sample = restart_once(db, count, probes, tree, hello_only)
             samples[name].append(sample)
-            log(
+            line = (
                 f"restart {i + 1}/{runs} {name}: hello {sample['hello_s']:.2f} s "
-                f"({sample['hello_cpu_s']:.2f} s CPU) "
-                f"(RSS {sample['hello_rss_mb']:.0f} MB), grant {sample['grant_s']:.2f} s, "
-                f"after {probes:,} status {sample['used_rss_mb']:.0f} MB, load {loads[-1]:.1f}"
+                f"({sample['hello_cpu_s']:.2f} s CPU) (RSS {sample['hello_rss_mb']:.0f} MB)"
             )
+            if not hello_only:
+                line += (
+                    f", grant {sample['grant_s']:.2f} s, "
+                    f"after {probes:,} status {sample['used_rss_mb']:.0f} MB"
+                )
+            log(f"{line}, load {loads[-1]:.1f}")
     for name, sample_list in samples.items():
         for sample in sample_list:
-            sample["bytes_per_lease"] = (sample["used_rss_mb"] - empty[name]) * 1e6 / count
+            if not hello_only:
+                sample["bytes_per_lease"] = (sample["used_rss_mb"] - empty[name]) * 1e6 / count
     medians = {
         name: {field: statistics.median(s[field] for s in runs_) for field in runs_[0]}
         for name, runs_ in samples.items()
@@ -243,15 +286,18 @@ def restart_only(
 
 
 def restart_report(r: dict[str, Any]) -> str:
+    def shown(m: dict[str, float], field: str, form: str) -> str:
+        return form.format(m[field]) if field in m else "-"  # --hello-only measures less
+
     rows = [
         [
             name,
-            f"{m['hello_s']:.2f} s",
-            f"{m['hello_cpu_s']:.2f} s",
-            f"{m['hello_rss_mb']:.0f} MB",
-            f"{m['grant_s']:.2f} s",
-            f"{m['used_rss_mb']:.0f} MB",
-            f"{m['bytes_per_lease']:.0f}",
+            shown(m, "hello_s", "{:.2f} s"),
+            shown(m, "hello_cpu_s", "{:.2f} s"),
+            shown(m, "hello_rss_mb", "{:.0f} MB"),
+            shown(m, "grant_s", "{:.2f} s"),
+            shown(m, "used_rss_mb", "{:.0f} MB"),
+            shown(m, "bytes_per_lease", "{:.0f}"),
         ]
         for name, m in r["medians"].items()
     ]
@@ -284,6 +330,13 @@ def report(r: dict[str, Any]) -> str:
             f"{r['restart_bytes_per_lease']:.0f}",
         ],
         [f"  after {r['probes']:,} status", mb(r["restart_probed_rss_mb"]), "", ""],
+        ["  after stats (every lease loaded)", mb(r["restart_checking_rss_mb"]), "", ""],
+        [
+            "  after a grant (the check done)",
+            mb(r["restart_loaded_rss_mb"]),
+            mb(r["restart_loaded_peak_mb"]),
+            f"{r['restart_loaded_bytes_per_lease']:.0f}",
+        ],
     ]
     return table(["daemon", "RSS", "peak", "B/lease"], rows)
 
@@ -300,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", type=Path, help="--restart-only: the database (made if missing)")
     parser.add_argument("--runs", type=int, default=3, help="--restart-only: restarts of each")
     parser.add_argument("--baseline", type=Path, help="--restart-only: also this checkout")
+    parser.add_argument(
+        "--hello-only", action="store_true", help="--restart-only: each start until hello only"
+    )
     args = parser.parse_args(argv)
     count = args.leases or (100_000 if args.quick else 1_000_000)
     t0 = time.monotonic()
@@ -315,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             compile_bytecode(args.baseline)
             trees["baseline"] = args.baseline
         db = args.db or Path(f"/tmp/lockd-memory-{count}.db")
-        results["restart"] = restart_only(db, count, args.probes, args.runs, trees)
+        results["restart"] = restart_only(db, count, args.probes, args.runs, trees, args.hello_only)
         print(restart_report(results["restart"]))
     else:
         results["memory"] = measure(count, args.probes, args.tree)

@@ -4,7 +4,9 @@ Scripts call ``lockd locks status KEY`` and ``lockd run KEY -- COMMAND`` in
 loops, and importing click alone costs about as much as starting Python
 (bench/startup.py). :func:`main` reads those two command lines itself and
 runs the same bodies the click commands run (:mod:`lockd.cli.hot_commands`);
-it never imports click for them.
+it never imports click for them. ``lockd serve`` too: a restart's time to
+its first ``hello`` is mostly imports (issue 26); its body is
+:mod:`lockd.cli.serve_command`.
 
 It takes a command line only when it understands every word of it:
 
@@ -14,7 +16,10 @@ It takes a command line only when it understands every word of it:
   [OPTIONS] -- KEY -- COMMAND...``, with the options a script uses: --ttl,
   --wait, --owner, --shared, --limit, --on-lost, --grace,
   --kill-descendants, --conflict-exit-code, -q/--quiet, --socket, --json
-  (``--opt VALUE`` or ``--opt=VALUE``).
+  (``--opt VALUE`` or ``--opt=VALUE``);
+- ``lockd [--socket S] serve [OPTIONS]`` with every option of ``serve``:
+  --system, --socket, --db, --config, --json, --adopt-fence-mark,
+  --accept-data-loss, --etcd.
 
 Anything else goes to the click group unchanged (:data:`lockd.cli.root.main`):
 help, other commands, an unknown, repeated or misplaced option, a value that
@@ -38,7 +43,7 @@ TYPE_CHECKING = False  # typing for the type checker only: it costs start-up tim
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["RunCall", "StatusCall", "main", "recognise"]
+__all__ = ["RunCall", "ServeCall", "StatusCall", "main", "recognise"]
 
 
 class _NotOurs(Exception):
@@ -115,6 +120,65 @@ class RunCall:
             fields["on_lost"] = OnLost(str(fields["on_lost"]))
         opts = RunOptions(**fields)  # type: ignore[arg-type]  # checked while reading
         return run_command(opts, json_output=self.json_output)
+
+
+class ServeCall:
+    """``lockd serve``, read from the command line: serve_daemon's arguments, as given."""
+
+    __slots__ = ("options", "root_socket")
+
+    def __init__(self, options: dict[str, str | bool | None], root_socket: str | None) -> None:
+        self.options = options
+        self.root_socket = root_socket
+
+    def __call__(self) -> int:
+        _use_root_socket(self.root_socket)
+        gc.enable()  # the daemon runs for long: as for the click commands (see main())
+        from lockd.cli.serve_command import serve_daemon
+
+        return serve_daemon(**self.options)  # type: ignore[arg-type]  # checked while reading
+
+
+#: ``serve``'s options: flags (True) and those taking a value (False), by name.
+_SERVE_OPTIONS = {
+    "--system": ("system", True),
+    "--json": ("json_output", True),
+    "--adopt-fence-mark": ("adopt_fence_mark", True),
+    "--accept-data-loss": ("accept_data_loss", True),
+    "--socket": ("socket_path", False),
+    "--db": ("db", False),
+    "--config": ("config_dir", False),
+    "--etcd": ("etcd", False),
+}
+
+
+def _serve(args: Sequence[str], root_socket: str | None) -> ServeCall:
+    options: dict[str, str | bool | None] = {
+        dest: (False if flag else None) for dest, flag in _SERVE_OPTIONS.values()
+    }
+    seen: set[str] = set()
+    i = 0
+    while i < len(args):
+        name = args[i].partition("=")[0] if args[i].startswith("--") else args[i]
+        if name not in _SERVE_OPTIONS:
+            raise _NotOurs  # --help, a positional word, an unknown option: click says
+        dest, flag = _SERVE_OPTIONS[name]
+        _once(seen, dest)
+        if flag:
+            if args[i] != name:
+                raise _NotOurs  # --system=...: click's message
+            options[dest] = True
+            i += 1
+            continue
+        _, value, i = _value(args, i)
+        if not value:
+            raise _NotOurs
+        if dest in ("socket_path", "db"):
+            value = _socket(value)  # click.Path(dir_okay=False)
+        elif dest == "config_dir" and os.path.exists(value) and not os.path.isdir(value):
+            raise _NotOurs  # click.Path(file_okay=False) refuses a file
+        options[dest] = value
+    return ServeCall(options, root_socket)
 
 
 def _use_root_socket(path: str | None) -> None:
@@ -300,7 +364,7 @@ def _run_value(name: str, value: str, hints: list[str]) -> object:
     return value  # --owner
 
 
-def recognise(argv: Sequence[str]) -> StatusCall | RunCall | None:
+def recognise(argv: Sequence[str]) -> StatusCall | RunCall | ServeCall | None:
     """The hot command ``argv`` (``sys.argv[1:]``) asks for, or None: click reads it.
 
     Reads only; nothing is printed or changed until the call is made. The
@@ -321,6 +385,8 @@ def recognise(argv: Sequence[str]) -> StatusCall | RunCall | None:
             return _status(rest[2:], root_socket)
         if list(rest[:1]) == ["run"]:
             return _run(rest[1:], root_socket)
+        if list(rest[:1]) == ["serve"]:
+            return _serve(rest[1:], root_socket)
     except _NotOurs:
         return None
     return None

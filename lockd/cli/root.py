@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
@@ -36,7 +36,6 @@ from lockd.cli.common import (
     socket_option,
     use_socket,
 )
-from lockd.exitcodes import EXIT_USAGE, USAGE, error_document
 from lockd.metrics import COUNTERS, GAUGES
 from lockd.timefmt import format_duration_ms
 
@@ -120,44 +119,20 @@ def serve(
     start-up error (a bad rule set, a live daemon on the socket, a database
     in use) is one line and exit status 1.
     """
-    # Imported here, not at start-up: every other command (and every <TAB>
-    # of shell completion) would pay for trio, SQLite and platformdirs.
-    from lockd.config import ConfigError, resolve_paths
-    from lockd.daemon.serve import StartupError, run
+    from lockd.cli.serve_command import serve_daemon  # shared with lockd.cli.fast
 
-    try:
-        # The folders come from the environment, not from a file the operator
-        # wrote: an unsafe one stops the start (exit 1); it is no config mistake.
-        paths = resolve_paths(system=system, socket=socket_path, db=db, config=config_dir)
-    except ConfigError as exc:
-        _cannot_start(exc, json_output, config=False)
-    try:
-        endpoints = tuple(url.strip() for url in etcd.split(",")) if etcd is not None else ()
-        code = run(
-            paths,
+    sys.exit(
+        serve_daemon(
+            system=system,
+            socket_path=socket_path,
+            db=db,
+            config_dir=config_dir,
+            json_output=json_output,
             adopt_fence_mark=adopt_fence_mark,
             accept_data_loss=accept_data_loss,
-            etcd=endpoints,
+            etcd=etcd,
         )
-    except (StartupError, ConfigError) as exc:
-        _cannot_start(exc, json_output, config=isinstance(exc, ConfigError))
-    sys.exit(code)
-
-
-def _cannot_start(exc: Exception, json_output: bool, *, config: bool) -> NoReturn:
-    """Say why ``serve`` stops in one line and exit.
-
-    A config mistake (lockd.toml, the files it names) exits 2, as a usage
-    error; anything else that stops a start exits 1. Under --json the code is
-    USAGE either way (details.reason says which).
-    """
-    message = f"cannot start: {'config: ' if config else ''}{' '.join(str(exc).split())}"
-    if json_output:
-        details = {"reason": "bad_config" if config else "startup_failed"}
-        click.echo(error_document(USAGE, message, details), err=True)
-    else:
-        click.echo(f"lockd: {message}", err=True)
-    sys.exit(EXIT_USAGE if config else 1)
+    )
 
 
 # --------------------------------------------------------------------------- whoami

@@ -237,7 +237,7 @@ def _open_store(
     # again and again for nothing. run() freezes what is left after.
     gc.disable()
     try:
-        # The integrity check runs in a thread and goes on after READY: every
+        # The integrity check runs in a thread, begun after READY: every
         # write waits for it, rows are read only once it passed or checked
         # one by one (Store.leases_of), and a failure stops the daemon
         # (_await_integrity).
@@ -246,6 +246,7 @@ def _open_store(
             read_boot_id(),
             synchronous=settings.sqlite_synchronous,
             background_check=True,
+            defer_check=True,  # begun once the daemon answers: _settle_after_ready
             record=RunRecord(record_path(paths.socket.parent, paths.db)),
             accept_loss=accept_data_loss,
             boot_ms=clock.boot_ms,
@@ -420,6 +421,49 @@ async def _restore_rest(service: LockService, checked: trio.Event) -> None:
     )
 
 
+#: Seconds after READY before the start's deferred work begins: time for
+#: the requests queued while the daemon started (the backlog, a first
+#: ``hello``) to be answered first (see _settle_after_ready).
+SETTLE_AFTER = 0.05
+
+
+async def _serve(
+    daemon: Daemon, everything: trio.CancelScope, task_status: trio.TaskStatus[None]
+) -> None:
+    """Serve (started once the socket answers and READY is sent); then end the daemon's tasks."""
+    await daemon.server.serve(daemon.listen_sock, task_status=task_status)
+    if daemon.backend is not None:
+        await daemon.backend.close()
+    everything.cancel()
+
+
+async def _settle_after_ready(store: Store | None) -> None:
+    """The start's work that the first answers need not wait for, once they are out.
+
+    Restart to the first ``hello`` is the interpreter, the imports and the
+    opening of the database; what used to run beside or before it goes
+    here, :data:`SETTLE_AFTER` seconds after READY:
+
+    - the integrity check of the whole file begins in its thread (begun
+      at the open, it had used ~0.1 s of CPU by ``hello`` at 1 M leases,
+      taken from the start on a busy box: the daemon's threads share one
+      scheduling group; it also runs niced, see
+      ``storecheck.CHECK_NICE``). Nothing is weaker for it: every write
+      waits for the check (and begins it, if it comes first), and a row
+      read before it is checked on its own (``Store.leases_of``);
+    - a full collection, then the heap frozen out of the collector's way
+      (``gc.freeze``): start-up leaves a large heap of long-lived objects
+      (modules, the CEL grammar, compiled rules), and request garbage is
+      freed by reference counting. Measured ~5-10 % more round trips per
+      second; the collection costs ~8-15 ms of CPU.
+    """
+    await trio.sleep(SETTLE_AFTER)
+    if store is not None:
+        store.start_check()
+    gc.collect()
+    gc.freeze()
+
+
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
@@ -433,10 +477,8 @@ async def _main(daemon: Daemon) -> None:
         # A rule set written between build() and the watch being armed raised
         # no event; look once more now (a no-op when nothing changed).
         daemon.policy.reload()
-        await daemon.server.serve(daemon.listen_sock)
-        if daemon.backend is not None:
-            await daemon.backend.close()
-        nursery.cancel_scope.cancel()
+        await nursery.start(_serve, daemon, nursery.cancel_scope)
+        await _settle_after_ready(daemon.store)
     if daemon.backend is not None:
         await daemon.backend.etcd.aclose()
 
@@ -452,12 +494,9 @@ def run(
     daemon = build(
         paths, adopt_fence_mark=adopt_fence_mark, accept_data_loss=accept_data_loss, etcd=etcd
     )
-    # Start-up leaves a large heap of long-lived objects (the CEL grammar,
-    # compiled rules, modules): freeze them out of the cyclic collector's
-    # way, and let gen-0 run less often -- request garbage is freed by
-    # reference counting anyway. Measured ~5-10% more round trips per second.
-    gc.collect()
-    gc.freeze()
+    # Let gen-0 run less often: request garbage is freed by reference
+    # counting anyway. The heap start-up leaves is frozen out of the
+    # collector's way once the daemon answers (_settle_after_ready).
     gc.set_threshold(10_000, 10, 10)
     try:
         trio.run(_main, daemon)

@@ -126,6 +126,7 @@ class Store:
         *,
         synchronous: str = "NORMAL",
         background_check: bool = False,
+        defer_check: bool = False,
         record: RunRecord | None = None,
         accept_loss: bool = False,
         boot_ms: Callable[[], int] | None = None,
@@ -136,7 +137,9 @@ class Store:
         runs in a thread and the constructor returns at once: reads may go
         on meanwhile (:meth:`leases_of` checks the rows it reads);
         :meth:`wait_checked` (and every write) waits for it and raises its
-        failure; :meth:`close` stops it.
+        failure; :meth:`close` stops it. ``defer_check``: its thread begins
+        at :meth:`start_check` (the daemon calls it once it answers), or
+        when :meth:`wait_checked` (a write) needs it first.
 
         ``record``: the run record outside the state folder
         (:mod:`lockd.daemon.runrecord`): a database that lost writes it
@@ -227,7 +230,7 @@ class Store:
             if found is not None:
                 self.loss.repair(self._db, found)  # checked already, on the files as found
             elif on_disk and background_check and self._wal_folded_in():
-                self._check = IntegrityCheck(self.path, boot_id)
+                self._check = IntegrityCheck(self.path, boot_id, start=not defer_check)
             else:
                 self.loss.judge_found(inspect(self._db))
             self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
@@ -339,6 +342,11 @@ class Store:
             if self._run_fence is not None:
                 fence, self._run_fence = self._run_fence, None
                 self.begin_run(fence)
+
+    def start_check(self) -> None:
+        """Begin the deferred integrity check (``defer_check``); nothing if none waits."""
+        if self._check is not None:
+            self._check.start()
 
     @property
     def check_done(self) -> threading.Event | None:

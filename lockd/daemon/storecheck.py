@@ -7,7 +7,9 @@ before its first write.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,11 @@ from lockd.daemon.verify import Findings, inspect
 #: past it are read as usual). Mapped pages count in the daemon's RSS while
 #: mapped: this bounds what the start's peak RSS grows by.
 START_MMAP_BYTES = 64 << 20
+#: The check thread's nice value: on a busy box the daemon's threads share one
+#: scheduling group (autogroup), so a check at the same priority competes for
+#: the CPU the daemon's requests need; niced, it runs on what they leave (a
+#: check alone took as long niced as not: README's restart figures).
+CHECK_NICE = 19
 #: SQLite VM steps between two looks of the integrity check at its cancel flag
 #: (~20 ms of quick_check; each look takes the GIL, so not much more often).
 CANCEL_EVERY = 1_000_000
@@ -38,7 +45,12 @@ class IntegrityCheck:
     wait for it, and reads do not touch the file.
     """
 
-    def __init__(self, path: Path, boot_id: str) -> None:
+    def __init__(self, path: Path, boot_id: str, *, start: bool = True) -> None:
+        """Check ``path``; ``start=False``: the thread begins at :meth:`start` (or :meth:`result`).
+
+        The daemon starts it once it answers (``serve``), so that neither its
+        CPU nor its reads of the file are on the way to the first ``hello``.
+        """
         self.path = path
         self.boot_id = boot_id
         self._problems: list[str] = []
@@ -47,9 +59,26 @@ class IntegrityCheck:
         self.latest: int | None = None
         self._cancelled = False
         self.done = threading.Event()
+        self._started = False
+        self._starting = threading.Lock()
+        if start:
+            self.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the check's thread was started (or the check cancelled before it was)."""
+        return self._started
+
+    def start(self) -> None:
+        """Begin the check in its thread (once; later calls do nothing)."""
+        with self._starting:
+            if self._started:
+                return
+            self._started = True
         threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
 
     def _run(self) -> None:
+        _lower_priority()
         uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
         if self._cancelled:  # stopped before it began
             self._problems = ["interrupted"]
@@ -82,9 +111,16 @@ class IntegrityCheck:
     def cancel(self) -> None:
         """Stop the check soon (the daemon stops); :meth:`result` then fails."""
         self._cancelled = True
+        with self._starting:
+            if self._started:
+                return
+            self._started = True  # never to run: done at once, as an interrupted check
+        self._problems = ["interrupted"]
+        self.done.set()
 
     def result(self) -> None:
-        """Wait for the check; raise :class:`DatabaseDamaged` if the file is damaged."""
+        """Wait for the check (starting it if it was not); raise :class:`DatabaseDamaged`."""
+        self.start()
         self.done.wait()
         if self._problems:
             raise_problems(self.path, [(p,) for p in self._problems])
@@ -93,6 +129,17 @@ class IntegrityCheck:
                 f"{self.path} {self._found.describe()}; nothing was changed "
                 "(lockd serve --accept-data-loss starts on what is left)"
             )
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux: a thread's own nice value, its tid as the pid)."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere a thread id is no pid: setpriority would name another process
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(CHECK_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:
+        pass  # the check runs as it is: only slower to give way
 
 
 def raise_problems(path: Path, rows: list[tuple[Any, ...]]) -> None:

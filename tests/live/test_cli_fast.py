@@ -24,7 +24,7 @@ import click
 import pytest
 from lockd_client import MAX_LIMIT, LockClient
 
-from lockd.cli.fast import RunCall, StatusCall, recognise
+from lockd.cli.fast import RunCall, ServeCall, StatusCall, recognise
 from lockd.run.options import MIN_TTL_MS, OnLost, RunOptions
 from lockd.testing.daemon import DaemonProcess
 
@@ -251,11 +251,40 @@ def test_a_bare_number_under_a_second_is_remembered_as_clicks_warning() -> None:
         ["run", "k", "stray", "--", "true"],
         ["--socket", "/a", "--socket", "/b", "run", "k", "--", "true"],
         ["whoami"],
-        ["serve"],
+        ["serve", "--help"],
+        ["serve", "stray"],
+        ["serve", "--system=yes"],
+        ["serve", "--json", "--json"],
+        ["serve", "--db"],  # no value
+        ["serve", "--db", "--json"],  # a value click may read otherwise
+        ["serve", "--db", ""],
+        ["serve", "--db", "/tmp"],  # click.Path(dir_okay=False)
+        ["serve", "--config", "/etc/hostname"],  # click.Path(file_okay=False)
+        ["serve", "--bogus"],
     ],
 )
 def test_anything_not_fully_understood_goes_to_click(argv: list[str]) -> None:
     assert recognise(argv) is None
+
+
+def test_recognise_reads_serve_options() -> None:
+    call = recognise(
+        ["--socket", "/r/s", "serve", "--db=/d/x.db", "--json", "--etcd", "http://a:1,http://b:2"]
+    )
+    assert isinstance(call, ServeCall)
+    assert call.root_socket == "/r/s"
+    assert call.options == {
+        "system": False,
+        "json_output": True,
+        "adopt_fence_mark": False,
+        "accept_data_loss": False,
+        "socket_path": None,
+        "db": "/d/x.db",
+        "config_dir": None,
+        "etcd": "http://a:1,http://b:2",
+    }
+    call = recognise(["serve"])
+    assert isinstance(call, ServeCall) and not any(call.options.values())
 
 
 def test_the_fast_path_uses_lockd_runs_own_limits() -> None:
@@ -284,6 +313,67 @@ def test_the_fast_path_knows_every_option_of_run_and_status() -> None:
 
     assert _option_names(run) == set(fast._RUN_VALUES) | set(fast._RUN_FLAGS)
     assert _option_names(status) == {"--socket", "--json"}
+
+
+def test_the_fast_path_knows_every_option_of_serve() -> None:
+    from lockd.cli import fast
+    from lockd.cli.root import serve
+
+    assert _option_names(serve) == set(fast._SERVE_OPTIONS)
+    for param in serve.params:
+        assert isinstance(param, click.Option)
+        assert fast._SERVE_OPTIONS[param.opts[0]] == (param.name, param.is_flag)
+
+
+# ------------------------------------------------------------- lockd serve on both paths
+
+# The entry writes, at exit, whether click was loaded before the daemon's
+# modules: a refused start prints its line through click (imported for it).
+SERVE_FAST = """
+import atexit, os, sys
+sys.argv[0] = "lockd"
+def probe():
+    names = list(sys.modules)
+    daemon = names.index("lockd.daemon.serve") if "lockd.daemon.serve" in names else len(names)
+    early = "click" in names and names.index("click") < daemon
+    open(os.environ["PROBE"], "w").write(str(early))
+atexit.register(probe)
+from lockd.cli.fast import main
+main()
+"""
+
+
+def test_serve_on_the_fast_path_refuses_a_start_as_click_does(
+    held_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """The same stderr line and status; click loaded only for the refusal's line."""
+    bad = tmp_path / "bad-config"
+    bad.mkdir()
+    (bad / "lockd.toml").write_text("max_connections = = 3\n")
+    good = tmp_path / "config"
+    good.mkdir()
+    db = str(tmp_path / "state" / "lockd.db")
+    fresh = str(tmp_path / "run" / "lockd.sock")
+    (tmp_path / "run").mkdir(mode=0o700)
+    live = str(held_daemon.socket)
+    rows: list[tuple[list[str], bool]] = [
+        (["serve", "--socket", fresh, "--db", db, "--config", str(bad)], True),
+        (["serve", "--json", "--socket", fresh, "--db", db, "--config", str(bad)], True),
+        (["--socket", fresh, "serve", "--db=" + db, "--config=" + str(bad)], True),
+        (["serve", "--socket", live, "--db", db, "--config", str(good)], True),  # in use
+        (["serve", "--socket", live, "--db", db, "--config", str(good), "--json"], True),
+        (["serve", "--socket", fresh, "--bogus"], False),
+        (["serve", "--socket", fresh, "--db", "/tmp", "--config", str(good)], False),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "LOCKD_SOCKET"}
+    for argv, fast in rows:
+        probe = tmp_path / "probe"
+        via_click = _run(CLICK, argv, env)
+        via_entry = _run(SERVE_FAST, argv, {**env, "PROBE": str(probe)})
+        assert via_entry == via_click, argv
+        assert via_entry[0] in (1, 2) and via_entry[2], argv  # refused, one line said why
+        assert probe.read_text() == str(not fast), argv
+    assert not Path(db).exists()  # nothing was created by any of them
 
 
 def test_run_defaults_are_the_same_on_both_paths() -> None:

@@ -1,0 +1,185 @@
+"""The integrity check begun after READY, niced (issue 26: restart to ``hello``).
+
+The daemon opens its database with the whole-file check deferred
+(``Store(defer_check=True)``): no thread reads the file until the daemon
+answers (``serve._settle_after_ready``) or a write needs the check first.
+These tests hold that the deferral weakens nothing: a write before the
+check has begun begins it and waits for it (so a damaged file still
+refuses it), a row read before it is checked on its own, a stop before it
+does not hang, and the check's thread gives way to the daemon's (nice).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from lockd.daemon import serve, storecheck
+from lockd.daemon.engine import Changes, Lease, LockEngine
+from lockd.daemon.store import DatabaseDamaged, Store
+
+BOOT = "11111111-2222-3333-4444-555555555555"
+KEYS = [f"kept:{i:04d}" for i in range(200)]
+#: leases run until then (boot-clock ms): far beyond any test's clock.
+FAR = 1 << 40
+
+
+def _lease(key: str, fence: int) -> Lease:
+    return Lease(
+        key=key,
+        handle=f"handle-of-{key}-xxxxxxxx",
+        fence=fence,
+        owner=None,
+        principal="user:alice",
+        ttl_ms=1000,
+        expires_at=FAR,
+    )
+
+
+def _write(db: Path) -> None:
+    """KEYS held, then a clean stop (no WAL left: the check would run in its thread)."""
+    store = Store(db, BOOT)
+    rows: dict[tuple[str, int], Lease | None] = {
+        (key, 0): _lease(key, i + 1) for i, key in enumerate(KEYS)
+    }
+    store.apply(Changes(rows=rows, fence=len(KEYS)))
+    store.close()
+
+
+def _damage_handle(db: Path, key: str) -> None:
+    """One character of ``key``'s handle changed: still a valid row, a different lease."""
+    data = bytearray(db.read_bytes())
+    at = data.index(f"handle-of-{key}-".encode())
+    data[at] = ord("H")
+    db.write_bytes(bytes(data))
+
+
+def _check_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "lockd-quick-check"]
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "lockd.db"
+
+
+def test_a_deferred_check_begins_only_when_asked(db_path: Path) -> None:
+    _write(db_path)
+    before = len(_check_threads())
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    try:
+        check = store._check
+        assert check is not None and not check.started
+        assert len(_check_threads()) == before  # no thread reads the file yet
+        done = store.check_done
+        assert done is not None and not done.is_set()
+        # A key's rows answer meanwhile, checked one by one.
+        assert [lease.fence for lease in store.leases_of([KEYS[9]])] == [10]
+        store.start_check()
+        store.start_check()  # once only
+        assert check.started
+        store.wait_checked()
+        assert done.is_set()
+    finally:
+        store.close()
+
+
+def test_a_write_before_the_deferred_check_begins_it_and_waits(db_path: Path) -> None:
+    _write(db_path)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    try:
+        engine = LockEngine(fence=store.stored_fence())
+        engine.restore_lazily(store.deadlines_after, store.leases_of)
+        granted = engine.acquire(0, "new", ttl_ms=1000, principal="user:bob")
+        assert isinstance(granted, Lease) and granted.fence == len(KEYS) + 1
+        store.apply(engine.drain())  # begins the check, waits for it, then writes
+        check_done = store.check_done
+        assert check_done is None  # passed and let go
+        assert store.leases_of(["new"])[0].fence == len(KEYS) + 1
+    finally:
+        store.close()
+
+
+def test_a_damaged_file_still_refuses_a_write_before_the_deferred_check(
+    db_path: Path,
+) -> None:
+    """The row is not read by anyone first: only the check can find it, and the write waits."""
+    _write(db_path)
+    _damage_handle(db_path, KEYS[77])
+    size = db_path.stat().st_size
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    try:
+        with pytest.raises(DatabaseDamaged, match="1 of 200 lease rows fail their checksum"):
+            store.apply(Changes(rows={("other", 0): _lease("other", 999)}, fence=999))
+        with pytest.raises(DatabaseDamaged):  # every later write too
+            store.apply(Changes(rows={("other", 0): _lease("other", 999)}, fence=999))
+    finally:
+        store.close()
+    assert db_path.stat().st_size == size  # nothing was written
+
+
+def test_a_stop_before_the_deferred_check_began_does_not_wait(db_path: Path) -> None:
+    _write(db_path)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    check = store._check
+    assert check is not None
+    store.close()  # would hang if it waited for a check nobody began
+    assert check.done.is_set()
+    with pytest.raises(DatabaseDamaged, match="interrupted"):
+        check.result()  # never passes: the next start checks again
+
+
+def test_the_check_runs_niced(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its thread's own nice value: the daemon's start and requests come first."""
+    _write(db_path)
+    seen: list[int] = []
+    inspect = storecheck.inspect
+
+    def spying(conn: object, **kwargs: bool) -> storecheck.Findings:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return inspect(conn, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storecheck, "inspect", spying)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    try:
+        store.wait_checked()
+    finally:
+        store.close()
+    assert seen == [max(storecheck.CHECK_NICE, os.getpriority(os.PRIO_PROCESS, 0))]
+    # The caller's own priority is left as it was.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < storecheck.CHECK_NICE
+
+
+class _Recorder:
+    """The store as _settle_after_ready sees it: when the check was begun."""
+
+    def __init__(self) -> None:
+        self.begun_at: float | None = None
+
+    def start_check(self) -> None:
+        self.begun_at = trio.current_time()
+
+
+def test_settle_after_ready_begins_the_check_and_freezes_the_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    frozen: list[bool] = []
+    monkeypatch.setattr(serve.gc, "freeze", lambda: frozen.append(True))
+    store = _Recorder()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve._settle_after_ready, store)
+            await trio.sleep(serve.SETTLE_AFTER / 2)
+            assert store.begun_at is None and not frozen  # the first answers go first
+        assert store.begun_at == pytest.approx(serve.SETTLE_AFTER)
+        assert frozen == [True]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert gc.isenabled()
