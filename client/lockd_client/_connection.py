@@ -57,6 +57,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
+    from ._renewer import Flag
+
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 
 _READ_CHUNK = 65536
@@ -192,7 +194,9 @@ class Connection:
             self._late_sends.append((op, args))
         self._flush_late_sends()
 
-    def wait_for_loss(self, handle: str, timeout: float, stop: threading.Event) -> Loss | None:
+    def wait_for_loss(
+        self, handle: str, timeout: float, stop: threading.Event | Flag
+    ) -> Loss | None:
         """Wait up to ``timeout`` s for the daemon to say ``handle`` is lost.
 
         Reads the connection meanwhile if no other thread does (a pushed
