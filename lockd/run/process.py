@@ -14,15 +14,15 @@ handlers only there.
 
 from __future__ import annotations
 
-# The C layers of socket and queue: the socket module builds its enums and
-# queue.py pulls in heapq for classes lockd run does not use (issue 24).
+# The C layers of socket, queue, threading and signal: the socket module
+# builds its enums, queue.py pulls in heapq for classes lockd run does not
+# use, threading functools and collections, and signal the enum module
+# (issue 24). One reader thread and plain signal numbers need none of it.
 import _socket
-import contextlib
 import os
-import signal
 import sys
-import threading
 from _queue import Empty, SimpleQueue
+from _thread import start_new_thread
 
 from lockd_client._record import Frozen
 
@@ -31,9 +31,12 @@ from lockd.run.forked import fork_guardian, only_thread, wait_child
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    import signal
     from collections.abc import Callable, Mapping, Sequence
     from types import FrameType
     from typing import Any
+else:
+    import _signal as signal  # signal's functions and numbers, without its enums
 
 __all__ = [
     "FORWARDED_SIGNALS",
@@ -52,7 +55,7 @@ __all__ = [
 
 
 #: Signals ``lockd run`` passes on to COMMAND's process group.
-FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def exit_status(returncode: int) -> int:
@@ -211,8 +214,7 @@ class Guardian:
         if word != "pid":
             self.close()
             raise RuntimeError(f"the guardian of COMMAND ended before starting it ({first!r})")
-        reader = threading.Thread(target=self._read_all, name="lockd-run-guardian", daemon=True)
-        reader.start()
+        start_new_thread(self._read_all, ())  # a daemon thread: it ends at "empty"
 
     def next_message(self, timeout: float | None) -> Message | None:
         """The guardian's next line, or None after ``timeout`` seconds."""
@@ -231,8 +233,10 @@ class Guardian:
     def end_all(self, grace_ms: int) -> None:
         """Ask for every descendant to end: SIGTERM, SIGKILL after ``grace_ms`` (0: SIGKILL)."""
         if self._ctrl is not None:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                 self._ctrl.sendall(f"kill {grace_ms}\n".encode())
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close our end; unless ``empty`` came first, the guardian kills everything. Waits."""
@@ -242,8 +246,10 @@ class Guardian:
         if self._proc is not None:
             import subprocess
 
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                 self._proc.wait(timeout=_GUARDIAN_EXIT)
+            except subprocess.TimeoutExpired:
+                pass
         elif self._pid and wait_child(self._pid, _GUARDIAN_EXIT):
             self._pid = 0
 
@@ -272,8 +278,10 @@ _GUARDIAN_EXIT = 30.0
 
 def killpg(pgid: int, sig: int) -> None:
     """Signal a process group; a group that is already gone is not an error."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
         os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class SignalForwarder:
