@@ -269,11 +269,7 @@ class Command:
                 signal.set_wakeup_fd(-1)
                 # The name exec will give it, so that the daemon records it
                 # with the pid at the grant (status shows COMMAND, not python).
-                try:
-                    with open("/proc/self/comm", "w") as comm:
-                        comm.write(os.path.basename(argv[0])[:15])
-                except OSError:
-                    pass
+                set_name(os.path.basename(argv[0]))
                 os.write(err_w, b".")  # named: the guardian may say "ready"
                 env = read_all(go_r)
                 if not env:
@@ -344,6 +340,24 @@ class Command:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
+
+
+def set_name(name: str) -> None:
+    """This process's name in ``ps`` and ``/proc/PID/comm`` (15 bytes at most); quiet if refused.
+
+    Raw descriptor writes: ``open()`` in text mode builds a text layer (and
+    looks up the locale's encoding) for one short write.
+    """
+    try:
+        fd = os.open("/proc/self/comm", os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.write(fd, os.fsencode(name)[:15])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def execvpe(file: str, argv: list[str], env: Mapping[str, str]) -> None:

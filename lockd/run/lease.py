@@ -35,7 +35,6 @@ from lockd_client import (
 )
 
 from lockd.contract import WAIT_FOREVER
-from lockd.describe import who_holds
 from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
 from lockd.timefmt import format_duration_ms
@@ -234,6 +233,8 @@ def _holder_hint(client: LockClient, key: str) -> str:
     Every holder of a shared key or a full semaphore is named (up to three);
     empty if unknown.
     """
+    from lockd.describe import who_holds  # here: only a busy key is described (start-up)
+
     client.request_timeout = _STATUS_TIMEOUT
     try:
         status = client.status(key)

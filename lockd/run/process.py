@@ -185,7 +185,10 @@ class Guardian:
             theirs.close()
             os.close(status_w)
         self._ctrl: _socket.socket | None = ours
-        self._status = os.fdopen(status_r, "rb", buffering=0)
+        self._status: int | None = status_r
+        #: what was read from the status pipe past the last whole line
+        self._unread = b""
+        self._reader_started = False  # from then on only the reader closes the pipe
         self._messages: SimpleQueue[Message] = SimpleQueue()
         self.finished = False  # "empty" (or the guardian's end) was seen
         first = self._read_line()
@@ -214,6 +217,7 @@ class Guardian:
         if word != "pid":
             self.close()
             raise RuntimeError(f"the guardian of COMMAND ended before starting it ({first!r})")
+        self._reader_started = True
         start_new_thread(self._read_all, ())  # a daemon thread: it ends at "empty"
 
     def next_message(self, timeout: float | None) -> Message | None:
@@ -243,6 +247,8 @@ class Guardian:
         if self._ctrl is not None:
             ctrl, self._ctrl = self._ctrl, None
             ctrl.close()
+        if not self._reader_started:
+            self._close_status()
         if self._proc is not None:
             import subprocess
 
@@ -254,13 +260,17 @@ class Guardian:
             self._pid = 0
 
     def _read_line(self) -> str:
-        line = b""
-        while not line.endswith(b"\n"):
-            byte = self._status.read(1)
-            if not byte:
+        # Whole reads, not a byte at a time: each read releases the GIL, and
+        # the reader thread handing it back and forth with the main thread
+        # was a start-up cost of lockd run (issue 24).
+        while b"\n" not in self._unread:
+            chunk = os.read(self._status, 4096) if self._status is not None else b""
+            if not chunk:
+                line, self._unread = self._unread, b""
                 return line.decode(errors="replace") if line else "gone"
-            line += byte
-        return line[:-1].decode(errors="replace")
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line.decode(errors="replace")
 
     def _read_all(self) -> None:
         while True:
@@ -268,8 +278,13 @@ class Guardian:
             word, _, rest = line.partition(" ")
             self._messages.put(Message(word, rest))
             if word in ("empty", "gone"):
-                self._status.close()
+                self._close_status()
                 return
+
+    def _close_status(self) -> None:
+        if self._status is not None:
+            fd, self._status = self._status, None
+            os.close(fd)
 
 
 #: How long close() waits for the guardian to finish killing.
