@@ -14,15 +14,14 @@ handlers only there.
 
 from __future__ import annotations
 
-# The C layers of socket, queue, threading and signal: the socket module
-# builds its enums, queue.py pulls in heapq for classes lockd run does not
-# use, threading functools and collections, and signal the enum module
-# (issue 24). One reader thread and plain signal numbers need none of it.
+# The C layers of socket and signal: the socket module builds its enums,
+# and signal loads the enum module for its own (issue 24). Plain signal
+# numbers need none of it.
 import _socket
 import os
+import select
 import sys
-from _queue import Empty, SimpleQueue
-from _thread import start_new_thread
+import time
 
 from lockd_client._record import Frozen
 
@@ -153,9 +152,11 @@ class Guardian:
     that will become COMMAND at once, so that :attr:`command_pid` can be
     named in the acquire (docs/contract.md §12.2). :meth:`go`
     sends it COMMAND's environment and a copy of the daemon connection once
-    the key is ours. Its lines then arrive through a reader thread into
-    :meth:`next_message`, where :meth:`post` adds ``lockd run``'s own
-    wake-ups (a signal, the renewer). Closing our end of the control socket
+    the key is ours. Its lines are then read by :meth:`next_message`, which
+    also returns what :meth:`post` adds: ``lockd run``'s own wake-ups (a
+    signal, the renewer), which end its wait through a pipe. No reader
+    thread: a thread of its own, and the GIL handed back and forth with it,
+    was a start-up cost of every ``lockd run`` (issue 24). Closing our end of the control socket
     without waiting for ``empty`` makes it kill everything (or, before
     :meth:`go`, end the waiting child without running COMMAND).
     """
@@ -188,8 +189,13 @@ class Guardian:
         self._status: int | None = status_r
         #: what was read from the status pipe past the last whole line
         self._unread = b""
-        self._reader_started = False  # from then on only the reader closes the pipe
-        self._messages: SimpleQueue[Message] = SimpleQueue()
+        #: post()ed messages, oldest first; appended from a signal handler
+        #: or the renewer's thread (list.append holds the GIL: it is atomic)
+        self._posted: list[Message] = []
+        #: a byte written here ends next_message's wait for the status pipe
+        #: (made after the fork: the guardian has no copy)
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._status_ended = False  # the status pipe's end was read
         self.finished = False  # "empty" (or the guardian's end) was seen
         first = self._read_line()
         word, _, rest = first.partition(" ")
@@ -217,22 +223,67 @@ class Guardian:
         if word != "pid":
             self.close()
             raise RuntimeError(f"the guardian of COMMAND ended before starting it ({first!r})")
-        self._reader_started = True
-        start_new_thread(self._read_all, ())  # a daemon thread: it ends at "empty"
 
     def next_message(self, timeout: float | None) -> Message | None:
-        """The guardian's next line, or None after ``timeout`` seconds."""
-        try:
-            message = self._messages.get(timeout=timeout)
-        except Empty:
-            return None
-        if message.word in ("empty", "gone"):
-            self.finished = True
-        return message
+        """The next posted message or guardian line, or None after ``timeout`` seconds.
+
+        Called from the main thread only; a signal that arrives while it
+        waits runs its handler, whose post() ends the wait.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._posted:
+                return self._posted.pop(0)
+            if self._status is not None:
+                line = self._whole_line()
+                if line is not None:
+                    word, _, rest = line.partition(" ")
+                    if word in ("empty", "gone"):
+                        self.finished = True
+                        self._close_status()
+                    return Message(word, rest)
+            wait_ms = -1
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                wait_ms = -int(-left * 1000 // 1)  # rounded up: never wake before the deadline
+            self._wait_for_input(wait_ms)
+
+    def _whole_line(self) -> str | None:
+        """The next whole line already read, "gone" at the end of the pipe, else None."""
+        if b"\n" in self._unread:
+            line, _, self._unread = self._unread.partition(b"\n")
+            return line.decode(errors="replace")
+        if self._status_ended:
+            return "gone"
+        return None
+
+    def _wait_for_input(self, wait_ms: int) -> None:
+        """Wait up to ``wait_ms`` (-1: no limit) for the status pipe or a post(); read it."""
+        poller = select.poll()
+        poller.register(self._wake[0], select.POLLIN)
+        if self._status is not None:
+            poller.register(self._status, select.POLLIN)
+        for fd, _events in poller.poll(wait_ms):
+            if fd == self._wake[0]:
+                try:
+                    while os.read(fd, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd == self._status:
+                chunk = os.read(fd, 4096)
+                self._unread += chunk
+                self._status_ended = not chunk
 
     def post(self, message: Message) -> None:
-        """Queue a message of our own (a signal handler waking the main loop)."""
-        self._messages.put(message)
+        """Add a message of our own (a signal handler, the renewer) and end a wait for one."""
+        self._posted.append(message)
+        try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
+            os.write(self._wake[1], b".")
+        except OSError:  # full: a wake-up is pending already
+            pass
 
     def end_all(self, grace_ms: int) -> None:
         """Ask for every descendant to end: SIGTERM, SIGKILL after ``grace_ms`` (0: SIGKILL)."""
@@ -247,8 +298,11 @@ class Guardian:
         if self._ctrl is not None:
             ctrl, self._ctrl = self._ctrl, None
             ctrl.close()
-        if not self._reader_started:
-            self._close_status()
+        # The wake pipe stays open: the renewer may still post() (lockd run
+        # stops it after this, so that the lease is renewed while the
+        # guardian ends COMMAND), and a closed number may be reused by then.
+        # Two descriptors, closed when lockd run exits.
+        self._close_status()
         if self._proc is not None:
             import subprocess
 
@@ -260,9 +314,7 @@ class Guardian:
             self._pid = 0
 
     def _read_line(self) -> str:
-        # Whole reads, not a byte at a time: each read releases the GIL, and
-        # the reader thread handing it back and forth with the main thread
-        # was a start-up cost of lockd run (issue 24).
+        """The guardian's next line, waited for (before go() returns: ``ready``, ``pid``)."""
         while b"\n" not in self._unread:
             chunk = os.read(self._status, 4096) if self._status is not None else b""
             if not chunk:
@@ -271,15 +323,6 @@ class Guardian:
             self._unread += chunk
         line, _, self._unread = self._unread.partition(b"\n")
         return line.decode(errors="replace")
-
-    def _read_all(self) -> None:
-        while True:
-            line = self._read_line()
-            word, _, rest = line.partition(" ")
-            self._messages.put(Message(word, rest))
-            if word in ("empty", "gone"):
-                self._close_status()
-                return
 
     def _close_status(self) -> None:
         if self._status is not None:
