@@ -160,6 +160,8 @@ class AutoRenewer:
 
     def start(self) -> None:
         """Start renewing (a daemon thread: it never keeps the interpreter from exiting)."""
+        if self._thread_id is not None:
+            raise RuntimeError("threads can only be started once")  # as Thread.start
         self._running.acquire()
         try:
             self._thread_id = start_new_thread(self._main, ())

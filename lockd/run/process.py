@@ -231,6 +231,7 @@ class Guardian:
         waits runs its handler, whose post() ends the wait.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        looked = False  # a time-out of 0 still takes what the pipe holds, as Queue.get did
         while True:
             if self._posted:
                 return self._posted.pop(0)
@@ -245,10 +246,11 @@ class Guardian:
             wait_ms = -1
             if deadline is not None:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 and looked:
                     return None
-                wait_ms = -int(-left * 1000 // 1)  # rounded up: never wake before the deadline
+                wait_ms = max(0, -int(-left * 1000 // 1))  # rounded up: not before the deadline
             self._wait_for_input(wait_ms)
+            looked = True
 
     def _whole_line(self) -> str | None:
         """The next whole line already read, "gone" at the end of the pipe, else None."""

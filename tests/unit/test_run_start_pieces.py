@@ -70,13 +70,15 @@ def test_the_renewer_stop_waits_for_its_thread(tmp_path: Path) -> None:
     renewer = AutoRenewer(
         LockClient(str(tmp_path / "none.sock")), handle, 60_000, None, expires_at=1e12
     )
-    before = threading.active_count()
+    before = len(os.listdir("/proc/self/task"))  # _thread's threads are not threading's
     renewer.start()
     assert renewer._running.locked()
+    assert len(os.listdir("/proc/self/task")) == before + 1
     renewer.stop()
     assert not renewer._running.locked()
-    assert threading.active_count() == before
     assert renewer.lost_reason is None
+    with pytest.raises(RuntimeError, match="only be started once"):
+        renewer.start()
 
 
 def test_a_renewer_never_started_stops_at_once(tmp_path: Path) -> None:
@@ -269,6 +271,8 @@ def test_guardian_messages_come_in_order_and_a_post_ends_the_wait() -> None:
         assert g.next_message(30) == Message("empty")
         assert g.finished
         assert g.next_message(0.01) is None  # nothing more: the time-out
+        g.post(Message("renewer"))
+        assert g.next_message(0) == Message("renewer")  # a time-out of 0 still takes it
         waker = threading.Timer(0.05, g.post, (Message("signal", "15"),))
         waker.start()
         assert g.next_message(30) == Message("signal", "15")  # from another thread
