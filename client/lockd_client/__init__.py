@@ -67,7 +67,7 @@ from ._results import (
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
-    from ._lock import AutoRenewer
+    from ._renewer import AutoRenewer
 
 
 def __getattr__(name: str) -> object:
@@ -75,7 +75,7 @@ def __getattr__(name: str) -> object:
     # a ``lockd`` command, that never renews in the background does not pay
     # for it at start-up.
     if name == "AutoRenewer":
-        from ._lock import AutoRenewer
+        from ._renewer import AutoRenewer
 
         return AutoRenewer
     raise AttributeError(f"module 'lockd_client' has no attribute {name!r}")

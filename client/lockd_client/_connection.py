@@ -37,7 +37,6 @@ from __future__ import annotations
 # neither (an AF_UNIX stream socket, locks; a Condition only once a second
 # thread waits on it).
 import _socket
-import math
 import os
 import select
 import struct
@@ -49,13 +48,15 @@ from _thread import allocate_lock
 from ._events import Loss, LossBook, loss_from
 from ._requests import late_grant
 from ._trust import check_folder, check_peer
-from ._wire import BadLine, ReplyLines, encode_request
+from ._wire import BadLine, ReplyLines, ceil, encode_request
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
     import threading
     from collections.abc import Callable
     from typing import Any
+
+    from ._renewer import Flag
 
 __all__ = ["Connection", "ConnectionLost", "ReplyTimeout"]
 
@@ -192,7 +193,9 @@ class Connection:
             self._late_sends.append((op, args))
         self._flush_late_sends()
 
-    def wait_for_loss(self, handle: str, timeout: float, stop: threading.Event) -> Loss | None:
+    def wait_for_loss(
+        self, handle: str, timeout: float, stop: threading.Event | Flag
+    ) -> Loss | None:
         """Wait up to ``timeout`` s for the daemon to say ``handle`` is lost.
 
         Reads the connection meanwhile if no other thread does (a pushed
@@ -310,7 +313,7 @@ class Connection:
 
         Called and returns with the lock held; it is released while waiting.
         """
-        wait_ms = -1 if timeout is None else min(math.ceil(timeout * 1000), _MAX_POLL_MS)
+        wait_ms = -1 if timeout is None else min(ceil(timeout * 1000), _MAX_POLL_MS)
         data: bytes | None = None
         self._reading = True
         try:
@@ -437,7 +440,7 @@ class Connection:
 
 def _timeval(seconds: float) -> bytes:
     """``struct timeval`` for SO_SNDTIMEO; at least 1 µs (zero would mean "no limit")."""
-    usec = max(1, math.ceil(seconds * 1_000_000))
+    usec = max(1, ceil(seconds * 1_000_000))
     return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
 
 

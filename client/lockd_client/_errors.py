@@ -8,7 +8,6 @@ cannot reach the daemon.
 
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 import stat
@@ -278,6 +277,8 @@ def _user_name(uid: int) -> str:
 
 
 def _group_name(gid: int) -> str:
+    import grp  # here: a C module of its own to load, for an error message (start-up, issue 24)
+
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:

@@ -16,7 +16,6 @@ from ._record import Frozen
 
 TYPE_CHECKING = False  # ``typing`` only for the type checker (start-up cost, issue 24)
 if TYPE_CHECKING:
-    from collections import OrderedDict
     from typing import Any
 
 __all__ = ["EVENTS_HELLO", "Loss", "LossBook", "loss_from"]
@@ -109,14 +108,15 @@ class LossBook:
     """
 
     def __init__(self) -> None:
-        from collections import OrderedDict  # here: a status never builds a book
-
-        self._by_handle: OrderedDict[str, Loss] = OrderedDict()
+        # A dict keeps insertion order: the oldest is the first key. Not an
+        # OrderedDict: every connection has a book, and collections was
+        # a start-up cost of every command (issue 24).
+        self._by_handle: dict[str, Loss] = {}
 
     def add(self, loss: Loss) -> None:
         self._by_handle[loss.handle] = loss
         while len(self._by_handle) > _KEPT:
-            self._by_handle.popitem(last=False)
+            del self._by_handle[next(iter(self._by_handle))]
 
     def get(self, handle: str) -> Loss | None:
         return self._by_handle.get(handle)

@@ -29,6 +29,7 @@ from ._errors import UntrustedDaemonError, _user_name
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    from collections.abc import Container
     from typing import Protocol
 
     class _Socket(Protocol):
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SYSTEM_USER",
+    "TrustedUids",
     "check_folder",
     "check_peer",
     "trusted_uids",
@@ -52,14 +54,38 @@ _PEERCRED = struct.Struct("3i")
 _MAX_HOPS = 40
 
 
-def trusted_uids() -> frozenset[int]:
+class TrustedUids:
+    """Root, the caller's effective uid, and the ``lockd`` system user if it exists.
+
+    A set for ``in``: the system user is looked up (once) only when an
+    owner or a peer is neither root nor us. The lookup goes through NSS
+    (nsswitch.conf read, its modules loaded, systemd's user database asked):
+    about 0.6 ms of every ``lockd`` command, whose daemon mostly runs as
+    root or as the caller (issue 24, bench/startup.py).
+    """
+
+    __slots__ = ("_always", "_looked_up", "_system_uid")
+
+    def __init__(self) -> None:
+        self._always = frozenset({0, os.geteuid()})
+        self._system_uid: int | None = None
+        self._looked_up = False
+
+    def __contains__(self, uid: object) -> bool:
+        if uid in self._always:
+            return True
+        if not self._looked_up:
+            self._looked_up = True
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
+                self._system_uid = pwd.getpwnam(SYSTEM_USER).pw_uid
+            except KeyError:
+                pass
+        return self._system_uid is not None and uid == self._system_uid
+
+
+def trusted_uids() -> TrustedUids:
     """Root, the caller's effective uid, and the ``lockd`` system user if it exists."""
-    uids = {0, os.geteuid()}
-    try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
-        uids.add(pwd.getpwnam(SYSTEM_USER).pw_uid)
-    except KeyError:
-        pass
-    return frozenset(uids)
+    return TrustedUids()
 
 
 def _owner(uid: int) -> str:
@@ -67,7 +93,7 @@ def _owner(uid: int) -> str:
     return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
 
 
-def _unsafe_entry(path: str, st: os.stat_result, trusted: frozenset[int]) -> str | None:
+def _unsafe_entry(path: str, st: os.stat_result, trusted: Container[int]) -> str | None:
     if st.st_uid not in trusted:
         kind = "the symlink " if stat.S_ISLNK(st.st_mode) else ""
         return f"{kind}{path} belongs to {_owner(st.st_uid)}"
@@ -79,7 +105,7 @@ def _unsafe_entry(path: str, st: os.stat_result, trusted: frozenset[int]) -> str
     return None
 
 
-def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
+def unsafe_directory(folder: str, trusted: Container[int]) -> str | None:
     """Why ``folder`` (and its parents) cannot be trusted to hold a socket; None if it can.
 
     A folder that does not exist is not reported (connecting or binding
@@ -122,7 +148,7 @@ def unsafe_directory(folder: str, trusted: frozenset[int]) -> str | None:
         path = parent
 
 
-def check_folder(path: str) -> frozenset[int]:
+def check_folder(path: str) -> TrustedUids:
     """Check 1 for the socket ``path`` (UntrustedDaemonError); the trusted uids for check 2."""
     trusted = trusted_uids()
     # The socket may be a symlink (to a symlink ...): each hop is an entry of
@@ -147,7 +173,7 @@ def check_folder(path: str) -> frozenset[int]:
     return trusted
 
 
-def check_peer(path: str, sock: _Socket, trusted: frozenset[int]) -> None:
+def check_peer(path: str, sock: _Socket, trusted: Container[int]) -> None:
     """Check 2 on a connected socket (UntrustedDaemonError); every client runs both."""
     raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, _gid = _PEERCRED.unpack(raw)

@@ -8,8 +8,6 @@ the same results as the general code.
 
 from __future__ import annotations
 
-import math
-
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -19,6 +17,7 @@ __all__ = [
     "MAX_MS",
     "BadLine",
     "ReplyLines",
+    "ceil",
     "check_bool",
     "check_key",
     "check_optional_str",
@@ -30,6 +29,15 @@ __all__ = [
     "encode_request",
     "seconds_to_ms",
 ]
+
+_INF = float("inf")
+
+
+def ceil(value: float) -> int:
+    """``math.ceil``: the math module is a C library of its own to load, a start-up
+    cost of every command for this one function (issue 24)."""
+    return -int(-value // 1)
+
 
 MAX_MS = 86_400_000  # 24 h, the daemon's limit for ttlMs and timeoutMs
 MAX_KEY_BYTES = 1024
@@ -275,7 +283,7 @@ def seconds_to_ms(value: object, name: str, *, allow_zero: bool) -> int:
             return ms
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float) and not _INF > value > -_INF:  # inf, -inf or nan
         raise ValueError(f"{name} must be finite, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"

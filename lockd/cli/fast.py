@@ -100,7 +100,6 @@ class RunCall:
     def __call__(self) -> int:
         _use_root_socket(self.root_socket)
         from lockd.cli.hot_commands import run_command
-        from lockd.cli.output import echo
         from lockd.run.options import OnLost, RunOptions
         from lockd.run.supervisor import run_locked  # noqa: F401  (loaded before the collector is back)
 
@@ -112,7 +111,9 @@ class RunCall:
         gc.freeze()
         gc.enable()
 
-        if not self.json_output:
+        if self.hints and not self.json_output:
+            from lockd.cli.output import echo  # here: a run prints nothing of its own else
+
             for hint in self.hints:
                 echo(f"lockd: warning: {hint}", err=True)
         fields = dict(self.fields)

@@ -14,23 +14,6 @@ import os
 
 from lockd_client import LockClient
 
-from lockd.cli.output import (
-    DEBUG_ENV,
-    echo,
-    format_relative,
-    format_time,
-    print_json,
-    render_fields,
-    render_table,
-)
-from lockd.describe import (
-    HOLDER_COLUMNS,
-    WAITER_COLUMNS,
-    holder_cells,
-    mode_text,
-    pid_cell,
-    waiter_cells,
-)
 from lockd.exitcodes import EXIT_BUG, EXIT_INTERRUPTED
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
@@ -46,6 +29,25 @@ def show_status(key: str, socket_path: str | None, as_json: bool) -> None:
     The caller turns an exception into the one stderr line and exit code
     (:func:`lockd.cli.output.failure_from`).
     """
+    # Imported here, not with the module: lockd run, which shares it, prints
+    # no table (issue 24, start-up).
+    from lockd.cli.output import (
+        echo,
+        format_relative,
+        format_time,
+        print_json,
+        render_fields,
+        render_table,
+    )
+    from lockd.describe import (
+        HOLDER_COLUMNS,
+        WAITER_COLUMNS,
+        holder_cells,
+        mode_text,
+        pid_cell,
+        waiter_cells,
+    )
+
     with LockClient(socket_path) as client:
         st = client.status(key)
     if as_json:
@@ -111,6 +113,8 @@ def run_command(opts: RunOptions, *, json_output: bool) -> int:
         report("INTERRUPTED", "interrupted")
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: one line and 70, not a traceback that exits 1 ("busy")
+        from lockd.cli.output import DEBUG_ENV
+
         if os.environ.get(DEBUG_ENV):
             raise
         report(

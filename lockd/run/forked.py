@@ -28,17 +28,22 @@ an ``exec`` give it):
 
 The subreaper and ``PR_SET_PDEATHSIG`` are the guardian's own calls (neither
 is inherited through fork), unchanged. The guardian's prctl is loaded
-(ctypes) before the fork, so neither the guardian nor COMMAND's process
+(_ctypes) before the fork, so neither the guardian nor COMMAND's process
 loads it again.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 from lockd.run import guardian
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    import signal
+else:
+    import _signal as signal  # the signal module without its enums (issue 24)
 
 __all__ = ["fork_guardian", "only_thread", "wait_child"]
 

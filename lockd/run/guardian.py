@@ -42,21 +42,24 @@ has no children (a live descendant always has an ancestor chain ending here).
 
 from __future__ import annotations
 
-# socket's C layer: the socket module builds its enums at import, a cost
-# every ``lockd run`` paid (issue 24); a Unix socket pair needs none of it.
+# socket's and signal's C layers: both modules build enums at import (signal
+# loads the enum module for them), a cost every ``lockd run`` paid (issue 24);
+# a Unix socket pair and plain signal numbers need none of it. Nor is
+# contextlib imported (with collections and functools behind it).
 import _socket
-import contextlib
 import errno
 import os
 import select
-import signal
 import sys
 import time
-from array import array
+from _struct import calcsize, pack, unpack  # not array: it imports collections (issue 24)
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    import signal
     from collections.abc import Callable, Iterable, Mapping
+else:
+    import _signal as signal  # signal's functions and numbers, without its enums
 
 #: How COMMAND meets the terminal (the MODE argument).
 NO_TERMINAL, TERMINAL_FOREGROUND, TERMINAL_BACKGROUND = 0, 1, 2
@@ -84,20 +87,46 @@ _prctl_loaded = False
 
 
 def load_prctl() -> Callable[[int, int, int, int], int] | None:
-    """libc's prctl through ctypes (loaded once; a forked guardian inherits it), or None."""
+    """libc's prctl (loaded once; a forked guardian inherits it), or None."""
     global _libc_prctl, _prctl_loaded
     if not _prctl_loaded:
-        import ctypes  # here: lockd run's other commands have no use for it
-
         _prctl_loaded = True
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            return None
-        fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-        fn.restype = ctypes.c_int
-        _libc_prctl = fn
+        _libc_prctl = _prctl_from_c_layer() or _prctl_from_ctypes()
     return _libc_prctl
+
+
+def _prctl_from_c_layer() -> Callable[[int, int, int, int], int] | None:
+    """prctl called through ``_ctypes``, ctypes' C layer, or None if it lacks the calls.
+
+    The ctypes package builds dozens of classes at import (struct with them):
+    about a fifth of ``python -c pass`` in every ``lockd run`` (issue 24,
+    bench/startup.py). ``call_function(address, args)`` passes each int as a
+    C int, which libffi widens, sign-extended, to the 64-bit register
+    prctl's variadic ``unsigned long`` is read from; every argument here is
+    small and not negative.
+    """
+    try:
+        import _ctypes
+
+        program = _ctypes.dlopen(None)  # type: ignore[arg-type]  # None: the program, its libc
+        address = _ctypes.dlsym(program, "prctl")
+        call = _ctypes.call_function
+    except (ImportError, OSError, AttributeError):
+        return None
+    return lambda option, arg2, arg3, arg4: int(call(address, (option, arg2, arg3, arg4)))
+
+
+def _prctl_from_ctypes() -> Callable[[int, int, int, int], int] | None:
+    """prctl through the ctypes package (an interpreter whose _ctypes lacks the calls)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def prctl(option: int, arg: int) -> bool:
@@ -240,8 +269,7 @@ class Command:
                 signal.set_wakeup_fd(-1)
                 # The name exec will give it, so that the daemon records it
                 # with the pid at the grant (status shows COMMAND, not python).
-                with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-                    comm.write(os.path.basename(argv[0])[:15])
+                set_name(os.path.basename(argv[0]))
                 os.write(err_w, b".")  # named: the guardian may say "ready"
                 env = read_all(go_r)
                 if not env:
@@ -250,8 +278,10 @@ class Command:
             except BaseException as exc:  # the child must never return into the guardian's code
                 err = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOEXEC
                 text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                with contextlib.suppress(OSError):
+                try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                     os.write(err_w, f"{err} {text}".encode())
+                except OSError:
+                    pass
             os._exit(code)
         os.close(go_r)
         os.close(err_w)
@@ -277,19 +307,23 @@ class Command:
             os.setpgid(0, 0)
         if mode == TERMINAL_FOREGROUND:
             signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                 os.tcsetpgrp(0, os.getpgrp())
+            except OSError:
+                pass
         for sig, disposition in inherited.items():  # a SIGHUP ignored under nohup stays so
             signal.signal(sig, disposition)  # type: ignore[arg-type]
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # what Python changed at start-up
             signal.signal(sig, signal.SIG_DFL)
-        os.execvpe(argv[0], argv, env)
+        execvpe(argv[0], argv, env)
 
     def go(self, env: dict[str, str]) -> tuple[int, str] | None:
         """Let the child exec COMMAND with ``env``; (errno, text) if exec failed."""
-        with contextlib.suppress(OSError):
+        try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
             os.write(self._go_w, dump_env(env).encode())
+        except OSError:
+            pass
         os.close(self._go_w)
         said = read_all(self._err_r).decode(errors="replace")
         os.close(self._err_r)
@@ -302,23 +336,68 @@ class Command:
         """No key: the child ends without running COMMAND."""
         os.close(self._go_w)
         os.close(self._err_r)
-        with contextlib.suppress(ChildProcessError):
+        try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
             os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def set_name(name: str) -> None:
+    """This process's name in ``ps`` and ``/proc/PID/comm`` (15 bytes at most); quiet if refused.
+
+    Raw descriptor writes: ``open()`` in text mode builds a text layer (and
+    looks up the locale's encoding) for one short write.
+    """
+    try:
+        fd = os.open("/proc/self/comm", os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.write(fd, os.fsencode(name)[:15])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def execvpe(file: str, argv: list[str], env: Mapping[str, str]) -> None:
+    """``os.execvpe``: ``file`` searched for in ``env``'s PATH as a shell searches, then exec'd.
+
+    The same search and the same error as ``os.execvpe`` (the first error
+    other than "not there", else the last one), without the ``warnings``
+    module it imports to read PATH: a cost every ``lockd run`` paid in the
+    process that becomes COMMAND (issue 24).
+    """
+    if os.path.dirname(file):
+        os.execve(file, argv, env)
+    first_error: OSError | None = None
+    last_error: OSError | None = None
+    path = env.get("PATH")
+    for folder in (os.defpath if path is None else path).split(os.pathsep):
+        try:
+            os.execve(os.path.join(folder, file), argv, env)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            last_error = exc
+        except OSError as exc:
+            last_error = exc
+            first_error = first_error or exc
+    raise first_error or last_error or FileNotFoundError(errno.ENOENT, "no PATH to search", file)
 
 
 def send_fds(sock: _socket.socket, data: bytes, fds: list[int]) -> None:
     """``socket.send_fds(sock, [data], fds)``: ``data`` with ``fds`` riding along (SCM_RIGHTS)."""
-    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array("i", fds))])
+    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack(f"{len(fds)}i", *fds))])
 
 
 def recv_fds(sock: _socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
     """``socket.recv_fds``: up to ``bufsize`` bytes and the descriptors sent with them."""
-    fds = array("i")
-    data, ancdata, _flags, _addr = sock.recvmsg(bufsize, _socket.CMSG_LEN(maxfds * fds.itemsize))
+    size = calcsize("i")
+    fds: list[int] = []
+    data, ancdata, _flags, _addr = sock.recvmsg(bufsize, _socket.CMSG_LEN(maxfds * size))
     for level, kind, cmsg in ancdata:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            fds.frombytes(cmsg[: len(cmsg) - (len(cmsg) % fds.itemsize)])
-    return data, list(fds)
+            fds.extend(unpack(f"{len(cmsg) // size}i", cmsg[: len(cmsg) - (len(cmsg) % size)]))
+    return data, fds
 
 
 def dump_env(env: Mapping[str, str]) -> str:
@@ -424,8 +503,10 @@ def main(args: list[str]) -> int:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     def say(line: str) -> None:
-        with contextlib.suppress(OSError):  # lockd run is gone: nobody to tell
+        try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
             os.write(status_w, (line + "\n").encode())
+        except OSError:  # lockd run is gone: nobody to tell
+            pass
 
     # SIGCHLD wakes the select below through a self-pipe.
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -463,9 +544,11 @@ def main(args: list[str]) -> int:
             return 0
         ready, _, _ = select.select([ctrl.fileno(), wake_r], [], [])
         if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
+            try:
                 while os.read(wake_r, 512):
                     pass
+            except BlockingIOError:
+                pass
         if ctrl.fileno() in ready:
             lines = ctrl.read()
             if ctrl.closed:  # lockd run died: nothing of COMMAND may outlive its key

@@ -19,9 +19,7 @@ instead of after ``break_grace``.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable
 
 from lockd_client import (
     AutoRenewer,
@@ -37,11 +35,13 @@ from lockd_client import (
 )
 
 from lockd.contract import WAIT_FOREVER
-from lockd.describe import who_holds
 from lockd.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE, exit_code_for
 from lockd.run.options import Reporter, RunOptions
 from lockd.timefmt import format_duration_ms
-from lockd.waitline import WaitLine
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["Grant", "LeaseKeeper", "take_lease"]
 
@@ -90,19 +90,30 @@ def take_lease(client: LockClient, opts: RunOptions, report: Reporter) -> Grant 
                 pid=opts.holder_pid,
             )
         else:
-            # On a terminal, one live line while waiting (lockd.waitline).
-            live = not (opts.quiet or report.json_lines)
-            with WaitLine(opts.key, opts.socket_path) if live else contextlib.nullcontext():
-                handle = client.acquire(
+            timeout = None if opts.wait_ms == WAIT_FOREVER else opts.wait_ms / 1000
+
+            def wait_for_key() -> Handle:
+                return client.acquire(
                     opts.key,
                     ttl,
-                    None if opts.wait_ms == WAIT_FOREVER else opts.wait_ms / 1000,
+                    timeout,
                     owner=opts.owner,
                     release_on_close=True,
                     shared=opts.shared,
                     limit=opts.limit,
                     pid=opts.holder_pid,
                 )
+
+            if opts.quiet or report.json_lines:
+                handle = wait_for_key()
+            else:
+                # On a terminal, one live line while waiting. Imported here:
+                # it runs a thread (threading), a cost a run that does not
+                # wait need not pay at start (issue 24).
+                from lockd.waitline import WaitLine
+
+                with WaitLine(opts.key, opts.socket_path):
+                    handle = wait_for_key()
     except LockTimeoutError:
         wait = format_duration_ms(opts.wait_ms or 0)
         if not opts.quiet:
@@ -222,6 +233,8 @@ def _holder_hint(client: LockClient, key: str) -> str:
     Every holder of a shared key or a full semaphore is named (up to three);
     empty if unknown.
     """
+    from lockd.describe import who_holds  # here: only a busy key is described (start-up)
+
     client.request_timeout = _STATUS_TIMEOUT
     try:
         status = client.status(key)

@@ -7,9 +7,7 @@ to import the other.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from enum import StrEnum
 
 from lockd_client._record import Frozen
 
@@ -17,7 +15,8 @@ from lockd.exitcodes import EXIT_BUSY, USAGE, error_document
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
-    from typing import IO, Any
+    from collections.abc import Iterator
+    from typing import IO, Any, ClassVar
 
 __all__ = ["MIN_TTL_MS", "OnLost", "Reporter", "RunOptions"]
 
@@ -25,12 +24,56 @@ __all__ = ["MIN_TTL_MS", "OnLost", "Reporter", "RunOptions"]
 MIN_TTL_MS = 100
 
 
-class OnLost(StrEnum):
-    """What to do to COMMAND when the lease is lost (``--on-lost``)."""
+class _Choices(type):
+    """The metaclass of :class:`OnLost`: iterating the class gives its members, as an Enum's."""
 
-    TERM = "term"  # SIGTERM to the group, SIGKILL after --grace
-    KILL = "kill"  # SIGKILL to the group at once
-    IGNORE = "ignore"  # only report; exit 6 once COMMAND is done
+    _members: dict[str, OnLost]
+
+    def __iter__(cls) -> Iterator[OnLost]:
+        return iter(cls._members.values())
+
+
+class OnLost(str, metaclass=_Choices):
+    """What to do to COMMAND when the lease is lost (``--on-lost``).
+
+    Reads as the ``StrEnum`` it was -- ``OnLost.KILL``, ``OnLost("kill")``
+    (the same object; ValueError for anything else), ``.value``, ``.name``,
+    ``list(OnLost)``, a ``str`` equal to its value -- without the enum
+    module, whose import was a tenth of ``python -c pass`` in every ``lockd
+    run`` (issue 24, bench/startup.py).
+    """
+
+    __slots__ = ()
+    TERM: ClassVar[OnLost]  # SIGTERM to the group, SIGKILL after --grace
+    KILL: ClassVar[OnLost]  # SIGKILL to the group at once
+    IGNORE: ClassVar[OnLost]  # only report; exit 6 once COMMAND is done
+
+    def __new__(cls, value: str) -> OnLost:
+        try:
+            return cls._members[value]
+        except (KeyError, TypeError):
+            raise ValueError(f"{value!r} is not a valid {cls.__name__}") from None
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    @property
+    def name(self) -> str:
+        return self.value.upper()
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}.{self.name}: {self.value!r}>"
+
+    def __reduce__(self) -> tuple[type[OnLost], tuple[str]]:
+        return type(self), (self.value,)  # a copy, or a pickle, is the member itself
+
+
+OnLost._members = {value: str.__new__(OnLost, value) for value in ("term", "kill", "ignore")}
+OnLost.TERM, OnLost.KILL, OnLost.IGNORE = OnLost._members.values()
 
 
 class RunOptions(Frozen):
@@ -185,9 +228,11 @@ class Reporter:
     def _write(self, json_line: str | None, message: str) -> None:
         stream = self._stream if self._stream is not None else sys.stderr
         line = json_line if json_line is not None else f"{self.prog}: {message}"
-        with contextlib.suppress(OSError, ValueError):  # a closed stderr must not hide the exit
+        try:
             stream.write(line + "\n")
             stream.flush()
+        except (OSError, ValueError):  # a closed stderr must not hide the exit
+            pass
 
 
 #: run's own failure names -> the documented --json code (the name goes to details.reason).

@@ -14,15 +14,14 @@ handlers only there.
 
 from __future__ import annotations
 
-# The C layers of socket and queue: the socket module builds its enums and
-# queue.py pulls in heapq for classes lockd run does not use (issue 24).
+# The C layers of socket and signal: the socket module builds its enums,
+# and signal loads the enum module for its own (issue 24). Plain signal
+# numbers need none of it.
 import _socket
-import contextlib
 import os
-import signal
+import select
 import sys
-import threading
-from _queue import Empty, SimpleQueue
+import time
 
 from lockd_client._record import Frozen
 
@@ -31,9 +30,12 @@ from lockd.run.forked import fork_guardian, only_thread, wait_child
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    import signal
     from collections.abc import Callable, Mapping, Sequence
     from types import FrameType
     from typing import Any
+else:
+    import _signal as signal  # signal's functions and numbers, without its enums
 
 __all__ = [
     "FORWARDED_SIGNALS",
@@ -52,7 +54,7 @@ __all__ = [
 
 
 #: Signals ``lockd run`` passes on to COMMAND's process group.
-FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def exit_status(returncode: int) -> int:
@@ -150,9 +152,11 @@ class Guardian:
     that will become COMMAND at once, so that :attr:`command_pid` can be
     named in the acquire (docs/contract.md §12.2). :meth:`go`
     sends it COMMAND's environment and a copy of the daemon connection once
-    the key is ours. Its lines then arrive through a reader thread into
-    :meth:`next_message`, where :meth:`post` adds ``lockd run``'s own
-    wake-ups (a signal, the renewer). Closing our end of the control socket
+    the key is ours. Its lines are then read by :meth:`next_message`, which
+    also returns what :meth:`post` adds: ``lockd run``'s own wake-ups (a
+    signal, the renewer), which end its wait through a pipe. No reader
+    thread: a thread of its own, and the GIL handed back and forth with it,
+    was a start-up cost of every ``lockd run`` (issue 24). Closing our end of the control socket
     without waiting for ``empty`` makes it kill everything (or, before
     :meth:`go`, end the waiting child without running COMMAND).
     """
@@ -182,8 +186,16 @@ class Guardian:
             theirs.close()
             os.close(status_w)
         self._ctrl: _socket.socket | None = ours
-        self._status = os.fdopen(status_r, "rb", buffering=0)
-        self._messages: SimpleQueue[Message] = SimpleQueue()
+        self._status: int | None = status_r
+        #: what was read from the status pipe past the last whole line
+        self._unread = b""
+        #: post()ed messages, oldest first; appended from a signal handler
+        #: or the renewer's thread (list.append holds the GIL: it is atomic)
+        self._posted: list[Message] = []
+        #: a byte written here ends next_message's wait for the status pipe
+        #: (made after the fork: the guardian has no copy)
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._status_ended = False  # the status pipe's end was read
         self.finished = False  # "empty" (or the guardian's end) was seen
         first = self._read_line()
         word, _, rest = first.partition(" ")
@@ -211,59 +223,113 @@ class Guardian:
         if word != "pid":
             self.close()
             raise RuntimeError(f"the guardian of COMMAND ended before starting it ({first!r})")
-        reader = threading.Thread(target=self._read_all, name="lockd-run-guardian", daemon=True)
-        reader.start()
 
     def next_message(self, timeout: float | None) -> Message | None:
-        """The guardian's next line, or None after ``timeout`` seconds."""
-        try:
-            message = self._messages.get(timeout=timeout)
-        except Empty:
-            return None
-        if message.word in ("empty", "gone"):
-            self.finished = True
-        return message
+        """The next posted message or guardian line, or None after ``timeout`` seconds.
+
+        Called from the main thread only; a signal that arrives while it
+        waits runs its handler, whose post() ends the wait.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        looked = False  # a time-out of 0 still takes what the pipe holds, as Queue.get did
+        while True:
+            if self._posted:
+                return self._posted.pop(0)
+            if self._status is not None:
+                line = self._whole_line()
+                if line is not None:
+                    word, _, rest = line.partition(" ")
+                    if word in ("empty", "gone"):
+                        self.finished = True
+                        self._close_status()
+                    return Message(word, rest)
+            wait_ms = -1
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 and looked:
+                    return None
+                wait_ms = max(0, -int(-left * 1000 // 1))  # rounded up: not before the deadline
+            self._wait_for_input(wait_ms)
+            looked = True
+
+    def _whole_line(self) -> str | None:
+        """The next whole line already read, "gone" at the end of the pipe, else None."""
+        if b"\n" in self._unread:
+            line, _, self._unread = self._unread.partition(b"\n")
+            return line.decode(errors="replace")
+        if self._status_ended:
+            return "gone"
+        return None
+
+    def _wait_for_input(self, wait_ms: int) -> None:
+        """Wait up to ``wait_ms`` (-1: no limit) for the status pipe or a post(); read it."""
+        poller = select.poll()
+        poller.register(self._wake[0], select.POLLIN)
+        if self._status is not None:
+            poller.register(self._status, select.POLLIN)
+        for fd, _events in poller.poll(wait_ms):
+            if fd == self._wake[0]:
+                try:
+                    while os.read(fd, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd == self._status:
+                chunk = os.read(fd, 4096)
+                self._unread += chunk
+                self._status_ended = not chunk
 
     def post(self, message: Message) -> None:
-        """Queue a message of our own (a signal handler waking the main loop)."""
-        self._messages.put(message)
+        """Add a message of our own (a signal handler, the renewer) and end a wait for one."""
+        self._posted.append(message)
+        try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
+            os.write(self._wake[1], b".")
+        except OSError:  # full: a wake-up is pending already
+            pass
 
     def end_all(self, grace_ms: int) -> None:
         """Ask for every descendant to end: SIGTERM, SIGKILL after ``grace_ms`` (0: SIGKILL)."""
         if self._ctrl is not None:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                 self._ctrl.sendall(f"kill {grace_ms}\n".encode())
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close our end; unless ``empty`` came first, the guardian kills everything. Waits."""
         if self._ctrl is not None:
             ctrl, self._ctrl = self._ctrl, None
             ctrl.close()
+        # The wake pipe stays open: the renewer may still post() (lockd run
+        # stops it after this, so that the lease is renewed while the
+        # guardian ends COMMAND), and a closed number may be reused by then.
+        # Two descriptors, closed when lockd run exits.
+        self._close_status()
         if self._proc is not None:
             import subprocess
 
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                 self._proc.wait(timeout=_GUARDIAN_EXIT)
+            except subprocess.TimeoutExpired:
+                pass
         elif self._pid and wait_child(self._pid, _GUARDIAN_EXIT):
             self._pid = 0
 
     def _read_line(self) -> str:
-        line = b""
-        while not line.endswith(b"\n"):
-            byte = self._status.read(1)
-            if not byte:
+        """The guardian's next line, waited for (before go() returns: ``ready``, ``pid``)."""
+        while b"\n" not in self._unread:
+            chunk = os.read(self._status, 4096) if self._status is not None else b""
+            if not chunk:
+                line, self._unread = self._unread, b""
                 return line.decode(errors="replace") if line else "gone"
-            line += byte
-        return line[:-1].decode(errors="replace")
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line.decode(errors="replace")
 
-    def _read_all(self) -> None:
-        while True:
-            line = self._read_line()
-            word, _, rest = line.partition(" ")
-            self._messages.put(Message(word, rest))
-            if word in ("empty", "gone"):
-                self._status.close()
-                return
+    def _close_status(self) -> None:
+        if self._status is not None:
+            fd, self._status = self._status, None
+            os.close(fd)
 
 
 #: How long close() waits for the guardian to finish killing.
@@ -272,8 +338,10 @@ _GUARDIAN_EXIT = 30.0
 
 def killpg(pgid: int, sig: int) -> None:
     """Signal a process group; a group that is already gone is not an error."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
         os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class SignalForwarder:

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import time
 
 from lockd_client import AutoRenewer, Handle, LockClient, LockdError
-from lockd_client._lock import log as client_log
+from lockd_client._renewer import log as client_log
 
 from lockd.exitcodes import (
     EXIT_CANNOT_EXECUTE,
@@ -57,6 +56,12 @@ from lockd.run.process import (
     terminal_mode,
 )
 from lockd.timefmt import format_duration_ms
+
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    import signal
+else:
+    import _signal as signal  # the signal module without its enums (issue 24)
 
 __all__ = ["run_locked"]
 

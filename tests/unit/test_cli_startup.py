@@ -309,3 +309,63 @@ def test_a_hot_command_skips_the_teardown_only_when_nothing_waits_for_it(
     assert out.stdout.split()[0] == skips, out.stderr
     if case == "atexit":  # and the handler still runs at the usual exit
         assert out.stdout.split("\n")[1] == "handler ran"
+
+
+#: What ``lockd run`` imported at start and no longer does (issue 24): the
+#: Python layers of threading (the renewer, the guardian's reader thread),
+#: signal (its enums) and ctypes (prctl), contextlib, enum (signal's, and
+#: ``--on-lost``'s StrEnum), array (descriptors for the guardian), queue's C
+#: layer (no reader thread), what those load (functools, collections), the C
+#: libraries math and grp, and lockd's printing modules (no table to print).
+NOT_FOR_RUN = (
+    "threading",
+    "_weakrefset",
+    "signal",
+    "ctypes",
+    "contextlib",
+    "enum",
+    "array",
+    "_queue",
+    "functools",
+    "collections",
+    "math",
+    "grp",
+    "lockd.waitline",
+    "lockd.cli.output",
+    "lockd.describe",
+    "lockd_client._lock",
+)
+#: ... and what neither hot command imports (status never did import the run's).
+NOT_FOR_STATUS_BARE = ("math", "grp", "threading", "enum", "collections", "functools")
+
+
+def bare_modules(args: list[str]) -> set[str]:
+    """The modules the entry loads for ``args`` beyond a bare interpreter's own.
+
+    ``python -S`` with the checkout on PYTHONPATH: no site, no editable
+    finder, nothing preloaded that would hide a module (an installed copy
+    preloads little, a development venv ``re``, ``enum``, ``collections``
+    and more), so every module a command pulls in shows.
+    """
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), str(root / "client")]),
+        "LOCKD_SOCKET": MISSING,
+    }
+    bare = [sys.executable, "-S"]
+    before = module_lines([*bare, "-c", PRELOADED], env=env)
+    return module_lines([*bare, "-c", BARE_ENTRY_MODULES, *args], env=env) - before
+
+
+def test_run_in_a_bare_interpreter_imports_only_c_layers_of_the_stdlib() -> None:
+    modules = bare_modules(["run", "k", "--", "true"])
+    assert "lockd.run.guardian" in modules  # the probe saw the guardian start
+    assert sorted(m for m in NOT_FOR_RUN if m in modules) == []
+    assert sorted(m for m in NOT_FOR_STATUS if m in modules) == []
+
+
+def test_status_in_a_bare_interpreter_imports_only_c_layers_of_the_stdlib() -> None:
+    modules = bare_modules(["locks", "status", "k"])
+    assert "lockd_client._connection" in modules  # the probe saw the request being made
+    assert sorted(m for m in (*NOT_FOR_STATUS, *NOT_FOR_STATUS_BARE) if m in modules) == []
