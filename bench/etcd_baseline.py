@@ -95,6 +95,7 @@ from common import (  # noqa: E402  (bench modules are run as scripts)
     now_ns,
     pairs_loop,
     proc_cpu_s,
+    proc_runq_wait_s,
     ratio,
     rotated,
     run_workers,
@@ -403,14 +404,22 @@ def lockd_on_etcd(
 
 
 def lockd_pairs(daemon: LockdDaemon, key: str, duration_s: float) -> dict[str, Any]:
-    """B1 through the real client in this process; the daemon's CPU per pair as well."""
+    """B1 through the real client in this process; the daemon's CPU per pair as well,
+    and how long it waited for a CPU while runnable (the box's other jobs, or the
+    process its own ``send`` woke)."""
     locker = LockdLocker(str(daemon.socket))
     locker.prepare(key)
-    daemon_cpu = proc_cpu_s(daemon.pid)
+    daemon_cpu, daemon_runq = proc_cpu_s(daemon.pid), proc_runq_wait_s(daemon.pid)
     result = pairs_loop(locker, key, now_ns() + int(duration_s * 1e9))
     result["daemon_cpu_s"] = proc_cpu_s(daemon.pid) - daemon_cpu
+    result["daemon_runq_s"] = proc_runq_wait_s(daemon.pid) - daemon_runq
     locker.close()
     return result
+
+
+def etcd_cpu_s(cluster: EtcdCluster) -> float:
+    """CPU seconds the cluster's members used so far, together."""
+    return sum(proc_cpu_s(m.proc.pid) for m in cluster.members if m.proc is not None)
 
 
 def lockd_handoffs(daemons: Sequence[LockdDaemon], key: str, duration_s: float) -> dict[str, Any]:
@@ -435,6 +444,9 @@ def pairs_row(result: dict[str, Any]) -> dict[str, float]:
     row = {"pairs_s": result["pairs"] / seconds, "cpu_us": result["client_cpu_s"] / pairs * 1e6}
     if "daemon_cpu_s" in result:
         row["daemon_cpu_us"] = result["daemon_cpu_s"] / pairs * 1e6
+        row["daemon_runq_us"] = result["daemon_runq_s"] / pairs * 1e6
+    if "etcd_cpu_s" in result:
+        row["etcd_cpu_us"] = result["etcd_cpu_s"] / pairs * 1e6
     return row
 
 
@@ -474,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare", metavar="REV", help="also run REV's lockd (from a git worktree) on B1 and B2"
     )
+    parser.add_argument("--rounds", type=int, help="rounds of every measure (default 5, --quick 2)")
     parser.add_argument("--out", type=Path, help="write every round as JSON here")
     args = parser.parse_args(argv)
     if args.command == "worker":
@@ -490,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         with checkout(args.compare) as tree:
             earlier = None if tree is None else (args.compare, tree)
             b1, b2, calls = measure(
-                cluster, None if skip else args.etcd3_python, args.quick, earlier
+                cluster, None if skip else args.etcd3_python, args.quick, earlier, args.rounds
             )
     finally:
         cluster.stop()
@@ -507,12 +520,15 @@ def measure(
     etcd3_python: str | None,
     quick: bool,
     earlier: tuple[str, Path] | None = None,
+    rounds_wanted: int | None = None,
 ) -> tuple[Rounds, dict[str, list[dict[str, Any]]], Rounds]:
     """B1, single calls and B2 rounds, systems interleaved (each round starts with the next one).
 
     ``earlier``: (revision, checkout) of a lockd to run beside this one.
+    ``rounds_wanted``: how many rounds instead of the default (each as long).
     """
     rounds, b1_s, b2_s, call_s = (2, 2.0, 4.0, 1.0) if quick else (5, 4.0, 10.0, 2.0)
+    rounds = rounds_wanted or rounds
     lockds = [LOCKD] if earlier is None else [LOCKD, f"{LOCKD}@{earlier[0]}"]
     systems = [*lockds, "gateway", "h11"] if etcd3_python is None else ["etcd3", *lockds]
     if etcd3_python is not None:
@@ -536,6 +552,7 @@ def measure(
         for n in range(rounds):
             for system in rotated(systems, n):
                 key = f"/bench/b1/{system}/{n}"
+                etcd_cpu = etcd_cpu_s(cluster)
                 if system == "etcd3":
                     assert etcd3_python is not None
                     result = run_etcd3(etcd3_python, endpoint, key, "pairs", 1, b1_s)[0]
@@ -545,6 +562,7 @@ def measure(
                     result = h11_pairs(endpoint, key, b1_s)
                 else:
                     result = gateway_pairs(endpoint, key, b1_s)
+                result["etcd_cpu_s"] = etcd_cpu_s(cluster) - etcd_cpu
                 b1[system].append(pairs_row(result))
                 print(f"round {n + 1}/{rounds} B1 {system}: {b1[system][-1]}", file=sys.stderr)
             for call in rotated(list(calls), n):
@@ -599,19 +617,20 @@ def report(
     lines += ["", "B1 uncontended acquire+release pairs/s, one process (median over rounds)"]
     rows = []
     for system, results in b1.items():
-        daemon_cpu = [r["daemon_cpu_us"] for r in results if "daemon_cpu_us" in r]
         rows.append(
             [
                 system,
                 fmt_num(statistics.median(r["pairs_s"] for r in results)),
                 fmt_num(statistics.median(r["cpu_us"] for r in results)),
-                fmt_num(statistics.median(daemon_cpu)) if daemon_cpu else "-",
+                _median_of(results, "daemon_cpu_us"),
+                _median_of(results, "daemon_runq_us"),
+                _median_of(results, "etcd_cpu_us"),
                 str(len(results)),
             ]
         )
-    lines.append(
-        table(["system", "pairs/s", "client CPU us/pair", "daemon CPU us/pair", "rounds"], rows)
-    )
+    headers = ["system", "pairs/s", "client CPU us/pair", "daemon CPU us/pair"]
+    headers += ["daemon run-queue wait us/pair", "etcd CPU us/pair (3 members)", "rounds"]
+    lines.append(table(headers, rows))
     pairs = {s: statistics.median(r["pairs_s"] for r in results) for s, results in b1.items()}
     if skip:
         lines += ["", f"  etcd3: {skip}"]
@@ -635,6 +654,11 @@ def report(
             " (goal: p50 <= 3 ms, p99 <= 20 ms, 0 stalls, FIFO 100 %)"
         )
     return "\n".join(lines)
+
+
+def _median_of(results: list[dict[str, float]], field: str) -> str:
+    values = [r[field] for r in results if field in r]
+    return fmt_num(statistics.median(values)) if values else "-"
 
 
 def _b1_ratio(b1: Rounds, system: str, other: str) -> str:

@@ -314,6 +314,9 @@ async def test_a_cancelled_waiter_answers_once_the_grant_it_discards_is_gone(
         # a's watch goes blind, so a does not know of the grant b makes next.
         faults.only = lambda target, body: target == "/v3/watch"
         faults.fail()
+        # Blind once its stream has met the fault, not after some scheduler
+        # passes: the release below commits without one of its own.
+        await until(lambda: faults.hits["/v3/watch"] > 0)
         assert await b.release("cx", second.handle)  # hands off to a's waiter
         granted = [k for k in await records(b, "cx") if b"/h/" in k]
         assert len(granted) == 1 and len(results) == 1
