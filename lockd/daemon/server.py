@@ -459,7 +459,8 @@ class LockServer:
         Nor while the poll gate is closed for several busy clients
         (:class:`~lockd.daemon.sockio.PollGate`): then another connection
         nearly always has a request waiting, and asking epoll only to learn
-        that was one more system call per request (B3).
+        that is a system call spent (B3; rare there, as a batch is usually
+        open when a connection is done).
 
         When nothing is there yet, the connection polls for it a moment
         (:class:`~lockd.daemon.sockio.BusyPoll`; a request of another
