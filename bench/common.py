@@ -288,6 +288,7 @@ def run_workers(
     keys: Sequence[str],
     work: str,
     duration_s: float,
+    on_ready: Callable[[], None] | None = None,
     **params: Any,
 ) -> list[Any]:
     """Run one worker process per key, started together, for ``duration_s``.
@@ -295,7 +296,9 @@ def run_workers(
     ``spec`` builds every worker's locker, or, as a sequence, worker ``i``'s
     is ``spec[i]`` (workers of one system on several daemons). Workers
     connect first and report ready; only then is the stop time fixed and the
-    start signal given, so connection set-up is never timed. Returns each
+    start signal given, so connection set-up is never timed; ``on_ready``
+    is called then, just before the start signal (to read a server's CPU
+    from there: its share of the set-up is not a pair's). Returns each
     worker's result in key order.
     """
     specs = [spec] * len(keys) if isinstance(spec, LockerSpec) else list(spec)
@@ -317,6 +320,8 @@ def run_workers(
         proc.start()
     try:
         _collect(results, "ready", len(procs), timeout=60)
+        if on_ready is not None:
+            on_ready()
         stop_at.value = now_ns() + int(duration_s * 1e9)
         go.set()
         done = _collect(results, "done", len(procs), timeout=duration_s + LOCKD_WAIT_S)

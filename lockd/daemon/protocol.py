@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from lockd.contract import (
     ERROR_STATUS,
     MAX_HANDLE_CHARS,
@@ -243,7 +245,9 @@ def _text(value: object, field: str, max_chars: int, *, min_chars: int = 1) -> s
 
 
 def _int(value: object, field: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # A decoded JSON number is exactly an int or a float (true is a bool):
+    # one type check where isinstance needed two.
+    if type(value) is not int:
         raise invalid(field, f"{field} must be an integer")
     if not low <= value <= high:
         raise invalid(field, f"{field} must be between {low} and {high}")
@@ -306,6 +310,33 @@ def _decode(text: str) -> Any:
     return obj
 
 
+def _loads(line: bytes | str) -> tuple[Any, bytes | str]:
+    """The decoded line and the text it was decoded from (the line itself, or its str).
+
+    orjson first: ~1/3 of the stdlib's time for a request line, and no
+    ``bytes.decode`` before it. Whatever orjson refuses -- invalid UTF-8,
+    a lone surrogate escape, NaN, a number that overflows a double,
+    nesting deeper than 1024 -- is decoded again by the stdlib path below,
+    which gives the result or the error message it always gave. orjson
+    reads an integer beyond 64 bits as a float, where the stdlib keeps
+    the integer: an object with a float among its values is decoded again
+    too (request fields are never floats, so that is only ever a refusal;
+    nested values are refused by their field's type whatever they hold).
+    What is left, the stdlib decodes to the same value
+    (``tests/unit/test_protocol.py`` compares the two on arbitrary lines).
+    """
+    if type(line) is bytes:
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if type(obj) is not dict or float not in map(type, obj.values()):
+                return obj, line
+    text = line.decode("utf-8") if isinstance(line, bytes | bytearray) else line
+    return _decode(text), text
+
+
 def parse_request(line: bytes | str) -> Request:
     """Parse one line (without its newline) into a typed request.
 
@@ -313,14 +344,18 @@ def parse_request(line: bytes | str) -> Request:
     read, so the error reply can still be matched by the client.
     """
     try:
-        text = line.decode("utf-8") if isinstance(line, bytes | bytearray) else line
-        data = _decode(text)
+        data, text = _loads(line)
     except (ValueError, RecursionError) as exc:
         raise invalid(None, f"request is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise invalid(None, "request must be a JSON object")
-    if text.count('":') != len(data):
-        checked = _CHECKING_DECODER.decode(text)
+    # '":' is ASCII, so the line's bytes hold it exactly as often as its text.
+    key_ends = text.count(b'":') if isinstance(text, bytes) else text.count('":')
+    if key_ends != len(data):
+        # orjson decoded the bytes: they are valid UTF-8.
+        checked = _CHECKING_DECODER.decode(
+            text.decode("utf-8") if isinstance(text, bytes) else text
+        )
         if type(checked) is _DuplicateKeys:
             _refuse_duplicate(checked)
 
@@ -370,9 +405,13 @@ def _refuse_duplicate(data: _DuplicateKeys) -> None:
 
 def _request_id(value: object, field: str) -> RequestId:
     """A request id (``id``, or the ``target`` of a cancel): a string or an integer."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
+    # A decoded JSON value is exactly an int or a str, never a subclass
+    # (true is a bool): type checks instead of isinstance against a union.
+    if type(value) is int:
+        return value
+    if type(value) is not str:
         raise invalid(field, f"{field} must be a string or an integer")
-    if isinstance(value, str) and _utf8_len(value) is None:
+    if not value.isascii() and _utf8_len(value) is None:
         raise invalid(field, f"{field} is not valid UTF-8")
     return value
 
@@ -435,6 +474,25 @@ def _build(rid: RequestId, op: str, f: dict[str, Any]) -> Request:
 
 def encode_result(request_id: RequestId, result: Any) -> bytes:
     return _line({"id": request_id, "ok": True, "result": result})
+
+
+def encode_fast_result(request_id: RequestId, result: dict[str, Any]) -> bytes:
+    """:func:`encode_result` of a fast-path reply (:mod:`lockd.daemon.fastpath`), byte for byte.
+
+    Such a result holds only strings, integers, booleans and null; orjson
+    writes those as the stdlib encoder does (compact, the same escapes)
+    except that it leaves non-ASCII characters and DEL unescaped, and
+    refuses a lone surrogate or an integer id beyond 64 bits: any of those
+    takes :func:`encode_result`, so the bytes never differ. ~5x faster
+    than the stdlib's C encoder for a grant's reply.
+    """
+    try:
+        data = orjson.dumps({"id": request_id, "ok": True, "result": result})
+    except TypeError:
+        return encode_result(request_id, result)
+    if not data.isascii() or b"\x7f" in data:
+        return encode_result(request_id, result)
+    return data + b"\n"
 
 
 def encode_event(event: dict[str, Any]) -> bytes:
@@ -535,6 +593,10 @@ class LineSplitter:
         if self.too_long:
             return []
         buf = self._buffer
+        end = len(data) - 1
+        if not buf and end >= 0 and data.find(b"\n") == end and end <= self.max_line_bytes:
+            # The usual read: one whole request line and nothing after it.
+            return [data[:-1]]
         start = len(buf)
         buf += data
         lines: list[bytes] = []

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from trio.lowlevel import wait_readable
 
 from lockd.daemon import sockio, systemd
 from lockd.daemon.connection import Connection
@@ -84,6 +85,7 @@ from lockd.daemon.protocol import (
     Request,
     Stopped,
     encode_error,
+    encode_fast_result,
     encode_result,
     parse_request,
 )
@@ -294,7 +296,11 @@ class LockServer:
                 conn.writer = writer = sockio.ReplyWriter(
                     sock, nursery.start_soon, outbox.release_undelivered
                 )
-                await self._read_loop(conn, nursery, early)
+                splitter = LineSplitter(self.limits.max_line_bytes)
+                try:
+                    await self._read_lines(conn, nursery, splitter, early)
+                finally:
+                    self._buffered -= splitter.pending
                 # Answer what was read before the end (the peer may only
                 # have shut down its sending side).
                 outbox.flush()
@@ -325,13 +331,6 @@ class LockServer:
 
     # ------------------------------------------------------------- reading
 
-    async def _read_loop(self, conn: Connection, nursery: trio.Nursery, early: bytes = b"") -> None:
-        splitter = LineSplitter(self.limits.max_line_bytes)
-        try:
-            await self._read_lines(conn, nursery, splitter, early)
-        finally:
-            self._buffered -= splitter.pending
-
     async def _read_lines(
         self, conn: Connection, nursery: trio.Nursery, splitter: LineSplitter, early: bytes = b""
     ) -> None:
@@ -340,12 +339,14 @@ class LockServer:
         inline = 0
         #: trio time the first byte of the incomplete line came.
         line_started = 0.0
+        #: splitter.pending, read once per feed.
+        pending = 0
         while True:
             data: bytes | None = None
             try:
                 if early:  # read before the caller could be identified
                     data, early = early, b""
-                elif splitter.pending:
+                elif pending:
                     # Half a request: the rest must come soon after its first
                     # byte, or the bytes (and the slot) go back; a byte now
                     # and then does not extend it. Idle between lines is fine.
@@ -358,17 +359,24 @@ class LockServer:
                     data = self._read_now(conn) if inline < INLINE_READS else None
                     if data is None:
                         inline = 0
-                        data = await sockio.recv_some(conn.sock)
+                        # sockio.recv_some, inlined: one coroutine frame
+                        # less for every resumption of this task to pass.
+                        sock = conn.sock
+                        while data is None:
+                            await wait_readable(sock)
+                            data = sockio.recv_ready(sock)
                     else:
                         inline += 1
             except (trio.ClosedResourceError, OSError):
                 return
             if not data:
                 return
-            before = splitter.pending
+            before = pending
             lines = splitter.feed(data)
-            self._buffered += splitter.pending - before
-            if splitter.pending and (lines or not before):
+            pending = splitter.pending
+            if pending != before:
+                self._buffered += pending - before
+            if pending and (lines or not before):
                 line_started = trio.current_time()  # a new incomplete line began
             for line in lines:
                 if not line or line.isspace():
@@ -397,12 +405,13 @@ class LockServer:
                 # The peer does not read its replies: read none of its
                 # requests until it does, so what it costs us stays bounded.
                 await writer.wait_drained()
-            pause_ms = self.service.gate.rule_cpu_pause_ms(conn.caller)
+            gate = self.service.gate
+            pause_ms = gate.rule_cpu_pause_ms(conn.caller) if gate.rule_cpu is not None else 0
             if pause_ms:
                 # Its rules used its share of the daemon: it waits behind
                 # the others (its connections are not read) until it is back.
                 await trio.sleep(pause_ms / 1000)
-            if self._buffered > limits.max_buffered_bytes and splitter.pending:
+            if pending and self._buffered > limits.max_buffered_bytes:
                 await self._close_stalled(conn, "max_buffered_bytes")
                 return
             if splitter.too_long:
@@ -447,6 +456,11 @@ class LockServer:
         read here without a scheduler pass and an epoll re-registration.
         Not while a batch is open (its other connections' tasks must run to
         join it) or another connection has a request waiting: those go first.
+        Nor while the poll gate is closed for several busy clients
+        (:class:`~lockd.daemon.sockio.PollGate`): then another connection
+        nearly always has a request waiting, and asking epoll only to learn
+        that is a system call spent (B3; rare there, as a batch is usually
+        open when a connection is done).
 
         When nothing is there yet, the connection polls for it a moment
         (:class:`~lockd.daemon.sockio.BusyPoll`; a request of another
@@ -454,9 +468,15 @@ class LockServer:
         acquire waiting: its client is most likely blocked on that one, and
         the next thing to happen is another connection's release.
         """
+        several = len(self.connections) > 1
+        if several and time.perf_counter_ns() < self._poll_gate.closed_until:
+            # Several clients are busy (B3): another connection nearly
+            # always has a request waiting, so the poll below would only
+            # cost an epoll_wait to learn it; wait through trio.
+            return None
         if self._outbox.holding or self.service.batch_open:
             return None
-        if len(self.connections) > 1:
+        if several:
             fd = conn.sock.fileno()
             ours = False
             for ready_fd, _ in self._readable.poll(0, 2):
@@ -505,7 +525,7 @@ class LockServer:
                     rid = request.id
                     grant = reply.grant
                     self._outbox.queue(
-                        conn, rid, encode_result(rid, reply.result), grant, needs_commit=True
+                        conn, rid, encode_fast_result(rid, reply.result), grant, needs_commit=True
                     )
                     if grant is not None:
                         self._timer.lease_added(grant.expires_at)
@@ -554,11 +574,12 @@ class LockServer:
         except Exception:
             self._outbox.reply_internal(conn, request)
         finally:
-            if request is not None and not handed_off:
-                if timed or service.stats.few_samples(request.op):
-                    self._outbox.observe(request.op, started)
-                else:
-                    service.stats.tally(request.op)
+            if (
+                request is not None
+                and not handed_off
+                and (timed or not service.stats.tally_untimed(request.op))
+            ):
+                self._outbox.observe(request.op, started)
             if not fast_answer:
                 self._timer.reschedule()
         return None

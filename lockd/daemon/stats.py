@@ -89,6 +89,18 @@ class StatsRecorder:
         window = self.latency.get(op)
         return window is None or window.sampled < SAMPLE_ALL_BELOW
 
+    def tally_untimed(self, op: str) -> bool:
+        """:meth:`tally` one request of ``op`` unless :meth:`few_samples`: then False, time it.
+
+        The server asks this of every request it did not choose to time:
+        one call where it made two.
+        """
+        window = self.latency.get(op)
+        if window is None or window.sampled < SAMPLE_ALL_BELOW:
+            return False
+        window.count += 1
+        return True
+
     def tally(self, op: str) -> None:
         """One more request of ``op``, not timed (the server samples what it times)."""
         window = self.latency.get(op)

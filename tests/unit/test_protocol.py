@@ -30,6 +30,7 @@ from lockd.daemon.protocol import (
     Request,
     Status,
     encode_error,
+    encode_fast_result,
     encode_protocol_error,
     encode_result,
     parse_request,
@@ -598,3 +599,97 @@ def test_any_repeated_field_is_named(names: list[str]) -> None:
     exc = refused(("{" + body + "}").encode())
     assert exc.code == "INVALID_REQUEST"
     assert exc.details["field"] == repeated[0]
+
+
+# ------------------------------------------- orjson and the stdlib decoder
+
+#: JSON values as a request's fields may hold them, and the values orjson
+#: and the stdlib read differently (integers beyond 64 bits, huge exponents,
+#: NaN, lone surrogates), nested a little.
+_json_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["\ud800", "a\x7f", "\u20ac", "k:1", 'q"', "\\"]),
+)
+_json_values = st.recursive(
+    _json_leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=6,
+)
+_field_names = st.sampled_from(
+    ["id", "op", "key", "ttlMs", "timeoutMs", "owner", "releaseOnClose", "handle", "mode"]
+)
+_ops = st.sampled_from([*sorted(OPS), "nope", 3])
+
+
+def _outcome(line: bytes | bytearray | str) -> tuple[str, Any]:
+    """What parse_request makes of ``line``: the request, or the error reply's fields."""
+    try:
+        return "request", parse_request(line)
+    except ProtocolError as exc:
+        return "error", (exc.code, exc.message, exc.details, exc.request_id)
+
+
+@settings(max_examples=examples(600), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fields=st.dictionaries(_field_names | st.text(max_size=5), _json_values, max_size=7),
+    op=_ops,
+    ascii_only=st.booleans(),
+    cut=st.none() | st.integers(min_value=0, max_value=200),
+    junk=st.binary(max_size=3),
+)
+def test_orjson_decoding_agrees_with_the_stdlib(
+    fields: dict[str, Any], op: object, ascii_only: bool, cut: int | None, junk: bytes
+) -> None:
+    """A line of bytes goes through orjson first; a bytearray only through the stdlib.
+
+    Whatever the line -- a request, something almost one, cut short or with
+    bytes after it -- both give the same request or the same error.
+    """
+    document = {"op": op, **fields}
+    line = json.dumps(document, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    if cut is not None:
+        line = line[:cut] + junk
+    assert _outcome(line) == _outcome(bytearray(line))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"id":1180591620717411303424,"op":"hello"}',  # orjson: a float
+        b'{"id":1,"op":"tryAcquire","key":"k","ttlMs":1e400}',  # orjson refuses
+        b'{"id":"\\ud800","op":"hello"}',  # a lone surrogate: orjson refuses
+        b'{"id":1,"op":"hello","events":NaN}',
+        b'\xef\xbb\xbf{"id":1,"op":"hello"}',
+        b'{"id":1,"op":"hello"} ',
+        b'{"id":1,"op":"hello","op":"status"}',
+        b'{"id":"\xff","op":"hello"}',
+    ],
+)
+def test_orjson_decoding_agrees_with_the_stdlib_at_the_edges(line: bytes) -> None:
+    assert _outcome(line) == _outcome(bytearray(line))
+
+
+@settings(max_examples=examples(400), deadline=None)
+@given(
+    rid=st.integers(min_value=-(2**70), max_value=2**70) | st.text(max_size=8),
+    key=st.text(min_size=1, max_size=8),
+    owner=st.none() | st.text(max_size=8),
+    fence=st.integers(min_value=1, max_value=2**63),
+)
+def test_fast_replies_are_the_bytes_encode_result_writes(
+    rid: int | str, key: str, owner: str | None, fence: int
+) -> None:
+    grant = {
+        "key": key,
+        "handle": "h-1",
+        "fence": fence,
+        "owner": owner,
+        "ttlMs": 30000,
+        "leaseExpiresAt": "2026-12-03T18:00:00.000Z",
+    }
+    for result in (grant, {"released": True}, {"released": False, "reason": "not_holder"}):
+        assert encode_fast_result(rid, result) == encode_result(rid, result)

@@ -20,6 +20,7 @@ import json
 import os
 import socket as stdsocket
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -689,6 +690,41 @@ async def test_a_connection_with_an_acquire_waiting_does_not_poll(
     assert handed is not None and handed["ok"] and handed["result"]["handle"]
     assert polls > 0  # the connections did poll between requests ...
     assert polled_while_waiting == []  # ... but not while an acquire of theirs waited
+
+
+async def test_while_several_clients_are_busy_no_connection_looks_for_its_next_request(
+    short_tmp: Path,
+) -> None:
+    """With the poll gate closed, ``_read_now`` leaves even a waiting request to trio.
+
+    The epoll call it would make (is another connection's request
+    waiting?) nearly always says yes under many busy clients (B3), so it
+    is not made; with the gate open the same ready request is read at once.
+    """
+    async with running(short_tmp) as h:  # no busy-poll: the gate is what is tested
+        (raw_a, _), _ = await peers_in_one_pass(h, 2)
+        await trio.testing.wait_all_tasks_blocked()
+        conn_a = min(h.server.connections.values(), key=lambda conn: conn.id)
+        raw_a.send(json.dumps({"id": 1, "op": "hello"}).encode() + b"\n")
+        gate = h.server._poll_gate
+        gate.closed_until = time.perf_counter_ns() + LONG_POLL_NS
+        polls: list[int] = []
+        readable = h.server._readable
+
+        class CountingEpoll:
+            def poll(self, timeout: float = -1, maxevents: int = -1) -> list[tuple[int, int]]:
+                polls.append(maxevents)
+                return readable.poll(timeout, maxevents)
+
+        h.server._readable = CountingEpoll()  # type: ignore[assignment]
+        try:
+            assert h.server._read_now(conn_a) is None
+            assert polls == []
+            gate.closed_until = 0
+            assert h.server._read_now(conn_a) == b'{"id": 1, "op": "hello"}\n'
+            assert polls == [2]
+        finally:
+            h.server._readable = readable
 
 
 # ---------------------------------------------------- shutdown and framing
