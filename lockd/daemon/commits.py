@@ -155,8 +155,17 @@ class Commits:
 
         Used where no request can be refused: reads answer from memory and
         the batch goes out with the next commit that succeeds. False when
-        the write failed.
+        the write failed, or was not tried because the store's integrity
+        check is not in yet (``Store.check_pending``: a write would wait for
+        the check on the event loop); the daemon commits once it passed.
         """
+        store = self._store
+        if store is not None and store.check_pending and not self._engine.requests_pending:
+            # Only facts wait (requests that write wait for the check before
+            # they reach the engine: LockServer.integrity_checked), so no
+            # reply of this batch needs the commit: they go out now.
+            self.on_batch_end(None)
+            return False
         try:
             self.commit()
         except StorageUnavailable as exc:

@@ -363,9 +363,11 @@ async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.Cance
     """Wait for the store's integrity check (in its thread); stop the daemon if it failed.
 
     The daemon answers while the check runs (restart to ``hello`` does not
-    wait for a scan of every row): until it passed, every write waits for
-    it and a key's rows are checked as they are read (``Store.leases_of``).
-    A failure ends the daemon with the line a refused start prints.
+    wait for a scan of every row): until it passed, requests that write
+    wait for ``checked`` in their connections' tasks, facts stay pending,
+    and a key's rows are checked as they are read (``Store.leases_of``).
+    A failure ends the daemon with the line a refused start prints; the
+    requests that waited are never answered.
     """
     store = daemon.store
     assert store is not None
@@ -379,6 +381,9 @@ async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.Cance
         daemon.refusal = _refusal(exc)
         stop.cancel()
         return
+    # What time and departed clients did meanwhile waited for the check
+    # (Commits.commit_fact); the requests waiting for it come after.
+    daemon.service.commit_fact("integrity_checked")
     checked.set()
 
 
@@ -447,10 +452,10 @@ async def _settle_after_ready(store: Store | None) -> None:
     - the integrity check of the whole file begins in its thread (begun
       at the open, it had used ~0.1 s of CPU by ``hello`` at 1 M leases,
       taken from the start on a busy box: the daemon's threads share one
-      scheduling group; it also runs niced, see
-      ``storecheck.CHECK_NICE``). Nothing is weaker for it: every write
-      waits for the check (and begins it, if it comes first), and a row
-      read before it is checked on its own (``Store.leases_of``);
+      scheduling group). Nothing is weaker for it: every request that
+      writes waits for the check (``LockServer.integrity_checked``),
+      facts stay pending until it passed (``Commits.commit_fact``), and a
+      row read before it is checked on its own (``Store.leases_of``);
     - a full collection, then the heap frozen out of the collector's way
       (``gc.freeze``): start-up leaves a large heap of long-lived objects
       (modules, the CEL grammar, compiled rules), and request garbage is
@@ -468,6 +473,7 @@ async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
             checked = trio.Event()
+            daemon.server.integrity_checked = checked
             nursery.start_soon(_await_integrity, daemon, checked, nursery.cancel_scope)
             nursery.start_soon(_watch_store, daemon.store)
             nursery.start_soon(_restore_rest, daemon.service, checked)

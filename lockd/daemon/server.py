@@ -104,6 +104,7 @@ from lockd.identity import (
 from lockd.logfmt import kv
 
 __all__ = [  # names other modules import from here, wherever they are defined
+    "ANSWERED_BEFORE_CHECK",
     "HANDLED_SIGNALS",
     "INLINE_READS",
     "MAX_LINGERING",
@@ -122,6 +123,11 @@ INLINE_READS = 8
 #: the share of requests answered at once whose latency is timed.
 _SAMPLED = 1 / SAMPLE_EVERY
 _random = random.random
+#: The ops answered while the store's integrity check still runs after a
+#: restart (``LockServer.integrity_checked``): they read one key or none and
+#: write nothing that cannot wait. ``list`` and ``stats`` count every key
+#: (the rest of a chunked restore is read first), so they wait like writes.
+ANSWERED_BEFORE_CHECK = frozenset({"hello", "status"})
 
 
 @dataclass
@@ -168,6 +174,13 @@ class LockServer:
         #: bytes of incomplete request lines held, all connections together.
         self._buffered = 0
         self.shutting_down = False
+        #: set once the store's integrity check passed (None: no store, or
+        #: nothing to wait for). Until then only the ops of
+        #: :data:`ANSWERED_BEFORE_CHECK` are answered; any other request waits
+        #: for it in its connection's task, so the loop keeps answering the
+        #: other connections (a write would otherwise block the whole
+        #: daemon on the check; see :meth:`_after_check`).
+        self.integrity_checked: trio.Event | None = None
         self._started_at = time.monotonic()
         #: every connection socket, level-triggered: "is another request
         #: waiting to be read?" in one non-blocking epoll_wait.
@@ -495,6 +508,24 @@ class LockServer:
 
     # ------------------------------------------------------------- requests
 
+    async def _after_check(
+        self, checked: trio.Event, conn: Connection, line: bytes, nursery: trio.Nursery
+    ) -> None:
+        """Answer ``line`` once the store's integrity check has passed.
+
+        Every request but :data:`ANSWERED_BEFORE_CHECK` changes or counts the
+        stored state, so its commit must wait for the check (a damaged page
+        could hide a lease). It waits here, in its connection's task, not in
+        the commit: a commit runs on the event loop, where waiting for the
+        check's thread stopped every connection for the whole scan (seconds
+        at 1 M leases). The connection's later lines wait behind it, in
+        order. A failed check stops the daemon; this request is never answered.
+        """
+        await checked.wait()
+        remote = self._handle_line(conn, line, nursery)
+        if remote is not None:
+            await remote
+
     def _handle_line(
         self, conn: Connection, line: bytes, nursery: trio.Nursery
     ) -> Coroutine[Any, Any, None] | None:
@@ -516,6 +547,17 @@ class LockServer:
             request = parse_request(line)
             if self.shutting_down:
                 raise shutting_down()
+            checked = self.integrity_checked
+            if (
+                checked is not None
+                and not checked.is_set()
+                and request.op not in ANSWERED_BEFORE_CHECK
+                # A row read already failed its checksum: every write is
+                # refused at once (STORAGE_UNAVAILABLE), nothing to wait for.
+                and (service.store is None or service.store.damaged is None)
+            ):
+                handed_off = True  # timed when it is answered, after the check
+                return self._after_check(checked, conn, line, nursery)
             fast = service.fast
             if fast is not None:
                 reply = fast.answer(conn.caller, conn.id, request)

@@ -349,6 +349,17 @@ class Store:
             self._check.start()
 
     @property
+    def check_pending(self) -> bool:
+        """The integrity check has not been waited for yet: a write now waits for it.
+
+        The event loop must not make that wait (it would stop every
+        connection for the whole scan): facts stay pending until the check
+        is in (:meth:`lockd.daemon.commits.Commits.commit_fact`), requests
+        wait in their connection's task (``LockServer.integrity_checked``).
+        """
+        return self._check is not None
+
+    @property
     def check_done(self) -> threading.Event | None:
         """Set once the background check has finished (None: none is running)."""
         return None if self._check is None else self._check.done

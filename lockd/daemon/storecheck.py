@@ -7,9 +7,7 @@ before its first write.
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,6 @@ from lockd.daemon.verify import Findings, inspect
 #: past it are read as usual). Mapped pages count in the daemon's RSS while
 #: mapped: this bounds what the start's peak RSS grows by.
 START_MMAP_BYTES = 64 << 20
-#: The check thread's nice value: on a busy box the daemon's threads share one
-#: scheduling group (autogroup), so a check at the same priority competes for
-#: the CPU the daemon's requests need; niced, it runs on what they leave (a
-#: check alone took as long niced as not: README's restart figures).
-CHECK_NICE = 19
 #: SQLite VM steps between two looks of the integrity check at its cancel flag
 #: (~20 ms of quick_check; each look takes the GIL, so not much more often).
 CANCEL_EVERY = 1_000_000
@@ -78,7 +71,6 @@ class IntegrityCheck:
         threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
 
     def _run(self) -> None:
-        _lower_priority()
         uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
         if self._cancelled:  # stopped before it began
             self._problems = ["interrupted"]
@@ -129,17 +121,6 @@ class IntegrityCheck:
                 f"{self.path} {self._found.describe()}; nothing was changed "
                 "(lockd serve --accept-data-loss starts on what is left)"
             )
-
-
-def _lower_priority() -> None:
-    """Nice the calling thread (Linux: a thread's own nice value, its tid as the pid)."""
-    if not sys.platform.startswith("linux"):
-        return  # elsewhere a thread id is no pid: setpriority would name another process
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(CHECK_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
-    except OSError:
-        pass  # the check runs as it is: only slower to give way
 
 
 def raise_problems(path: Path, rows: list[tuple[Any, ...]]) -> None:

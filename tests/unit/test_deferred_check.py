@@ -1,4 +1,4 @@
-"""The integrity check begun after READY, niced (issue 26: restart to ``hello``).
+"""The integrity check begun after READY (issue 26: restart to ``hello``).
 
 The daemon opens its database with the whole-file check deferred
 (``Store(defer_check=True)``): no thread reads the file until the daemon
@@ -6,13 +6,13 @@ answers (``serve._settle_after_ready``) or a write needs the check first.
 These tests hold that the deferral weakens nothing: a write before the
 check has begun begins it and waits for it (so a damaged file still
 refuses it), a row read before it is checked on its own, a stop before it
-does not hang, and the check's thread gives way to the daemon's (nice).
+does not hang, and until the check is in, facts wait instead of blocking
+the event loop on it (``Store.check_pending``).
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import threading
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from lockd.daemon import serve, storecheck
+from lockd.daemon import serve
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import DatabaseDamaged, Store
 
@@ -133,27 +133,6 @@ def test_a_stop_before_the_deferred_check_began_does_not_wait(db_path: Path) -> 
     assert check.done.is_set()
     with pytest.raises(DatabaseDamaged, match="interrupted"):
         check.result()  # never passes: the next start checks again
-
-
-def test_the_check_runs_niced(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its thread's own nice value: the daemon's start and requests come first."""
-    _write(db_path)
-    seen: list[int] = []
-    inspect = storecheck.inspect
-
-    def spying(conn: object, **kwargs: bool) -> storecheck.Findings:
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return inspect(conn, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(storecheck, "inspect", spying)
-    store = Store(db_path, BOOT, background_check=True, defer_check=True)
-    try:
-        store.wait_checked()
-    finally:
-        store.close()
-    assert seen == [max(storecheck.CHECK_NICE, os.getpriority(os.PRIO_PROCESS, 0))]
-    # The caller's own priority is left as it was.
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < storecheck.CHECK_NICE
 
 
 class _Recorder:
