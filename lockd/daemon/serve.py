@@ -234,7 +234,8 @@ def _open_store(
     """
     # Loading makes objects per lease (rows, keys; long-lived ones for keys
     # loaded at once): the cyclic collector would walk the growing heap
-    # again and again for nothing. run() freezes what is left after.
+    # again and again for nothing. _settle_after_ready freezes what is left
+    # once the daemon answers.
     gc.disable()
     try:
         # The integrity check runs in a thread, begun after READY: every

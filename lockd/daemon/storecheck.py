@@ -68,7 +68,13 @@ class IntegrityCheck:
             if self._started:
                 return
             self._started = True
-        threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="lockd-quick-check", daemon=True).start()
+        except Exception as exc:
+            # No thread, no check: it fails (every write is refused, the daemon
+            # stops) rather than leave result() and close() waiting forever.
+            self._problems = [f"the check could not start: {exc}"]
+            self.done.set()
 
     def _run(self) -> None:
         uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"

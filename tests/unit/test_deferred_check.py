@@ -162,3 +162,22 @@ def test_settle_after_ready_begins_the_check_and_freezes_the_heap(
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert gc.isenabled()
+
+
+def test_a_check_whose_thread_cannot_start_fails_instead_of_hanging(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread (e.g. "can't start new thread"): every write is refused, close() returns."""
+    _write(db_path)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    try:
+        store.start_check()
+        with pytest.raises(DatabaseDamaged, match="could not start"):
+            store.wait_checked()
+    finally:
+        store.close()
