@@ -135,9 +135,15 @@ class ServeCall:
     def __call__(self) -> int:
         _use_root_socket(self.root_socket)
         gc.enable()  # the daemon runs for long: as for the click commands (see main())
-        from lockd.cli.serve_command import serve_daemon
+        try:
+            from lockd.cli.serve_command import serve_daemon
 
-        return serve_daemon(**self.options)  # type: ignore[arg-type]  # checked while reading
+            return serve_daemon(**self.options)  # type: ignore[arg-type]  # checked while reading
+        except KeyboardInterrupt:
+            # Ctrl-C before the daemon handles SIGINT itself (imports, opening
+            # the database): what click's main says and returns for it.
+            sys.stderr.write("Aborted!\n")
+            return 1
 
 
 #: ``serve``'s options: flags (True) and those taking a value (False), by name.

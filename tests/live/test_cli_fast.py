@@ -390,3 +390,19 @@ def test_run_defaults_are_the_same_on_both_paths() -> None:
         if param.name == "on_lost":
             value = OnLost(value)
         assert value == defaults[param.name], param.name
+
+
+def test_ctrl_c_before_the_daemon_handles_sigint_says_aborted_as_click_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt while serve imports or opens its database: click's words and status."""
+    from lockd.cli import serve_command
+
+    def interrupted(**options: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_command, "serve_daemon", interrupted)
+    call = recognise(["serve"])
+    assert isinstance(call, ServeCall)
+    assert call() == 1
+    assert capsys.readouterr().err == "Aborted!\n"
