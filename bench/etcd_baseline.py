@@ -472,6 +472,14 @@ def stalls(per_process: Sequence[Sequence[Sequence[int]]]) -> int:
     return count
 
 
+def _positive(text: str) -> int:
+    """``--rounds``: at least 1 (0 would silently mean the default; below, no median)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -486,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare", metavar="REV", help="also run REV's lockd (from a git worktree) on B1 and B2"
     )
-    parser.add_argument("--rounds", type=int, help="rounds of every measure (default 5, --quick 2)")
+    parser.add_argument(
+        "--rounds", type=_positive, help="rounds of every measure (default 5, --quick 2)"
+    )
     parser.add_argument("--out", type=Path, help="write every round as JSON here")
     args = parser.parse_args(argv)
     if args.command == "worker":

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = data_root()
     cluster = EtcdCluster(root)
-    cluster.start()
     try:
+        cluster.start()  # inside: a failed start still removes the data root
         rows = trio.run(measure, cluster.leader().client_url, args.dead, args.calls)
     finally:
         cluster.stop()
