@@ -23,23 +23,9 @@ import trio.testing
 from lockd.daemon import serve
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import DatabaseDamaged, Store
+from tests.unit.test_lazy_start import BOOT, _lease
 
-BOOT = "11111111-2222-3333-4444-555555555555"
 KEYS = [f"kept:{i:04d}" for i in range(200)]
-#: leases run until then (boot-clock ms): far beyond any test's clock.
-FAR = 1 << 40
-
-
-def _lease(key: str, fence: int) -> Lease:
-    return Lease(
-        key=key,
-        handle=f"handle-of-{key}-xxxxxxxx",
-        fence=fence,
-        owner=None,
-        principal="user:alice",
-        ttl_ms=1000,
-        expires_at=FAR,
-    )
 
 
 def _write(db: Path) -> None:
