@@ -39,7 +39,6 @@ from __future__ import annotations
 import _socket
 import os
 import select
-import struct
 import time
 from _socket import AF_UNIX, SHUT_RDWR, SO_SNDTIMEO, SOCK_STREAM, SOL_SOCKET
 from _socket import socket as _unix_socket
@@ -48,7 +47,7 @@ from _thread import allocate_lock
 from ._events import Loss, LossBook, loss_from
 from ._requests import late_grant
 from ._trust import check_folder, check_peer
-from ._wire import BadLine, ReplyLines, ceil, encode_request
+from ._wire import C_LONG, BadLine, ReplyLines, ceil, encode_request, pack_native
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
@@ -64,7 +63,7 @@ _READ_CHUNK = 65536
 _NOSIGNAL = getattr(_socket, "MSG_NOSIGNAL", 0)
 _POLLIN = select.POLLIN
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int; a longer wait just loops
-_NO_LIMIT = struct.pack("@ll", 0, 0)  # SO_SNDTIMEO of zero: wait as long as it takes
+_NO_LIMIT = pack_native((0, 0), C_LONG)  # SO_SNDTIMEO of zero: wait as long as it takes
 
 
 class ConnectionLost(Exception):
@@ -441,7 +440,7 @@ class Connection:
 def _timeval(seconds: float) -> bytes:
     """``struct timeval`` for SO_SNDTIMEO; at least 1 µs (zero would mean "no limit")."""
     usec = max(1, ceil(seconds * 1_000_000))
-    return struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+    return pack_native((usec // 1_000_000, usec % 1_000_000), C_LONG)
 
 
 def _describe(exc: OSError) -> str:

@@ -23,9 +23,9 @@ import _socket  # not socket: its enums cost start-up (issue 24)
 import os
 import pwd
 import stat
-import struct
 
 from ._errors import UntrustedDaemonError, _user_name
+from ._wire import C_INT, unpack_native
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ __all__ = [
 
 #: The system user the packaged system daemon runs as (systemd/lockd.sysusers).
 SYSTEM_USER = "lockd"
-_PEERCRED = struct.Struct("3i")
+#: ``struct ucred``: pid, uid, gid, three C ints
+_PEERCRED_SIZE = 3 * C_INT
 #: symlinks followed from the socket path at most (as the kernel's MAXSYMLINKS).
 _MAX_HOPS = 40
 
@@ -175,8 +176,8 @@ def check_folder(path: str) -> TrustedUids:
 
 def check_peer(path: str, sock: _Socket, trusted: Container[int]) -> None:
     """Check 2 on a connected socket (UntrustedDaemonError); every client runs both."""
-    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
-    pid, uid, _gid = _PEERCRED.unpack(raw)
+    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED_SIZE)
+    pid, uid, _gid = unpack_native(raw, C_INT)
     if uid not in trusted:
         reason = f"the process listening on it (pid {pid}) runs as {_owner(uid)}"
         raise UntrustedDaemonError(path, reason)

@@ -8,6 +8,8 @@ the same results as the general code.
 
 from __future__ import annotations
 
+import sys
+
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,7 +29,9 @@ __all__ = [
     "decode",
     "encode",
     "encode_request",
+    "pack_native",
     "seconds_to_ms",
+    "unpack_native",
 ]
 
 _INF = float("inf")
@@ -37,6 +41,31 @@ def ceil(value: float) -> int:
     """``math.ceil``: the math module is a C library of its own to load, a start-up
     cost of every command for this one function (issue 24)."""
     return -int(-value // 1)
+
+
+#: A C ``long``'s size in bytes: a pointer's on Linux (LP64 and ILP32 alike).
+C_LONG = (sys.maxsize.bit_length() + 1) // 8
+#: A C ``int``'s size in bytes (4 on every Linux ABI).
+C_INT = 4
+
+
+def pack_native(values: tuple[int, ...] | list[int], size: int) -> bytes:
+    """``struct.pack("@" + code * len(values), *values)`` for signed C integers of
+    ``size`` bytes (``C_INT``, ``C_LONG``): native order, no padding between equal
+    sizes. The struct module is a C library of its own to load, a start-up cost
+    of every command for two socket options (issue 24)."""
+    order = sys.byteorder
+    return b"".join(value.to_bytes(size, order, signed=True) for value in values)
+
+
+def unpack_native(raw: bytes, size: int) -> tuple[int, ...]:
+    """``struct.unpack`` of ``len(raw) // size`` signed C integers of ``size`` bytes."""
+    if len(raw) % size:
+        raise ValueError(f"{len(raw)} bytes are not a whole number of {size}-byte integers")
+    order = sys.byteorder
+    return tuple(
+        int.from_bytes(raw[i : i + size], order, signed=True) for i in range(0, len(raw), size)
+    )
 
 
 MAX_MS = 86_400_000  # 24 h, the daemon's limit for ttlMs and timeoutMs

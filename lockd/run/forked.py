@@ -48,7 +48,7 @@ else:
 __all__ = ["fork_guardian", "only_thread", "wait_child"]
 
 #: the guardian's name in ``ps`` and ``/proc/PID/comm`` (at most 15 bytes)
-GUARDIAN_NAME = b"lockd-guardian"
+GUARDIAN_NAME = "lockd-guardian"
 
 
 def only_thread() -> bool:
@@ -103,11 +103,7 @@ def _as_a_new_program(keep: tuple[int, int]) -> None:
         os.closerange(low, fd)
         low = fd + 1
     os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-    try:
-        with open("/proc/self/comm", "wb") as comm:
-            comm.write(GUARDIAN_NAME)
-    except OSError:
-        pass
+    guardian.set_name(GUARDIAN_NAME)  # raw writes: no file object for one short write
 
 
 def wait_child(pid: int, timeout: float) -> bool:

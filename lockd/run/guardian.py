@@ -52,7 +52,6 @@ import os
 import select
 import sys
 import time
-from _struct import calcsize, pack, unpack  # not array: it imports collections (issue 24)
 
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
@@ -61,6 +60,8 @@ if TYPE_CHECKING:
 else:
     import _signal as signal  # signal's functions and numbers, without its enums
 
+#: A C int's size (SCM_RIGHTS carries an array of them): 4 on every Linux ABI.
+C_INT = 4
 #: How COMMAND meets the terminal (the MODE argument).
 NO_TERMINAL, TERMINAL_FOREGROUND, TERMINAL_BACKGROUND = 0, 1, 2
 PR_SET_PDEATHSIG = 1
@@ -318,10 +319,12 @@ class Command:
             signal.signal(sig, signal.SIG_DFL)
         execvpe(argv[0], argv, env)
 
-    def go(self, env: dict[str, str]) -> tuple[int, str] | None:
-        """Let the child exec COMMAND with ``env``; (errno, text) if exec failed."""
+    def go(self, env_json: str) -> tuple[int, str] | None:
+        """Let the child exec COMMAND with the environment ``env_json`` (:func:`dump_env`'s
+        text, as ``lockd run`` sent it: the child reads it, the guardian passes it
+        on unread); (errno, text) if exec failed."""
         try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
-            os.write(self._go_w, dump_env(env).encode())
+            os.write(self._go_w, env_json.encode())
         except OSError:
             pass
         os.close(self._go_w)
@@ -385,18 +388,28 @@ def execvpe(file: str, argv: list[str], env: Mapping[str, str]) -> None:
 
 
 def send_fds(sock: _socket.socket, data: bytes, fds: list[int]) -> None:
-    """``socket.send_fds(sock, [data], fds)``: ``data`` with ``fds`` riding along (SCM_RIGHTS)."""
-    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack(f"{len(fds)}i", *fds))])
+    """``socket.send_fds(sock, [data], fds)``: ``data`` with ``fds`` riding along (SCM_RIGHTS).
+
+    The descriptors are packed as native C ints with ``int.to_bytes``: neither
+    array (it imports collections) nor struct (a C library of its own to load),
+    start-up costs of every ``lockd run`` (issue 24).
+    """
+    packed = b"".join(fd.to_bytes(C_INT, sys.byteorder, signed=True) for fd in fds)
+    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, packed)])
 
 
 def recv_fds(sock: _socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
     """``socket.recv_fds``: up to ``bufsize`` bytes and the descriptors sent with them."""
-    size = calcsize("i")
+    size = C_INT
     fds: list[int] = []
     data, ancdata, _flags, _addr = sock.recvmsg(bufsize, _socket.CMSG_LEN(maxfds * size))
     for level, kind, cmsg in ancdata:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            fds.extend(unpack(f"{len(cmsg) // size}i", cmsg[: len(cmsg) - (len(cmsg) % size)]))
+            whole = len(cmsg) - (len(cmsg) % size)
+            fds.extend(
+                int.from_bytes(cmsg[i : i + size], sys.byteorder, signed=True)
+                for i in range(0, whole, size)
+            )
     return data, fds
 
 
@@ -523,7 +536,7 @@ def main(args: list[str]) -> int:
     if word != "go":
         command.cancel()
         return 0
-    failed = command.go(load_env(env))
+    failed = command.go(env)
     if failed is not None:
         say(f"error {failed[0]} {failed[1]}")
         Tree(say, command.pid).end(0)

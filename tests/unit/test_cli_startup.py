@@ -316,7 +316,9 @@ def test_a_hot_command_skips_the_teardown_only_when_nothing_waits_for_it(
 #: signal (its enums) and ctypes (prctl), contextlib, enum (signal's, and
 #: ``--on-lost``'s StrEnum), array (descriptors for the guardian), queue's C
 #: layer (no reader thread), what those load (functools, collections), the C
-#: libraries math and grp, and lockd's printing modules (no table to print).
+#: libraries math and grp, struct and its C library (descriptors for the
+#: guardian, the client's socket options), and lockd's printing modules (no
+#: table to print).
 NOT_FOR_RUN = (
     "threading",
     "_weakrefset",
@@ -330,13 +332,24 @@ NOT_FOR_RUN = (
     "collections",
     "math",
     "grp",
+    "struct",
+    "_struct",
     "lockd.waitline",
     "lockd.cli.output",
     "lockd.describe",
     "lockd_client._lock",
 )
 #: ... and what neither hot command imports (status never did import the run's).
-NOT_FOR_STATUS_BARE = ("math", "grp", "threading", "enum", "collections", "functools")
+NOT_FOR_STATUS_BARE = (
+    "math",
+    "grp",
+    "struct",
+    "_struct",
+    "threading",
+    "enum",
+    "collections",
+    "functools",
+)
 
 
 def bare_modules(args: list[str]) -> set[str]:

@@ -7,7 +7,8 @@ were most of what an installed ``lockd run`` cost beyond ``python -c pass``
 the renewer's stop flag as an ``Event``, ``OnLost`` as the ``StrEnum`` it
 was, the guardian's PATH search as ``os.execvpe``, prctl through
 ``_ctypes`` as through ``ctypes``, ``ceil`` as ``math.ceil``, descriptors
-packed with ``_struct`` as ``socket.send_fds`` packs them, and the lockd
+packed with ``int.to_bytes`` as ``socket.send_fds`` packs them, the
+client's socket options packed and read as ``struct`` does, and the lockd
 system user looked up only when an owner is neither root nor us.
 """
 
@@ -19,6 +20,7 @@ import math
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -30,7 +32,7 @@ from hypothesis import strategies as st
 from lockd_client import _trust
 from lockd_client._events import Loss, LossBook
 from lockd_client._renewer import AutoRenewer, Flag
-from lockd_client._wire import ceil
+from lockd_client._wire import C_INT, C_LONG, ceil, pack_native, unpack_native
 
 from lockd.run import guardian
 from lockd.run.options import OnLost, RunOptions
@@ -174,7 +176,12 @@ def test_descriptors_ride_along_as_socket_send_fds_sends_them() -> None:
         assert data == b"x" and len(more) == 1
         os.write(fds[1], b"!")
         assert os.read(r, 1) == b"!"
-        for fd in (*fds, *more):
+        guardian.send_fds(ours, b"y", [r, w, r])  # our sender, the stdlib's receiver
+        data, got, _flags, _addr = socket.recv_fds(theirs, 1024, 4)
+        assert data == b"y" and len(got) == 3
+        os.write(got[1], b"?")
+        assert os.read(got[0], 1) == b"?"
+        for fd in (*fds, *more, *got):
             os.close(fd)
     finally:
         ours.close()
@@ -287,6 +294,41 @@ def test_guardian_messages_come_in_order_and_a_post_ends_the_wait() -> None:
 @given(st.floats(min_value=-1e15, max_value=1e15, allow_nan=False) | st.integers(-(10**12), 10**12))
 def test_ceil_is_math_ceil(value: float) -> None:
     assert ceil(value) == math.ceil(value)
+
+
+def test_the_native_sizes_are_structs() -> None:
+    assert struct.calcsize("i") == C_INT
+    assert struct.calcsize("l") == C_LONG
+
+
+C_INTS = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8)
+C_LONGS = st.lists(st.integers(-(2 ** (8 * C_LONG - 1)), 2 ** (8 * C_LONG - 1) - 1), max_size=8)
+
+
+@given(C_INTS, C_LONGS)
+def test_native_packing_is_struct_pack(ints: list[int], longs: list[int]) -> None:
+    assert pack_native(ints, C_INT) == struct.pack(f"@{len(ints)}i", *ints)
+    assert pack_native(longs, C_LONG) == struct.pack(f"@{len(longs)}l", *longs)
+    assert unpack_native(struct.pack(f"@{len(ints)}i", *ints), C_INT) == tuple(ints)
+    assert unpack_native(struct.pack(f"@{len(longs)}l", *longs), C_LONG) == tuple(longs)
+
+
+def test_native_packing_refuses_what_struct_refuses() -> None:
+    with pytest.raises(OverflowError):
+        pack_native([2**31], C_INT)  # struct.error in struct; out of range either way
+    with pytest.raises(ValueError, match="whole number"):
+        unpack_native(b"\0" * 5, C_INT)
+
+
+def test_the_peer_check_reads_the_listeners_credentials() -> None:
+    ours, theirs = socket.socketpair()
+    try:
+        _trust.check_peer("pair", ours, {os.getuid()})  # we are the peer: trusted
+        with pytest.raises(_trust.UntrustedDaemonError, match=f"pid {os.getpid()}"):
+            _trust.check_peer("pair", ours, {os.getuid() + 1})
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def test_the_system_user_is_looked_up_only_for_a_stranger(
