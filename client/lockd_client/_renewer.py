@@ -170,6 +170,12 @@ class AutoRenewer:
             raise
 
     @property
+    def alive(self) -> bool:
+        """Whether its thread is still running (``Thread.is_alive``: a ``_thread`` thread
+        is not in ``threading.enumerate()``)."""
+        return self._running.locked()
+
+    @property
     def lost_cause(self) -> str | None:
         """``break``, ``retake``, ``expired``, ``session`` when the daemon said so."""
         return self.loss.cause if self.loss is not None else None

@@ -35,6 +35,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from lockd_client import (
+    AutoRenewer,
     BreakResult,
     DaemonUnavailableError,
     Handle,
@@ -275,8 +276,23 @@ def client_clock(monkeypatch: pytest.MonkeyPatch) -> SkippedMonotonic:
     return clock
 
 
-def renew_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("lockd-renew")]
+@pytest.fixture
+def renewers(monkeypatch: pytest.MonkeyPatch) -> list[AutoRenewer]:
+    """Every AutoRenewer ``client.lock()`` makes (its thread is a ``_thread`` one:
+    ``threading.enumerate()`` does not list it; ``alive`` says whether it runs)."""
+    made: list[AutoRenewer] = []
+
+    class Recorded(AutoRenewer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("lockd_client._lock.AutoRenewer", Recorded)
+    return made
+
+
+def renewing(made: list[AutoRenewer]) -> bool:
+    return any(renewer.alive for renewer in made)
 
 
 def make_client(path: str, **kwargs: Any) -> LockClient:
@@ -1336,7 +1352,9 @@ def test_lock_timeout_propagates_without_release(serve: Callable[[Script], FakeS
         assert server.ops() == ["hello", "acquire"]
 
 
-def test_auto_renew_renews_and_stops(serve: Callable[[Script], FakeServer]) -> None:
+def test_auto_renew_renews_and_stops(
+    serve: Callable[[Script], FakeServer], renewers: list[AutoRenewer]
+) -> None:
     server = serve(responder(answer))
     lost: list[Handle] = []
     with make_client(server.path) as client:
@@ -1347,16 +1365,19 @@ def test_auto_renew_renews_and_stops(serve: Callable[[Script], FakeServer]) -> N
             wait_for(lambda: server.ops().count("renew") >= 3, 10, "three renewals")
         ops_at_exit = server.ops()
         # The renew thread has ended (leaving the block joins it): nothing can renew now.
-        wait_for(lambda: not renew_threads(), 5, "the renew thread's end")
+        assert len(renewers) == 1
+        wait_for(lambda: not renewing(renewers), 5, "the renew thread's end")
         assert server.ops() == ops_at_exit
     assert ops_at_exit.count("renew") >= 3 and ops_at_exit[-1] == "release"
     assert not lost and not h.lost
     renew = next(r for r in server.requests if r["op"] == "renew")
     assert renew["ttlMs"] == 1500 and renew["handle"] == HANDLE_ID
-    assert not renew_threads()
+    assert not renewing(renewers)
 
 
-def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], FakeServer]) -> None:
+def test_auto_renew_calls_on_lost_when_not_renewed(
+    serve: Callable[[Script], FakeServer], renewers: list[AutoRenewer]
+) -> None:
     def handler(request: dict[str, Any]) -> dict[str, Any]:
         if request["op"] == "renew":
             return ok({"renewed": False, "reason": "lease_lost"})
@@ -1382,7 +1403,8 @@ def test_auto_renew_calls_on_lost_when_not_renewed(serve: Callable[[Script], Fak
         ):
             assert called.wait(10)
             # It must not renew again or report twice: its thread ends after the report.
-            wait_for(lambda: not renew_threads(), 5, "the renew thread's end")
+            assert len(renewers) == 1
+            wait_for(lambda: not renewing(renewers), 5, "the renew thread's end")
         assert lost == [handle] and handle.lost
         # This daemon sends no events: the renewal still sees the loss.
         assert server.ops() == ["hello", "acquire", "renew", "release"]
