@@ -76,11 +76,13 @@ class TrustedUids:
         if uid in self._always:
             return True
         if not self._looked_up:
-            self._looked_up = True
+            # Looked up before it is marked done: a second thread asking
+            # meanwhile looks it up too, rather than see no system user.
             try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
                 self._system_uid = pwd.getpwnam(SYSTEM_USER).pw_uid
             except KeyError:
                 pass
+            self._looked_up = True
         return self._system_uid is not None and uid == self._system_uid
 
 

@@ -38,8 +38,10 @@ _INF = float("inf")
 
 
 def ceil(value: float) -> int:
-    """``math.ceil``: the math module is a C library of its own to load, a start-up
-    cost of every command for this one function (issue 24)."""
+    """``math.ceil`` for finite values: the math module is a C library of its own to
+    load, a start-up cost of every command for this one function (issue 24).
+    Infinity raises ``ValueError`` here (``math.ceil``: ``OverflowError``); every
+    caller passes a finite time."""
     return -int(-value // 1)
 
 

@@ -57,6 +57,7 @@ TYPE_CHECKING = False  # typing for the type checker only: it costs start-up tim
 if TYPE_CHECKING:
     import signal
     from collections.abc import Callable, Iterable, Mapping
+    from typing import NoReturn
 else:
     import _signal as signal  # signal's functions and numbers, without its enums
 
@@ -363,7 +364,7 @@ def set_name(name: str) -> None:
         os.close(fd)
 
 
-def execvpe(file: str, argv: list[str], env: Mapping[str, str]) -> None:
+def execvpe(file: str, argv: list[str], env: Mapping[str, str]) -> NoReturn:
     """``os.execvpe``: ``file`` searched for in ``env``'s PATH as a shell searches, then exec'd.
 
     The same search and the same error as ``os.execvpe`` (the first error
@@ -384,7 +385,10 @@ def execvpe(file: str, argv: list[str], env: Mapping[str, str]) -> None:
         except OSError as exc:
             last_error = exc
             first_error = first_error or exc
-    raise first_error or last_error or FileNotFoundError(errno.ENOENT, "no PATH to search", file)
+    # "".split(os.pathsep) is [""] (the current folder, as os.execvpe reads
+    # an empty PATH): at least one exec was tried, so an error was kept.
+    assert last_error is not None
+    raise first_error or last_error
 
 
 def send_fds(sock: _socket.socket, data: bytes, fds: list[int]) -> None:

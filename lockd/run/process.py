@@ -24,6 +24,7 @@ import sys
 import time
 
 from lockd_client._record import Frozen
+from lockd_client._wire import ceil
 
 from lockd.run import guardian
 from lockd.run.forked import fork_guardian, only_thread, wait_child
@@ -194,7 +195,7 @@ class Guardian:
         self._posted: list[Message] = []
         #: a byte written here ends next_message's wait for the status pipe
         #: (made after the fork: the guardian has no copy)
-        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake: tuple[int, int] | None = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._status_ended = False  # the status pipe's end was read
         self.finished = False  # "empty" (or the guardian's end) was seen
         first = self._read_line()
@@ -248,7 +249,7 @@ class Guardian:
                 left = deadline - time.monotonic()
                 if left <= 0 and looked:
                     return None
-                wait_ms = max(0, -int(-left * 1000 // 1))  # rounded up: not before the deadline
+                wait_ms = max(0, ceil(left * 1000))  # rounded up: not before the deadline
             self._wait_for_input(wait_ms)
             looked = True
 
@@ -263,12 +264,14 @@ class Guardian:
 
     def _wait_for_input(self, wait_ms: int) -> None:
         """Wait up to ``wait_ms`` (-1: no limit) for the status pipe or a post(); read it."""
+        wake = self._wake
+        assert wake is not None, "next_message after dispose()"
         poller = select.poll()
-        poller.register(self._wake[0], select.POLLIN)
+        poller.register(wake[0], select.POLLIN)
         if self._status is not None:
             poller.register(self._status, select.POLLIN)
         for fd, _events in poller.poll(wait_ms):
-            if fd == self._wake[0]:
+            if fd == wake[0]:
                 try:
                     while os.read(fd, 512):
                         pass
@@ -282,9 +285,12 @@ class Guardian:
     def post(self, message: Message) -> None:
         """Add a message of our own (a signal handler, the renewer) and end a wait for one."""
         self._posted.append(message)
+        wake = self._wake
+        if wake is None:  # disposed of: nobody waits any more
+            return
         try:  # noqa: SIM105 (contextlib is a start-up cost, issue 24)
-            os.write(self._wake[1], b".")
-        except OSError:  # full: a wake-up is pending already
+            os.write(wake[1], b".")
+        except OSError:  # full: a wake-up is pending already (or closed meanwhile)
             pass
 
     def end_all(self, grace_ms: int) -> None:
@@ -295,6 +301,13 @@ class Guardian:
             except OSError:
                 pass
 
+    def dispose(self) -> None:
+        """Close the wake pipe (after :meth:`close`, once nothing will post() any more)."""
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            os.close(wake[0])
+            os.close(wake[1])
+
     def close(self) -> None:
         """Close our end; unless ``empty`` came first, the guardian kills everything. Waits."""
         if self._ctrl is not None:
@@ -303,7 +316,7 @@ class Guardian:
         # The wake pipe stays open: the renewer may still post() (lockd run
         # stops it after this, so that the lease is renewed while the
         # guardian ends COMMAND), and a closed number may be reused by then.
-        # Two descriptors, closed when lockd run exits.
+        # dispose() closes it, once the renewer has been stopped.
         self._close_status()
         if self._proc is not None:
             import subprocess

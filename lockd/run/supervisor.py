@@ -103,6 +103,9 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
         # the connection down for every copy.
         guardian.close()
         client.close()
+        # The renewer was stopped in _run_holding (or never started): no
+        # post() comes any more.
+        guardian.dispose()
 
 
 def _run_holding(
