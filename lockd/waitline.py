@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 from lockd_client import LockClient, LockStatus
 
-from lockd.describe import who_holds
 from lockd.timefmt import format_duration_ms
 
+# threading and lockd.describe are imported when the line is shown: lockd run
+# --wait loads this module whenever it may wait, and in a script or under
+# cron (no terminal) nothing here runs (issue 24: start-up).
 TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
 if TYPE_CHECKING:
+    import threading
     from typing import IO
 
 #: seconds between two status reads (and redraws).
@@ -50,6 +52,8 @@ def wait_text(status: LockStatus, waited_ms: int, pid: int) -> str:
     through SO_PEERCRED); the position is unknown ("in the queue") when the
     list was cut at 100 before us.
     """
+    from lockd.describe import who_holds
+
     parts = [f"waiting {format_duration_ms(waited_ms)} for {status.key!r}"]
     if status.held:
         holder = f"held by {who_holds(status)}"
@@ -78,10 +82,10 @@ class WaitLine:
         self.key = key
         self.socket_path = socket_path
         self.stream = stream if stream is not None else sys.stderr
-        self._stop = threading.Event()
+        self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._shown = False
-        self._lock = threading.Lock()
+        self._lock: threading.Lock | None = None
 
     @property
     def enabled(self) -> bool:
@@ -90,11 +94,17 @@ class WaitLine:
 
     def __enter__(self) -> WaitLine:
         if self.enabled:
+            import threading
+
+            self._stop = threading.Event()
+            self._lock = threading.Lock()
             self._thread = threading.Thread(target=self._run, name="lockd-wait-line", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._stop is None or self._lock is None:
+            return  # not on a terminal: nothing was started or shown
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
@@ -105,6 +115,7 @@ class WaitLine:
                 self._shown = False
 
     def _run(self) -> None:
+        assert self._stop is not None
         started = time.monotonic()
         pid = os.getpid()
         # The first draw waits a moment: a wait that ends at once shows nothing.
@@ -127,6 +138,7 @@ class WaitLine:
                     return
 
     def _draw(self, text: str) -> None:
+        assert self._lock is not None and self._stop is not None
         with self._lock:
             if self._stop.is_set():
                 return

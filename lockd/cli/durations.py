@@ -8,22 +8,53 @@ for the same reason, whichever path reads it.
 
 from __future__ import annotations
 
-import re
-from decimal import ROUND_CEILING, Decimal
-
 from lockd.contract import WAIT_FOREVER
+
+# re and decimal are imported by the general parser only: the usual forms
+# (``60s``, ``500ms``, ``5m``, a bare count of ms) are read with int(), so
+# ``lockd run --wait 5s`` does not pay for them at start (issue 24).
+TYPE_CHECKING = False  # typing for the type checker only: it costs start-up time (issue 24)
+if TYPE_CHECKING:
+    import re
 
 #: ``--wait forever``: a blocking acquire without limit (docs/contract.md §12). The wire
 #: needs ``timeoutMs``: the client sends the largest and parks again.
 FOREVER = "forever"
 
 _NUMBER = r"\d+(?:\.\d*)?|\.\d+"
-#: one part of a compound duration; ``ms`` before ``m``.
-_PART_RE = re.compile(rf"(?P<num>{_NUMBER})(?P<unit>ms|h|m|s)")
-_BARE_NUMBER_RE = re.compile(_NUMBER)
-_UNIT_MS = {"h": Decimal(3_600_000), "m": Decimal(60_000), "s": Decimal(1000), "ms": Decimal(1)}
-#: the units from the largest down: a compound duration names them in this order.
+#: each unit's milliseconds, from the largest down: a compound duration
+#: names them in this order.
+_UNIT_MS = {"h": 3_600_000, "m": 60_000, "s": 1000, "ms": 1}
 _UNIT_ORDER = tuple(_UNIT_MS)
+_compiled: tuple[re.Pattern[str], re.Pattern[str]] | None = None
+
+
+def _patterns() -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """(one part of a compound duration, ``ms`` before ``m``; a bare number), compiled once."""
+    global _compiled
+    if _compiled is None:
+        import re
+
+        _compiled = (re.compile(rf"(?P<num>{_NUMBER})(?P<unit>ms|h|m|s)"), re.compile(_NUMBER))
+    return _compiled
+
+
+def _whole(raw: str) -> int | None:
+    """``60s``, ``500ms``, ``5m``, ``2h``, ``250``: ASCII digits and at most one unit, in ms.
+
+    None for anything else (fractions, compound or malformed durations),
+    which the general parser reads or refuses: the same value either way
+    (a hypothesis test holds the two equal).
+    """
+    unit = "ms" if raw.endswith("ms") else raw[-1:]
+    if unit not in _UNIT_MS:
+        unit = ""
+    digits = raw[: len(raw) - len(unit)]
+    if digits and digits.isascii() and digits.isdigit():
+        return int(digits) * (_UNIT_MS[unit] if unit else 1)
+    return None
+
+
 DURATION_FORMS = "500ms, 60s, 1.5s, 5m, 1m30s, 1h5m; a bare number is milliseconds"
 
 
@@ -36,12 +67,23 @@ def parse_duration_ms(text: str) -> int:
     written: ``1.1s`` is 1100 ms, not 1101.
     """
     raw = text.strip()
+    whole = _whole(raw)
+    if whole is not None:
+        return whole
+    return _parse_general(text, raw)
+
+
+def _parse_general(text: str, raw: str) -> int:
+    """:func:`parse_duration_ms` for every form: regular expressions and Decimal."""
+    from decimal import ROUND_CEILING, Decimal
+
+    part_re, bare_re = _patterns()
     bad = ValueError(f"{text!r} is not a duration (use {DURATION_FORMS})")
-    if _BARE_NUMBER_RE.fullmatch(raw):
+    if bare_re.fullmatch(raw):
         value = Decimal(raw)
     else:
         value, pos, last = Decimal(0), 0, -1
-        for m in _PART_RE.finditer(raw):
+        for m in part_re.finditer(raw):
             rank = _UNIT_ORDER.index(m.group("unit"))
             if m.start() != pos or rank <= last:
                 raise bad
@@ -85,7 +127,9 @@ def seconds_hint(name: str, value: object, ms: int) -> str | None:
 
     flock's -w and timeout(1) count seconds: say what we read it as.
     """
-    if isinstance(value, str) and _BARE_NUMBER_RE.fullmatch(value.strip()) and 0 < ms < 1000:
+    if not (isinstance(value, str) and 0 < ms < 1000):
+        return None
+    if _patterns()[1].fullmatch(value.strip()):
         text = value.strip()
         return f"{name} {text} is {text} ms; write {text}s for seconds"
     return None

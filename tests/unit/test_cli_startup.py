@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from lockd.testing.daemon import DaemonProcess
+
 LIST_MODULES = """
 import json, sys
 from lockd.cli import main
@@ -352,7 +354,7 @@ NOT_FOR_STATUS_BARE = (
 )
 
 
-def bare_modules(args: list[str]) -> set[str]:
+def bare_modules(args: list[str], socket: str = MISSING) -> set[str]:
     """The modules the entry loads for ``args`` beyond a bare interpreter's own.
 
     ``python -S`` with the checkout on PYTHONPATH: no site, no editable
@@ -364,7 +366,7 @@ def bare_modules(args: list[str]) -> set[str]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), str(root / "client")]),
-        "LOCKD_SOCKET": MISSING,
+        "LOCKD_SOCKET": socket,
     }
     bare = [sys.executable, "-S"]
     before = module_lines([*bare, "-c", PRELOADED], env=env)
@@ -375,6 +377,24 @@ def test_run_in_a_bare_interpreter_imports_only_c_layers_of_the_stdlib() -> None
     modules = bare_modules(["run", "k", "--", "true"])
     assert "lockd.run.guardian" in modules  # the probe saw the guardian start
     assert sorted(m for m in NOT_FOR_RUN if m in modules) == []
+    assert sorted(m for m in NOT_FOR_STATUS if m in modules) == []
+
+
+@pytest.mark.parametrize("wait", [[], ["--wait", "5s"]], ids=["try", "wait"])
+def test_a_run_that_holds_its_key_imports_only_c_layers_of_the_stdlib(
+    lockd: DaemonProcess, wait: list[str]
+) -> None:
+    """The whole of a run that gets its key: renewer, signal forwarding, the guardian's wait.
+
+    Without a daemon (above) the run ends at its connect; here it takes the
+    key, starts COMMAND, renews, forwards signals and waits for the
+    guardian. ``--wait`` off a terminal (as in cron) loads the wait line's
+    module but never its thread.
+    """
+    modules = bare_modules(["run", *wait, "startup-probe", "--", "true"], str(lockd.socket))
+    assert "lockd_client._renewer" in modules and "lockd.run.supervisor" in modules
+    allowed = {"lockd.waitline"} if wait else set()
+    assert sorted(m for m in NOT_FOR_RUN if m in modules and m not in allowed) == []
     assert sorted(m for m in NOT_FOR_STATUS if m in modules) == []
 
 
