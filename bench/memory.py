@@ -119,6 +119,65 @@ def check_held(
     return time.monotonic() - t0
 
 
+#: The nice value of lockd's integrity-check thread (lockd.daemon.storecheck.CHECK_NICE):
+#: how CheckWatch tells it from the daemon's other threads.
+CHECK_NICE = 19
+
+
+class CheckWatch:
+    """RSS and the integrity check of a restarted daemon, sampled every ``every`` s.
+
+    From :meth:`start` (just after ``hello``) until :meth:`stop`: the
+    highest VmRSS seen (the peak while the check runs, rather than the
+    whole life's VmHWM), and the check's thread, found by its nice value:
+    when it was last seen (seconds after ``start``) and the CPU it had used
+    then (its own user + system ticks, not the daemon's other threads).
+    """
+
+    def __init__(self, pid: int, every: float = 0.02) -> None:
+        self.pid = pid
+        self.every = every
+        self.peak_rss_mb = 0.0
+        self.check_seen_s: float | None = None
+        self.check_cpu_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def start(self) -> CheckWatch:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> CheckWatch:
+        self._stop.set()
+        self._thread.join()
+        return self
+
+    def _sample(self) -> None:
+        self.peak_rss_mb = max(self.peak_rss_mb, rss_mb(self.pid)[0])
+        tick = os.sysconf("SC_CLK_TCK")
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{task}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue  # the thread ended meanwhile
+            if int(fields[16]) == CHECK_NICE:  # nice (stat field 19)
+                self.check_seen_s = time.monotonic() - self._t0
+                self.check_cpu_s = (int(fields[11]) + int(fields[12])) / tick
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._sample()
+            except FileNotFoundError:
+                return  # the daemon is gone
+            if self._stop.wait(self.every):
+                self._sample()
+                return
+
+
 def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]:
     with workdir() as root:
         db = root / "lockd.db"
@@ -137,6 +196,7 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         start_s = start_timed(restarted)
         try:
             r_rss, r_peak = rss_mb(restarted.pid)
+            watch = CheckWatch(restarted.pid).start()
             log(f"restart: hello after {start_s:.2f} s, RSS {r_rss:.0f} MB (peak {r_peak:.0f} MB)")
             r_probe_s = check_held(restarted, count, probes)
             r_probed_rss, _ = rss_mb(restarted.pid)
@@ -152,9 +212,12 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
             finally:
                 wire.close()
             r_loaded_rss, r_loaded_peak = rss_mb(restarted.pid)
+            watch.stop()
             log(
                 f"restart: every lease loaded, RSS {r_checking_rss:.0f} MB while the check "
-                f"ran, {r_loaded_rss:.0f} MB after it (peak {r_loaded_peak:.0f} MB)"
+                f"ran, {r_loaded_rss:.0f} MB after it (peak {r_loaded_peak:.0f} MB); sampled "
+                f"peak from hello to the grant {watch.peak_rss_mb:.0f} MB; check thread last "
+                f"seen {watch.check_seen_s} s after hello, {watch.check_cpu_s:.2f} s CPU"
             )
         finally:
             restarted.stop()
@@ -179,6 +242,9 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         "restart_loaded_rss_mb": r_loaded_rss,
         "restart_loaded_peak_mb": r_loaded_peak,
         "restart_checking_rss_mb": r_checking_rss,
+        "restart_check_peak_mb": watch.peak_rss_mb,
+        "restart_check_seen_s": watch.check_seen_s,
+        "restart_check_cpu_s": watch.check_cpu_s,
         "restart_loaded_bytes_per_lease": (r_loaded_rss - base_rss) * per_lease,
         "probes": probes,
     }
@@ -207,10 +273,14 @@ def restart_once(
                         "hello_cpu_s": hello_cpu_s,
                         "hello_rss_mb": hello_rss,
                     }
+                watch = CheckWatch(daemon.pid).start()
+                # A write: answered once the integrity check has passed.
                 granted = wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS)
                 grant_s = time.monotonic() - t0
+                watch.stop()
                 if not granted:
                     raise RuntimeError("restart:new was not granted")
+                granted_rss, _ = rss_mb(daemon.pid)
             finally:
                 wire.close()
             check_held(daemon, count, probes, scale_key)  # the keys fill_directly wrote
@@ -222,6 +292,9 @@ def restart_once(
         "hello_cpu_s": hello_cpu_s,
         "hello_rss_mb": hello_rss,
         "grant_s": grant_s,
+        "check_peak_mb": watch.peak_rss_mb,
+        "check_cpu_s": watch.check_cpu_s,
+        "granted_rss_mb": granted_rss,
         "used_rss_mb": used_rss,
         "peak_mb": peak,
     }
@@ -263,7 +336,9 @@ def restart_only(
             )
             if not hello_only:
                 line += (
-                    f", grant {sample['grant_s']:.2f} s, "
+                    f", grant {sample['grant_s']:.2f} s (check {sample['check_cpu_s']:.2f} s "
+                    f"CPU, RSS peak {sample['check_peak_mb']:.0f} MB, after "
+                    f"{sample['granted_rss_mb']:.0f} MB), "
                     f"after {probes:,} status {sample['used_rss_mb']:.0f} MB"
                 )
             log(f"{line}, load {loads[-1]:.1f}")
@@ -296,6 +371,9 @@ def restart_report(r: dict[str, Any]) -> str:
             shown(m, "hello_cpu_s", "{:.2f} s"),
             shown(m, "hello_rss_mb", "{:.0f} MB"),
             shown(m, "grant_s", "{:.2f} s"),
+            shown(m, "check_cpu_s", "{:.2f} s"),
+            shown(m, "check_peak_mb", "{:.0f} MB"),
+            shown(m, "granted_rss_mb", "{:.0f} MB"),
             shown(m, "used_rss_mb", "{:.0f} MB"),
             shown(m, "bytes_per_lease", "{:.0f}"),
         ]
@@ -305,7 +383,19 @@ def restart_report(r: dict[str, Any]) -> str:
     head = f"{r['leases']:,} leases, medians of {len(next(iter(r['samples'].values())))} runs, "
     head += f"load {min(loads):.1f}-{max(loads):.1f}\n"
     return head + table(
-        ["lockd", "hello", "CPU", "RSS", "1st grant", f"after {r['probes']:,}", "B/lease"], rows
+        [
+            "lockd",
+            "hello",
+            "CPU",
+            "RSS",
+            "1st grant",
+            "check CPU",
+            "peak in check",
+            "after check",
+            f"after {r['probes']:,}",
+            "B/lease",
+        ],
+        rows,
     )
 
 
@@ -331,6 +421,13 @@ def report(r: dict[str, Any]) -> str:
         ],
         [f"  after {r['probes']:,} status", mb(r["restart_probed_rss_mb"]), "", ""],
         ["  after stats (every lease loaded)", mb(r["restart_checking_rss_mb"]), "", ""],
+        [
+            f"  sampled from hello to the grant (check thread {r['restart_check_cpu_s']:.2f} "
+            f"s CPU, last seen {r['restart_check_seen_s'] or 0:.1f} s after hello)",
+            "",
+            mb(r["restart_check_peak_mb"]),
+            "",
+        ],
         [
             "  after a grant (the check done)",
             mb(r["restart_loaded_rss_mb"]),
