@@ -12,8 +12,10 @@ socket buffers), distinct keys, 24 h TTL. Then:
   asked about once more (``--probe`` of them, spread over the keys);
 * a held key from the fill answers ``status`` as held, before and after;
 * RSS once a ``stats`` answered (it waits for every chunk of the restore),
-  and once a grant did (it waits for the integrity check, whose mapped
-  pages of the file count in RSS while it runs).
+  and once a grant did (it waits for the integrity check);
+* the highest RSS sampled every 20 ms from ``hello`` until that grant
+  answered (the peak while the check runs), and the CPU of the check's
+  thread, found by its nice value (``CheckWatch``).
 
 Goals (issue 26): <= 150 MB live and after restart at 1 M, restart <= 1 s.
 Prints a table and writes ``bench/results/<UTC time>-memory-<plan>.json``.
@@ -23,8 +25,9 @@ straight into a database (lockd's schema, rows as the daemon writes them,
 checksums included; kept in ``--db`` for the next invocation), then a copy
 is started ``--runs`` times by this checkout and, with ``--baseline TREE``,
 by that one, alternately: time to ``hello``, RSS then, time to the first
-grant (a write: it waits for the integrity check), and RSS after
-``--probes`` ``status`` calls; medians per checkout, load average beside.
+grant (a write: it waits for the integrity check), the check thread's CPU,
+the highest RSS sampled until that grant and RSS once it answered, and RSS
+after ``--probes`` ``status`` calls; medians per checkout, load average beside.
 ``--hello-only`` stops each start at ``hello`` (no grant, no probes): more
 starts fit in a minute, for the restart time alone.
 """
@@ -131,13 +134,18 @@ class CheckWatch:
     highest VmRSS seen (the peak while the check runs, rather than the
     whole life's VmHWM), and the check's thread, found by its nice value:
     when it was last seen (seconds after ``start``) and the CPU it had used
-    then (its own user + system ticks, not the daemon's other threads).
+    then (its own user + system ticks, not the daemon's other threads);
+    and every fifth sample, the most of ``db`` (the database file) found
+    resident in the daemon's mappings of it (``/proc/PID/smaps``).
     """
 
-    def __init__(self, pid: int, every: float = 0.02) -> None:
+    def __init__(self, pid: int, db: Path, every: float = 0.02) -> None:
         self.pid = pid
+        self.db = str(db.resolve())
         self.every = every
         self.peak_rss_mb = 0.0
+        self.mapped_db_mb = 0.0
+        self._samples = 0
         self.check_seen_s: float | None = None
         self.check_cpu_s = 0.0
         self._stop = threading.Event()
@@ -154,8 +162,23 @@ class CheckWatch:
         self._thread.join()
         return self
 
+    def _mapped_db_mb(self) -> float:
+        """Resident kB of the mappings of ``db`` in smaps, as MB."""
+        resident_kb = 0
+        in_db = False
+        with open(f"/proc/{self.pid}/smaps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line[:1].isupper():  # a mapping's first line: "start-end perms ... path"
+                    in_db = line.rstrip("\n").endswith(self.db)
+                elif in_db and line.startswith("Rss:"):
+                    resident_kb += int(line.split()[1])
+        return resident_kb * 1024 / 1e6
+
     def _sample(self) -> None:
         self.peak_rss_mb = max(self.peak_rss_mb, rss_mb(self.pid)[0])
+        if self._samples % 5 == 0:  # smaps is slower to make: not every time
+            self.mapped_db_mb = max(self.mapped_db_mb, self._mapped_db_mb())
+        self._samples += 1
         tick = os.sysconf("SC_CLK_TCK")
         for task in os.listdir(f"/proc/{self.pid}/task"):
             try:
@@ -196,7 +219,7 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         start_s = start_timed(restarted)
         try:
             r_rss, r_peak = rss_mb(restarted.pid)
-            watch = CheckWatch(restarted.pid).start()
+            watch = CheckWatch(restarted.pid, db).start()
             log(f"restart: hello after {start_s:.2f} s, RSS {r_rss:.0f} MB (peak {r_peak:.0f} MB)")
             r_probe_s = check_held(restarted, count, probes)
             r_probed_rss, _ = rss_mb(restarted.pid)
@@ -217,7 +240,8 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
                 f"restart: every lease loaded, RSS {r_checking_rss:.0f} MB while the check "
                 f"ran, {r_loaded_rss:.0f} MB after it (peak {r_loaded_peak:.0f} MB); sampled "
                 f"peak from hello to the grant {watch.peak_rss_mb:.0f} MB; check thread last "
-                f"seen {watch.check_seen_s} s after hello, {watch.check_cpu_s:.2f} s CPU"
+                f"seen {watch.check_seen_s} s after hello, {watch.check_cpu_s:.2f} s CPU; "
+                f"at most {watch.mapped_db_mb:.0f} MB of the database file mapped"
             )
         finally:
             restarted.stop()
@@ -245,6 +269,7 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         "restart_check_peak_mb": watch.peak_rss_mb,
         "restart_check_seen_s": watch.check_seen_s,
         "restart_check_cpu_s": watch.check_cpu_s,
+        "restart_mapped_db_mb": watch.mapped_db_mb,
         "restart_loaded_bytes_per_lease": (r_loaded_rss - base_rss) * per_lease,
         "probes": probes,
     }
@@ -273,7 +298,7 @@ def restart_once(
                         "hello_cpu_s": hello_cpu_s,
                         "hello_rss_mb": hello_rss,
                     }
-                watch = CheckWatch(daemon.pid).start()
+                watch = CheckWatch(daemon.pid, db).start()
                 # A write: answered once the integrity check has passed.
                 granted = wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS)
                 grant_s = time.monotonic() - t0
@@ -294,6 +319,7 @@ def restart_once(
         "grant_s": grant_s,
         "check_peak_mb": watch.peak_rss_mb,
         "check_cpu_s": watch.check_cpu_s,
+        "mapped_db_mb": watch.mapped_db_mb,
         "granted_rss_mb": granted_rss,
         "used_rss_mb": used_rss,
         "peak_mb": peak,
@@ -337,7 +363,8 @@ def restart_only(
             if not hello_only:
                 line += (
                     f", grant {sample['grant_s']:.2f} s (check {sample['check_cpu_s']:.2f} s "
-                    f"CPU, RSS peak {sample['check_peak_mb']:.0f} MB, after "
+                    f"CPU, RSS peak {sample['check_peak_mb']:.0f} MB, the file "
+                    f"mapped at most {sample['mapped_db_mb']:.0f} MB, after "
                     f"{sample['granted_rss_mb']:.0f} MB), "
                     f"after {probes:,} status {sample['used_rss_mb']:.0f} MB"
                 )
@@ -423,7 +450,8 @@ def report(r: dict[str, Any]) -> str:
         ["  after stats (every lease loaded)", mb(r["restart_checking_rss_mb"]), "", ""],
         [
             f"  sampled from hello to the grant (check thread {r['restart_check_cpu_s']:.2f} "
-            f"s CPU, last seen {r['restart_check_seen_s'] or 0:.1f} s after hello)",
+            f"s CPU, last seen {r['restart_check_seen_s'] or 0:.1f} s after hello; "
+            f"file mapped {r['restart_mapped_db_mb']:.0f} MB)",
             "",
             mb(r["restart_check_peak_mb"]),
             "",
