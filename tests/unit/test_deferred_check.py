@@ -22,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from lockd.daemon import serve
+from lockd.daemon import serve, storecheck
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import DatabaseDamaged, Store
 from tests.unit.test_lazy_start import BOOT, _lease
