@@ -12,8 +12,10 @@ socket buffers), distinct keys, 24 h TTL. Then:
   asked about once more (``--probe`` of them, spread over the keys);
 * a held key from the fill answers ``status`` as held, before and after;
 * RSS once a ``stats`` answered (it waits for every chunk of the restore),
-  and once a grant did (it waits for the integrity check, whose mapped
-  pages of the file count in RSS while it runs).
+  and once a grant did (it waits for the integrity check);
+* the highest RSS sampled every 20 ms from ``hello`` until that grant
+  answered (the peak while the check runs), the CPU of the check's thread
+  and the database file's pages resident in mappings (``CheckWatch``).
 
 Goals (issue 26): <= 150 MB live and after restart at 1 M, restart <= 1 s.
 Prints a table and writes ``bench/results/<UTC time>-memory-<plan>.json``.
@@ -23,8 +25,9 @@ straight into a database (lockd's schema, rows as the daemon writes them,
 checksums included; kept in ``--db`` for the next invocation), then a copy
 is started ``--runs`` times by this checkout and, with ``--baseline TREE``,
 by that one, alternately: time to ``hello``, RSS then, time to the first
-grant (a write: it waits for the integrity check), and RSS after
-``--probes`` ``status`` calls; medians per checkout, load average beside.
+grant (a write: it waits for the integrity check), the check thread's CPU,
+the highest RSS sampled until that grant and RSS once it answered, and RSS
+after ``--probes`` ``status`` calls; medians per checkout, load average beside.
 ``--hello-only`` stops each start at ``hello`` (no grant, no probes): more
 starts fit in a minute, for the restart time alone.
 """
@@ -119,6 +122,91 @@ def check_held(
     return time.monotonic() - t0
 
 
+class CheckWatch:
+    """RSS and the integrity check of a restarted daemon, sampled every ``every`` s.
+
+    From :meth:`start` (just after ``hello``) until :meth:`stop`: the
+    highest VmRSS seen (the peak while the check runs, rather than the
+    whole life's VmHWM), and the check's thread: the thread other than the
+    main one that used the most CPU (the daemon's others, a thread waiting
+    for the check, use next to none), when it was last seen (seconds after
+    ``start``) and the CPU it had used then (its own user + system ticks);
+    and every fifth sample, the most of ``db`` (the database file) found
+    resident in the daemon's mappings of it (``/proc/PID/smaps``).
+    """
+
+    def __init__(self, pid: int, db: Path, every: float = 0.02) -> None:
+        self.pid = pid
+        self.db = str(db.resolve())
+        self.every = every
+        self.peak_rss_mb = 0.0
+        self.mapped_db_mb = 0.0
+        self._samples = 0
+        #: thread id: (its CPU s, seconds after start when last seen), main thread aside.
+        self._threads: dict[str, tuple[float, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def start(self) -> CheckWatch:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> CheckWatch:
+        self._stop.set()
+        self._thread.join()
+        return self
+
+    def _mapped_db_mb(self) -> float:
+        """Resident kB of the mappings of ``db`` in smaps, as MB."""
+        resident_kb = 0
+        in_db = False
+        with open(f"/proc/{self.pid}/smaps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line[:1].isupper():  # a mapping's first line: "start-end perms ... path"
+                    in_db = line.rstrip("\n").endswith(self.db)
+                elif in_db and line.startswith("Rss:"):
+                    resident_kb += int(line.split()[1])
+        return resident_kb * 1024 / 1e6
+
+    def _sample(self) -> None:
+        self.peak_rss_mb = max(self.peak_rss_mb, rss_mb(self.pid)[0])
+        if self._samples % 5 == 0:  # smaps is slower to make: not every time
+            self.mapped_db_mb = max(self.mapped_db_mb, self._mapped_db_mb())
+        self._samples += 1
+        tick = os.sysconf("SC_CLK_TCK")
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{task}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue  # the thread ended meanwhile
+            if task != str(self.pid):
+                cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+                self._threads[task] = (cpu, time.monotonic() - self._t0)
+
+    @property
+    def check_cpu_s(self) -> float:
+        """The CPU of the busiest thread beside the main one: the check's."""
+        return max(self._threads.values(), default=(0.0, 0.0))[0]
+
+    @property
+    def check_seen_s(self) -> float | None:
+        """When the check's thread was last seen (seconds after :meth:`start`)."""
+        return max(self._threads.values())[1] if self._threads else None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._sample()
+            except FileNotFoundError:
+                return  # the daemon is gone
+            if self._stop.wait(self.every):
+                self._sample()
+                return
+
+
 def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]:
     with workdir() as root:
         db = root / "lockd.db"
@@ -137,12 +225,13 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         start_s = start_timed(restarted)
         try:
             r_rss, r_peak = rss_mb(restarted.pid)
+            watch = CheckWatch(restarted.pid, db).start()
             log(f"restart: hello after {start_s:.2f} s, RSS {r_rss:.0f} MB (peak {r_peak:.0f} MB)")
             r_probe_s = check_held(restarted, count, probes)
             r_probed_rss, _ = rss_mb(restarted.pid)
             # A stats answer waits for every chunk of the restore (each lease
-            # known); a grant, for the integrity check (its mapped pages of the
-            # file count in RSS until it is done).
+            # known), and since requests other than hello and status wait for
+            # the integrity check, for the check too; a grant, for the check.
             wire = Wire(restarted.socket)
             try:
                 wire.result("stats")
@@ -152,9 +241,13 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
             finally:
                 wire.close()
             r_loaded_rss, r_loaded_peak = rss_mb(restarted.pid)
+            watch.stop()
             log(
-                f"restart: every lease loaded, RSS {r_checking_rss:.0f} MB while the check "
-                f"ran, {r_loaded_rss:.0f} MB after it (peak {r_loaded_peak:.0f} MB)"
+                f"restart: every lease loaded, RSS {r_checking_rss:.0f} MB once stats "
+                f"answered, {r_loaded_rss:.0f} MB after a grant (peak {r_loaded_peak:.0f} MB); "
+                f"sampled peak from hello to the grant {watch.peak_rss_mb:.0f} MB; check thread "
+                f"last seen {watch.check_seen_s} s after hello, {watch.check_cpu_s:.2f} s CPU; "
+                f"at most {watch.mapped_db_mb:.0f} MB of the database file mapped"
             )
         finally:
             restarted.stop()
@@ -179,6 +272,10 @@ def measure(count: int, probes: int, tree: Path | None = None) -> dict[str, Any]
         "restart_loaded_rss_mb": r_loaded_rss,
         "restart_loaded_peak_mb": r_loaded_peak,
         "restart_checking_rss_mb": r_checking_rss,
+        "restart_check_peak_mb": watch.peak_rss_mb,
+        "restart_check_seen_s": watch.check_seen_s,
+        "restart_check_cpu_s": watch.check_cpu_s,
+        "restart_mapped_db_mb": watch.mapped_db_mb,
         "restart_loaded_bytes_per_lease": (r_loaded_rss - base_rss) * per_lease,
         "probes": probes,
     }
@@ -207,10 +304,14 @@ def restart_once(
                         "hello_cpu_s": hello_cpu_s,
                         "hello_rss_mb": hello_rss,
                     }
+                watch = CheckWatch(daemon.pid, db).start()
+                # A write: answered once the integrity check has passed.
                 granted = wire.result("tryAcquire", key="restart:new", ttlMs=TTL_MS)
                 grant_s = time.monotonic() - t0
+                watch.stop()
                 if not granted:
                     raise RuntimeError("restart:new was not granted")
+                granted_rss, _ = rss_mb(daemon.pid)
             finally:
                 wire.close()
             check_held(daemon, count, probes, scale_key)  # the keys fill_directly wrote
@@ -222,6 +323,10 @@ def restart_once(
         "hello_cpu_s": hello_cpu_s,
         "hello_rss_mb": hello_rss,
         "grant_s": grant_s,
+        "check_peak_mb": watch.peak_rss_mb,
+        "check_cpu_s": watch.check_cpu_s,
+        "mapped_db_mb": watch.mapped_db_mb,
+        "granted_rss_mb": granted_rss,
         "used_rss_mb": used_rss,
         "peak_mb": peak,
     }
@@ -263,7 +368,10 @@ def restart_only(
             )
             if not hello_only:
                 line += (
-                    f", grant {sample['grant_s']:.2f} s, "
+                    f", grant {sample['grant_s']:.2f} s (check {sample['check_cpu_s']:.2f} s "
+                    f"CPU, RSS peak {sample['check_peak_mb']:.0f} MB, the file "
+                    f"mapped at most {sample['mapped_db_mb']:.0f} MB, after "
+                    f"{sample['granted_rss_mb']:.0f} MB), "
                     f"after {probes:,} status {sample['used_rss_mb']:.0f} MB"
                 )
             log(f"{line}, load {loads[-1]:.1f}")
@@ -296,6 +404,9 @@ def restart_report(r: dict[str, Any]) -> str:
             shown(m, "hello_cpu_s", "{:.2f} s"),
             shown(m, "hello_rss_mb", "{:.0f} MB"),
             shown(m, "grant_s", "{:.2f} s"),
+            shown(m, "check_cpu_s", "{:.2f} s"),
+            shown(m, "check_peak_mb", "{:.0f} MB"),
+            shown(m, "granted_rss_mb", "{:.0f} MB"),
             shown(m, "used_rss_mb", "{:.0f} MB"),
             shown(m, "bytes_per_lease", "{:.0f}"),
         ]
@@ -305,7 +416,19 @@ def restart_report(r: dict[str, Any]) -> str:
     head = f"{r['leases']:,} leases, medians of {len(next(iter(r['samples'].values())))} runs, "
     head += f"load {min(loads):.1f}-{max(loads):.1f}\n"
     return head + table(
-        ["lockd", "hello", "CPU", "RSS", "1st grant", f"after {r['probes']:,}", "B/lease"], rows
+        [
+            "lockd",
+            "hello",
+            "CPU",
+            "RSS",
+            "1st grant",
+            "check CPU",
+            "peak in check",
+            "after check",
+            f"after {r['probes']:,}",
+            "B/lease",
+        ],
+        rows,
     )
 
 
@@ -331,6 +454,14 @@ def report(r: dict[str, Any]) -> str:
         ],
         [f"  after {r['probes']:,} status", mb(r["restart_probed_rss_mb"]), "", ""],
         ["  after stats (every lease loaded)", mb(r["restart_checking_rss_mb"]), "", ""],
+        [
+            f"  sampled from hello to the grant (check thread {r['restart_check_cpu_s']:.2f} "
+            f"s CPU, last seen {r['restart_check_seen_s'] or 0:.1f} s after hello; "
+            f"file mapped {r['restart_mapped_db_mb']:.0f} MB)",
+            "",
+            mb(r["restart_check_peak_mb"]),
+            "",
+        ],
         [
             "  after a grant (the check done)",
             mb(r["restart_loaded_rss_mb"]),

@@ -13,6 +13,8 @@ the event loop on it (``Store.check_pending``).
 from __future__ import annotations
 
 import gc
+import os
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from lockd.daemon import serve
+from lockd.daemon import serve, storecheck
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import DatabaseDamaged, Store
 from tests.unit.test_lazy_start import BOOT, _lease
@@ -119,6 +121,33 @@ def test_a_stop_before_the_deferred_check_began_does_not_wait(db_path: Path) -> 
     assert check.done.is_set()
     with pytest.raises(DatabaseDamaged, match="interrupted"):
         check.result()  # never passes: the next start checks again
+
+
+def _mapped(path: Path) -> list[str]:
+    """This process's mappings of ``path`` (Linux: /proc/self/maps names the file)."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        return [line for line in maps if line.rstrip("\n").endswith(str(path.resolve()))]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_the_check_maps_none_of_the_file(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapped pages would count in the daemon's RSS while the check runs (issue 26's peak)."""
+    _write(db_path)
+    seen: list[tuple[int, list[str]]] = []
+    inspect = storecheck.inspect
+
+    def spying(conn: sqlite3.Connection, **kwargs: bool) -> storecheck.Findings:
+        found = inspect(conn, **kwargs)  # every page read, the connection still open
+        seen.append((conn.execute("PRAGMA mmap_size").fetchone()[0], _mapped(db_path)))
+        return found
+
+    monkeypatch.setattr(storecheck, "inspect", spying)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    try:
+        store.wait_checked()
+    finally:
+        store.close()
+    assert seen == [(0, [])]
 
 
 class _Recorder:
