@@ -25,27 +25,13 @@ import trio.testing
 from lockd.daemon import serve, storecheck
 from lockd.daemon.engine import Changes, Lease, LockEngine
 from lockd.daemon.store import DatabaseDamaged, Store
-from tests.unit.test_lazy_start import BOOT, _lease
-
-KEYS = [f"kept:{i:04d}" for i in range(200)]
+from tests.unit.test_lazy_start import BOOT, KEYS, _damage_handle, _lease
+from tests.unit.test_lazy_start import _write as _write_boot
 
 
 def _write(db: Path) -> None:
-    """KEYS held, then a clean stop (no WAL left: the check would run in its thread)."""
-    store = Store(db, BOOT)
-    rows: dict[tuple[str, int], Lease | None] = {
-        (key, 0): _lease(key, i + 1) for i, key in enumerate(KEYS)
-    }
-    store.apply(Changes(rows=rows, fence=len(KEYS)))
-    store.close()
-
-
-def _damage_handle(db: Path, key: str) -> None:
-    """One character of ``key``'s handle changed: still a valid row, a different lease."""
-    data = bytearray(db.read_bytes())
-    at = data.index(f"handle-of-{key}-".encode())
-    data[at] = ord("H")
-    db.write_bytes(bytes(data))
+    """test_lazy_start's KEYS held under BOOT, then a clean stop (the check runs in its thread)."""
+    _write_boot(db, BOOT)
 
 
 def _check_threads() -> list[threading.Thread]:
@@ -103,7 +89,9 @@ def test_a_damaged_file_still_refuses_a_write_before_the_deferred_check(
     size = db_path.stat().st_size
     store = Store(db_path, BOOT, background_check=True, defer_check=True)
     try:
-        with pytest.raises(DatabaseDamaged, match="1 of 200 lease rows fail their checksum"):
+        with pytest.raises(
+            DatabaseDamaged, match=f"1 of {len(KEYS)} lease rows fail their checksum"
+        ):
             store.apply(Changes(rows={("other", 0): _lease("other", 999)}, fence=999))
         with pytest.raises(DatabaseDamaged):  # every later write too
             store.apply(Changes(rows={("other", 0): _lease("other", 999)}, fence=999))
