@@ -397,6 +397,8 @@ class LockdDaemon:
     label: str = "lockd"
     #: the text of its ``lockd.toml`` (None: no file, every default).
     config: str | None = None
+    #: interpreter options and a script put before ``-m lockd`` (e.g. bench/traced_serve.py's).
+    wrapper: tuple[str, ...] = ()
     root: Path = field(init=False)
     proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
 
@@ -422,7 +424,7 @@ class LockdDaemon:
         if self.config is not None:
             (self.root / "cfg").mkdir()
             (self.root / "cfg" / "lockd.toml").write_text(self.config)
-        cmd = [sys.executable]
+        cmd = [sys.executable, *self.wrapper]
         if self.cprofile is not None:
             cmd += ["-m", "cProfile", "-o", str(self.cprofile)]
         cmd += ["-m", "lockd", "serve", "--socket", str(self.socket)]
