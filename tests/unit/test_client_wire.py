@@ -410,3 +410,35 @@ def test_grant_arguments_on_and_off_the_defaults() -> None:
         "mode": "shared",
     }
     assert grant_args("k", 1, None, False, False, 3) == {"key": "k", "ttlMs": 1000, "limit": 3}
+
+
+# -- request ids ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("free_threaded", [False, True])
+def test_request_ids_stay_unique_across_threads(
+    free_threaded: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import threading
+
+    from lockd_client import LockClient, _client
+
+    monkeypatch.setattr(_client, "_FREE_THREADED", free_threaded)
+    client = LockClient(str(tmp_path / "none.sock"))
+    next_id = client._id_source()
+    # Under the GIL the count's own __next__, without the lock; else the locked method.
+    assert (getattr(next_id, "__self__", None) is client) == free_threaded
+    taken: list[list[int]] = [[] for _ in range(8)]
+
+    def take(out: list[int]) -> None:
+        for _ in range(2000):
+            out.append(next_id())
+
+    threads = [threading.Thread(target=take, args=(out,)) for out in taken]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ids = [rid for out in taken for rid in out]
+    assert sorted(ids) == list(range(1, len(ids) + 1))
+    client.close()
