@@ -29,7 +29,8 @@ pairs/s, 1.18-1.21x (33 µs CPU per pair, raw 25 µs).
 callgrind for N and N/10 pairs, and the difference gives user-space
 instructions per pair, steady under any load. Client cpu-work rework
 (98a6884 against 707cac6): 161.9 k -> 126.3 k instructions per pair, the raw
-loop 122 k (bench/README.md, "The client's own CPU").
+loop 122 k (bench/README.md, "The client's own CPU"); second round (issue 25,
+against 0a96614): 134.3 k -> 122.0 k.
 """
 
 from __future__ import annotations

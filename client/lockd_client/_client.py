@@ -53,6 +53,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import os
+import sys
 import time
 from _thread import allocate_lock  # threading.Lock itself, without threading's imports (issue 24)
 
@@ -469,6 +470,17 @@ class LockClient:
         with self._id_lock:
             return next(self._ids)
 
+    def _id_source(self) -> Callable[[], int]:
+        """What a connection calls for each request id.
+
+        Under the GIL, ``next()`` of an ``itertools.count`` is one C call
+        that no other thread interleaves with, so ids stay unique without
+        :meth:`_next_id`'s lock and frame (a request's cost, issue 25). A
+        free-threaded build may run without the GIL (or drop it after an
+        import): it keeps the lock.
+        """
+        return self._next_id if _FREE_THREADED else self._ids.__next__
+
     def _connection(self) -> Connection:
         """The live connection, (re)connecting if needed; OSError if connecting fails."""
         conn = self._conn  # fast path, no lock: a stale answer fails as "not sent"
@@ -485,7 +497,7 @@ class LockClient:
                 self.socket_path,
                 connect_timeout=self.connect_timeout,
                 send_timeout=self.request_timeout,
-                next_id=self._next_id,
+                next_id=self._id_source(),
             )
             self._conn = conn
             self._connected_once = True
@@ -580,6 +592,11 @@ def _call(
             time.sleep(pause)
         if again is not None:
             args, read_timeout = again()
+
+
+#: A free-threaded build (3.13t and later name themselves so in ``sys.version``
+#: on every platform); a default build always runs under the GIL.
+_FREE_THREADED = "free-threading" in sys.version
 
 
 def _closed_error() -> LockdError:

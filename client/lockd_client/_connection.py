@@ -312,7 +312,8 @@ class Connection:
 
         Called and returns with the lock held; it is released while waiting.
         """
-        wait_ms = -1 if timeout is None else min(ceil(timeout * 1000), _MAX_POLL_MS)
+        # ceil(timeout * 1000) written out: this runs once per request.
+        wait_ms = -1 if timeout is None else min(-int(timeout * -1000 // 1), _MAX_POLL_MS)
         data: bytes | None = None
         self._reading = True
         try:
@@ -329,7 +330,8 @@ class Connection:
             self._kill_locked(f"reading failed ({_describe(exc)})")
         finally:
             self._reading = False
-            self._notify_locked()  # replies filed, or the reader's place is free
+            if self._parked:  # replies filed, or the reader's place is free: _notify_locked
+                self._notify_locked()
             if self._dead is not None:
                 self._close_fd_locked()
 

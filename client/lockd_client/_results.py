@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 #: fills a frozen record's slots (its own ``__setattr__`` refuses)
 _fill = object.__setattr__
+#: an instance with empty slots, for the ``from_result`` fast paths that fill them
+_new = object.__new__
 
 __all__ = ["BreakResult", "Handle", "Holder", "LockStatus", "ReleaseResult", "RenewResult"]
 
@@ -99,7 +101,30 @@ class Handle(Record):
                 and (owner is None or type(owner) is str)
             ):
                 expires = result.get("leaseExpiresAt")
-                return cls(key, handle, fence, owner, ttl_ms, parse_time(expires), result)
+                lease: datetime | None = None
+                if type(expires) is str and expires[-1:] == "Z":
+                    # The daemon's own form, parse_time's common case inline:
+                    # fromisoformat reads the "Z" as UTC (Python >= 3.11).
+                    try:
+                        lease = datetime.fromisoformat(expires)
+                    except ValueError:
+                        lease = parse_time(expires)  # raises the PROTOCOL_ERROR
+                else:
+                    lease = parse_time(expires)
+                if cls is not Handle:  # a subclass: its own __init__ runs
+                    return cls(key, handle, fence, owner, ttl_ms, lease, result)
+                # What __init__ does, without the call through type() and
+                # __init__ (a fifth of building the result, every try_acquire).
+                made = _new(Handle)
+                made.key = key
+                made.handle = handle
+                made.fence = fence
+                made.owner = owner
+                made.ttl_ms = ttl_ms
+                made.lease_expires_at = lease
+                made.raw = result
+                made.lost = False
+                return made
         obj = _object(result, "handle")
         return cls(
             key=_req(obj, "key", str),
@@ -182,7 +207,13 @@ class ReleaseResult(Frozen):
             released = result.get("released")
             reason = result.get("reason")
             if type(released) is bool and (reason is None or type(reason) is str):
-                return cls(released, reason, result)
+                if cls is not ReleaseResult:  # a subclass: its own __init__ runs
+                    return cls(released, reason, result)
+                made = _new(ReleaseResult)  # __init__'s work without the call, as for Handle
+                _fill(made, "released", released)
+                _fill(made, "reason", reason)
+                _fill(made, "raw", result)
+                return made
         obj = _object(result, "release")
         return cls(
             released=_req(obj, "released", bool),

@@ -159,16 +159,21 @@ class ReplyLines:
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """The replies completed by ``data``."""
         buf = self._buf
-        if not buf and data[-1:] == b"\n" and data.count(b"\n") == 1:
-            # One whole reply, the usual case: no split, no list of lines. A
-            # line that is not an object is left to the general path below,
+        if not buf and data.find(b"\n") == len(data) - 1 and _scan_once is not None:
+            # One whole reply, the usual case (its first newline is its last
+            # byte; ``find`` stops there, ``count`` would not): no split, no
+            # list of lines, the scanner run on the line as :func:`decode`
+            # does, newline included. Anything else (a line that is not a
+            # compact object, bad UTF-8) is left to the general path below,
             # which skips it if blank and raises otherwise.
             try:
-                reply = decode(data[:-1].decode("utf-8"))
-            except ValueError:
-                reply = None
-            if type(reply) is dict:
-                return [reply]
+                text = data.decode("utf-8")
+                reply, end = _scan_once(text, 0)
+            except (StopIteration, ValueError):  # UnicodeDecodeError is a ValueError
+                pass
+            else:
+                if end == len(text) - 1 and type(reply) is dict:
+                    return [reply]
         if buf:
             buf += data
             if b"\n" not in data:
@@ -255,6 +260,8 @@ _quote = _quote_text()  # what the encoders above use for every str
 _int_text = int.__repr__  # what they use for every int (subclasses included)
 #: ``,"name":`` for each field name met so far (a handful: the protocol's own).
 _field_heads: dict[str, str] = {}
+#: ``,"op":"name"`` for each op met so far (the protocol's own: quoted once, not per request).
+_op_parts: dict[str, str] = {}
 
 
 def encode_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
@@ -274,7 +281,10 @@ def _joined_request(rid: int, op: str, args: dict[str, Any]) -> bytes | None:
     """The request line joined from pieces, or None when it needs the general encoder."""
     if type(rid) is not int or type(op) is not str or "id" in args or "op" in args:
         return None
-    parts = ['{"id":', _int_text(rid), ',"op":', _quote(op)]
+    op_part = _op_parts.get(op)
+    if op_part is None:
+        op_part = _op_parts[op] = f',"op":{_quote(op)}'
+    parts = ['{"id":', _int_text(rid), op_part]
     for name, value in args.items():
         kind = type(value)
         if kind is str:

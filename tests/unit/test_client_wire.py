@@ -139,6 +139,19 @@ def test_a_single_bad_line_is_refused_as_before(line: bytes) -> None:
         _wire.ReplyLines().feed(line)
 
 
+@given(
+    value=_reply_objects,
+    before=st.sampled_from(["", " ", "\t"]),
+    after=st.sampled_from(["", " ", "\r", "\t "]),
+)
+def test_a_single_padded_reply_decodes_as_the_general_path_does(
+    value: dict[str, Any], before: str, after: str
+) -> None:
+    # The one-line short cut takes compact lines only; padding goes the general way.
+    line = (before + json.dumps(value, ensure_ascii=False) + after + "\n").encode()
+    assert _wire.ReplyLines().feed(line) == _reference_feed([line]) == [value]
+
+
 def test_a_single_blank_line_is_skipped() -> None:
     assert _wire.ReplyLines().feed(b"  \n") == []
     assert _wire.ReplyLines().feed(b"\n") == []
@@ -232,7 +245,21 @@ def _outcome(build: Any, result: dict[str, Any]) -> Any:
             "fence": _field_values,
             "owner": _field_values,
             "ttlMs": _field_values,
-            "leaseExpiresAt": st.sampled_from([None, "2026-11-30T03:31:00.123Z", 5]),
+            "leaseExpiresAt": st.sampled_from(
+                [
+                    None,
+                    5,
+                    "2026-11-30T03:31:00.123Z",
+                    "2026-11-30T03:31:00Z",
+                    "2026-11-30T03:31:00.123z",
+                    "2026-11-30T03:31:00.123+01:00",
+                    "2026-11-30T03:31:00.123",
+                    "2026-11-30T03:31:00+01:00Z",
+                    "garbageZ",
+                    "Z",
+                    "",
+                ]
+            ),
         },
     )
 )
@@ -245,6 +272,43 @@ def test_release_results_decode_alike_on_both_paths(result: dict[str, Any]) -> N
     assert _outcome(ReleaseResult.from_result, result) == _outcome(
         ReleaseResult.from_result, _Dict(result)
     )
+
+
+def test_a_fast_built_handle_is_what_init_builds() -> None:
+    raw = {"key": "k", "handle": "h", "fence": 3, "owner": None, "ttlMs": 1000}
+    raw["leaseExpiresAt"] = "2026-11-30T03:31:00.123Z"
+    made = Handle.from_result(raw)
+    built = Handle("k", "h", 3, None, 1000, made.lease_expires_at, raw)
+    assert type(made) is Handle
+    assert made._values() == built._values()
+    assert made.raw is raw and made.lost is False
+    assert repr(made) == repr(built)
+    made.lost = True  # still a mutable record
+    assert made.lost is True
+
+
+class _MyHandle(Handle):
+    __slots__ = ("extra",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.extra = "set by __init__"
+
+
+class _MyRelease(ReleaseResult):
+    __slots__ = ("extra",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "extra", "set by __init__")
+
+
+def test_subclasses_built_from_results_run_their_own_init() -> None:
+    grant = {"key": "k", "handle": "h", "fence": 3, "owner": None, "ttlMs": 1000}
+    handle = _MyHandle.from_result(grant)
+    assert type(handle) is _MyHandle and handle.extra == "set by __init__"
+    release = _MyRelease.from_result({"released": True})
+    assert type(release) is _MyRelease and release.extra == "set by __init__"
 
 
 def test_a_fast_built_release_result_is_still_frozen_and_comparable() -> None:
@@ -346,3 +410,35 @@ def test_grant_arguments_on_and_off_the_defaults() -> None:
         "mode": "shared",
     }
     assert grant_args("k", 1, None, False, False, 3) == {"key": "k", "ttlMs": 1000, "limit": 3}
+
+
+# -- request ids ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("free_threaded", [False, True])
+def test_request_ids_stay_unique_across_threads(
+    free_threaded: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import threading
+
+    from lockd_client import LockClient, _client
+
+    monkeypatch.setattr(_client, "_FREE_THREADED", free_threaded)
+    client = LockClient(str(tmp_path / "none.sock"))
+    next_id = client._id_source()
+    # Under the GIL the count's own __next__, without the lock; else the locked method.
+    assert (getattr(next_id, "__self__", None) is client) == free_threaded
+    taken: list[list[int]] = [[] for _ in range(8)]
+
+    def take(out: list[int]) -> None:
+        for _ in range(2000):
+            out.append(next_id())
+
+    threads = [threading.Thread(target=take, args=(out,)) for out in taken]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ids = [rid for out in taken for rid in out]
+    assert sorted(ids) == list(range(1, len(ids) + 1))
+    client.close()
