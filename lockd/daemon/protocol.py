@@ -310,6 +310,14 @@ def _decode(text: str) -> Any:
     return obj
 
 
+#: Lines at least this long are decoded by the stdlib alone. orjson nests up
+#: to 1,024 levels, the stdlib's scanner gives up near 1,000 (sooner on a deep
+#: stack): between the two the same line would get another answer (``unknown
+#: field`` against ``not valid JSON``). A line shorter than twice the
+#: stdlib's reach cannot nest that deep, and requests are ~100 bytes.
+ORJSON_BELOW = 1_900
+
+
 def _loads(line: bytes | str) -> tuple[Any, bytes | str]:
     """The decoded line and the text it was decoded from (the line itself, or its str).
 
@@ -325,7 +333,7 @@ def _loads(line: bytes | str) -> tuple[Any, bytes | str]:
     What is left, the stdlib decodes to the same value
     (``tests/unit/test_protocol.py`` compares the two on arbitrary lines).
     """
-    if type(line) is bytes:
+    if type(line) is bytes and len(line) < ORJSON_BELOW:
         try:
             obj = orjson.loads(line)
         except orjson.JSONDecodeError:
@@ -352,10 +360,13 @@ def parse_request(line: bytes | str) -> Request:
     # '":' is ASCII, so the line's bytes hold it exactly as often as its text.
     key_ends = text.count(b'":') if isinstance(text, bytes) else text.count('":')
     if key_ends != len(data):
-        # orjson decoded the bytes: they are valid UTF-8.
-        checked = _CHECKING_DECODER.decode(
-            text.decode("utf-8") if isinstance(text, bytes) else text
-        )
+        try:
+            # orjson decoded the bytes: they are valid UTF-8.
+            checked = _CHECKING_DECODER.decode(
+                text.decode("utf-8") if isinstance(text, bytes) else text
+            )
+        except (ValueError, RecursionError) as exc:
+            raise invalid(None, f"request is not valid JSON: {exc}") from None
         if type(checked) is _DuplicateKeys:
             _refuse_duplicate(checked)
 

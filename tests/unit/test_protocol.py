@@ -667,6 +667,11 @@ def test_orjson_decoding_agrees_with_the_stdlib(
         b'{"id":1,"op":"hello"} ',
         b'{"id":1,"op":"hello","op":"status"}',
         b'{"id":"\xff","op":"hello"}',
+        # nested past the stdlib's reach but within orjson's (1,024): a deep
+        # object under a field, and a deep array (review: "unknown field"
+        # against "not valid JSON", and a RecursionError that was INTERNAL)
+        b'{"id":1,"op":"hello","x":' + b'{"a":' * 1000 + b"1" + b"}" * 1000 + b"}",
+        b'{"id":1,"op":"hello","x":' + b"[" * 1020 + b"]" * 1020 + b"}",
     ],
 )
 def test_orjson_decoding_agrees_with_the_stdlib_at_the_edges(line: bytes) -> None:
