@@ -172,7 +172,8 @@ class AutoRenewer:
     @property
     def alive(self) -> bool:
         """Whether its thread is still running (``Thread.is_alive``: a ``_thread`` thread
-        is not in ``threading.enumerate()``)."""
+        is not in ``threading.enumerate()``). While :meth:`stop` briefly holds the lock
+        after the thread ended, this may still say True: a caller polls, or asks after stop()."""
         return self._running.locked()
 
     @property

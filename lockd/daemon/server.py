@@ -181,6 +181,8 @@ class LockServer:
         #: other connections (a write would otherwise block the whole
         #: daemon on the check; see :meth:`_after_check`).
         self.integrity_checked: trio.Event | None = None
+        #: requests waiting for that check now (see _after_check).
+        self._gated = 0
         self._started_at = time.monotonic()
         #: every connection socket, level-triggered: "is another request
         #: waiting to be read?" in one non-blocking epoll_wait.
@@ -252,6 +254,11 @@ class LockServer:
                 with contextlib.suppress(OSError):
                     self._readable.unregister(listen_sock)
                 await self._waits.drain()
+                # Requests that waited for the integrity check answer
+                # SHUTTING_DOWN first (_after_check): bounded, as drain() is.
+                with trio.move_on_after(2):
+                    while self._gated:
+                        await trio.sleep(0.01)
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
         self._readable.close()
@@ -407,6 +414,11 @@ class LockServer:
                     # queued before it go out first).
                     self._outbox.batch_point(conn)
                     await remote
+                    if pending:
+                        # The rest of the next line waited while we were not
+                        # reading (an etcd round trip, the restart's
+                        # integrity check): that is no slow client.
+                        line_started = trio.current_time()
                 elif self.service.gate.costly_rule_ran():
                     # A rule took milliseconds: the other connections go
                     # before this one's next line (issue 21).
@@ -520,9 +532,25 @@ class LockServer:
         check's thread stopped every connection for the whole scan (seconds
         at 1 M leases). The connection's later lines wait behind it, in
         order. A failed check stops the daemon; this request is never answered.
+        A clean stop meanwhile answers it ``SHUTTING_DOWN``, as every request
+        after the stop began (``_handle_line`` says so before the gate).
         """
-        await checked.wait()
-        remote = self._handle_line(conn, line, nursery)
+        self._gated += 1  # serve() lets these answer before it closes the connections
+        try:
+            if not checked.is_set():
+                async with trio.open_nursery() as first:  # the check, or the stop
+
+                    async def until(event: trio.Event) -> None:
+                        await event.wait()
+                        first.cancel_scope.cancel()
+
+                    first.start_soon(until, checked)
+                    first.start_soon(until, self._shutdown_event)
+            remote = self._handle_line(conn, line, nursery)
+            if self.shutting_down:
+                self._outbox.flush()  # out before the connections are closed
+        finally:
+            self._gated -= 1
         if remote is not None:
             await remote
 

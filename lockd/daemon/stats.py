@@ -84,29 +84,17 @@ class StatsRecorder:
             window = self.latency[op] = LatencyWindow(self.window)
         window.record(ms)
 
-    def few_samples(self, op: str) -> bool:
-        """Has ``op`` fewer than :data:`SAMPLE_ALL_BELOW` samples (then every request is timed)?"""
-        window = self.latency.get(op)
-        return window is None or window.sampled < SAMPLE_ALL_BELOW
-
     def tally_untimed(self, op: str) -> bool:
-        """:meth:`tally` one request of ``op`` unless :meth:`few_samples`: then False, time it.
+        """Count one untimed request of ``op``; False (count nothing: time it) while the op
+        has fewer than :data:`SAMPLE_ALL_BELOW` samples, so every op gets percentiles soon.
 
-        The server asks this of every request it did not choose to time:
-        one call where it made two.
+        The server asks this of every request it did not choose to time.
         """
         window = self.latency.get(op)
         if window is None or window.sampled < SAMPLE_ALL_BELOW:
             return False
         window.count += 1
         return True
-
-    def tally(self, op: str) -> None:
-        """One more request of ``op``, not timed (the server samples what it times)."""
-        window = self.latency.get(op)
-        if window is None:
-            window = self.latency[op] = LatencyWindow(self.window)
-        window.count += 1
 
     def snapshot(self, gauges: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -80,8 +80,10 @@ class ExpiryTimer:
             self._scope = None
             try:
                 if not self._service.tick():
-                    # The disk is full or failing: the batch stays pending in
-                    # the engine; retry it shortly (any request retries too).
+                    # The disk is full or failing, or the restart's integrity
+                    # check is not in yet (Commits.commit_fact): the batch stays
+                    # pending in the engine; retry it shortly (any request
+                    # retries too; the check's end commits it).
                     await trio.sleep(TIMER_MAX_SLEEP)
             except Exception:
                 self._service.stats.count("internalErrors")

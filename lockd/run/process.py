@@ -196,6 +196,8 @@ class Guardian:
         #: a byte written here ends next_message's wait for the status pipe
         #: (made after the fork: the guardian has no copy)
         self._wake: tuple[int, int] | None = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: a thread that may still post() (the renewer, when stop() did not see it end)
+        self.posters_left = False
         self._status_ended = False  # the status pipe's end was read
         self.finished = False  # "empty" (or the guardian's end) was seen
         first = self._read_line()

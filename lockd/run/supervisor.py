@@ -103,9 +103,11 @@ def run_locked(opts: RunOptions, report: Reporter | None = None) -> int:
         # the connection down for every copy.
         guardian.close()
         client.close()
-        # The renewer was stopped in _run_holding (or never started): no
-        # post() comes any more.
-        guardian.dispose()
+        if not guardian.posters_left:
+            # The renewer was stopped in _run_holding (or never started): no
+            # post() comes any more. One still running (stuck in a call past
+            # stop()'s wait) keeps the pipe: the process's exit closes it.
+            guardian.dispose()
 
 
 def _run_holding(
@@ -142,6 +144,7 @@ def _run_holding(
                 pass
         guardian.close()
         renewer.stop()
+        guardian.posters_left = renewer.alive
     status = exit_status(outcome.returncode if outcome.returncode is not None else -9)
     lost = outcome.lost
     if lost is not None:

@@ -12,13 +12,14 @@ connection's task (``LockServer.integrity_checked``), facts stay pending
 from __future__ import annotations
 
 import errno
+import json
 import socket as stdsocket
 from pathlib import Path
 
 import pytest
 import trio
 
-from lockd.daemon.server import ANSWERED_BEFORE_CHECK
+from lockd.daemon.server import ANSWERED_BEFORE_CHECK, Limits
 from lockd.daemon.store import Store
 from tests.unit.test_deferred_check import BOOT, _write
 from tests.unit.test_server import running, try_acquire, until
@@ -116,3 +117,41 @@ class _PendingCheck:
 
     def result(self) -> None:  # pragma: no cover - a write would wait here: the test fails
         pytest.fail("a fact waited for the integrity check on the event loop")
+
+
+async def test_a_stop_while_a_request_waits_for_the_check_answers_it_shutting_down(
+    tmp_path: Path,
+) -> None:
+    store = _checked_later(tmp_path / "state" / "lockd.db")
+    async with running(tmp_path, store=store) as h:
+        h.server.integrity_checked = trio.Event()
+        peer, other = await h.connect(), await h.connect()
+        await peer.send(try_acquire(1, "a"))
+        assert (await other.call({"id": 1, "op": "hello"}))["ok"]  # the loop went on
+        h.server.shutdown()
+        reply = await peer.recv()
+        assert reply is not None and reply["error"]["code"] == "SHUTTING_DOWN"
+        assert reply["id"] == 1
+
+
+async def test_the_rest_of_a_line_that_waited_behind_the_check_is_not_timed_out(
+    tmp_path: Path,
+) -> None:
+    """A pipelining client whose next line was cut by a read: the wait is ours, not its."""
+    store = _checked_later(tmp_path / "state" / "lockd.db")
+    async with running(tmp_path, store=store, limits=Limits(partial_line_timeout=0.2)) as h:
+        checked = trio.Event()
+        h.server.integrity_checked = checked
+        peer = await h.connect()
+        hello = b'{"id":2,"op":"hello"}\n'
+        await peer.sock.send(json.dumps(try_acquire(1, "a")).encode() + b"\n" + hello[:5])
+        # A check that outlasts partial_line_timeout: the one way to show the
+        # timer no longer runs while the connection waits (its clock is real).
+        await trio.sleep(0.3)
+        await trio.to_thread.run_sync(store.wait_checked)
+        checked.set()
+        first = await peer.recv()
+        assert first is not None and first["ok"] and first["id"] == 1
+        await peer.sock.send(hello[5:])
+        second = await peer.recv()
+        assert second is not None and second["ok"] and second["id"] == 2
