@@ -125,9 +125,11 @@ _SAMPLED = 1 / SAMPLE_EVERY
 _random = random.random
 #: The ops answered while the store's integrity check still runs after a
 #: restart (``LockServer.integrity_checked``): they read one key or none and
-#: write nothing that cannot wait. ``list`` and ``stats`` count every key
-#: (the rest of a chunked restore is read first), so they wait like writes.
-ANSWERED_BEFORE_CHECK = frozenset({"hello", "status"})
+#: write nothing that cannot wait (``rules`` reads the rule sets only).
+#: ``list`` and ``stats`` count every key (the rest of a chunked restore is
+#: read first), so they wait like writes; so do ``cancel`` and ``stopped``,
+#: which only ever concern requests made after the check.
+ANSWERED_BEFORE_CHECK = frozenset({"hello", "status", "rules"})
 
 
 @dataclass
@@ -526,9 +528,9 @@ class LockServer:
         """Answer ``line`` once the store's integrity check has passed.
 
         Every request but :data:`ANSWERED_BEFORE_CHECK` changes or counts the
-        stored state, so its commit must wait for the check (a damaged page
-        could hide a lease). It waits here, in its connection's task, not in
-        the commit: a commit runs on the event loop, where waiting for the
+        stored state (or concerns one that did), so its commit must wait for
+        the check (a damaged page could hide a lease). It waits here, in its
+        connection's task, not in the commit: a commit runs on the event loop, where waiting for the
         check's thread stopped every connection for the whole scan (seconds
         at 1 M leases). The connection's later lines wait behind it, in
         order. A failed check stops the daemon; this request is never answered.

@@ -40,8 +40,18 @@ def _nothing_to_read(sock: trio.socket.SocketType) -> bool:
     return False
 
 
-def test_only_reads_of_one_key_and_hello_go_before_the_check() -> None:
-    assert {"hello", "status"} == ANSWERED_BEFORE_CHECK
+async def test_hello_status_and_rules_are_answered_during_the_check(tmp_path: Path) -> None:
+    store = _checked_later(tmp_path / "state" / "lockd.db")
+    async with running(tmp_path, store=store) as h:
+        h.server.integrity_checked = trio.Event()
+        peer = await h.connect()
+        for rid, request in enumerate(
+            [{"op": "hello"}, {"op": "status", "key": "k"}, {"op": "rules"}], start=1
+        ):
+            reply = await peer.call({"id": rid, **request})
+            assert reply["ok"], reply
+        assert {"hello", "status", "rules"} == ANSWERED_BEFORE_CHECK
+        assert store.check_pending  # all three answered while it is
 
 
 async def test_a_write_waits_for_the_check_while_others_are_answered(tmp_path: Path) -> None:
