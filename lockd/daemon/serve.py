@@ -35,7 +35,13 @@ from lockd.daemon.runrecord import RunRecord, record_path
 from lockd.daemon.server import HANDLED_SIGNALS, Limits, LockServer
 from lockd.daemon.service import LockService
 from lockd.daemon.stats import StatsRecorder
-from lockd.daemon.store import StorageUnavailable, Store, StoreError, read_boot_id
+from lockd.daemon.store import (
+    DatabaseDamaged,
+    StorageUnavailable,
+    Store,
+    StoreError,
+    read_boot_id,
+)
 from lockd.identity import IdentityConfig
 from lockd.logfmt import kv, setup_logging
 from lockd.rules.files import RuleSetError
@@ -378,8 +384,10 @@ async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.Cance
     try:
         store.wait_checked()
     except StoreError as exc:
-        log.error(kv(event="database_damaged", db=store.path, error=exc, effect="lockd stops"))
-        daemon.refusal = _refusal(exc)
+        damaged = isinstance(exc, DatabaseDamaged)
+        event = "database_damaged" if damaged else "integrity_check_not_run"
+        log.error(kv(event=event, db=store.path, error=exc, effect="lockd stops"))
+        daemon.refusal = _refusal(exc) if damaged else f"database: {exc}"
         stop.cancel()
         return
     # What time and departed clients did meanwhile waited for the check

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lockd.daemon.storeerrors import DatabaseDamaged
+from lockd.daemon.storeerrors import DatabaseDamaged, StorageUnavailable
 from lockd.daemon.verify import Findings, inspect
 
 #: How much of the file :meth:`~lockd.daemon.storereads.LeaseReads.deadlines`
@@ -48,6 +48,8 @@ class IntegrityCheck:
         self.path = path
         self.boot_id = boot_id
         self._problems: list[str] = []
+        #: why the check never ran (no thread): nothing was found damaged.
+        self._not_run: str | None = None
         self._found: Findings | None = None
         #: the latest deadline of ``boot_id``'s rows (for the run record), once passed.
         self.latest: int | None = None
@@ -74,7 +76,7 @@ class IntegrityCheck:
         except Exception as exc:
             # No thread, no check: it fails (every write is refused, the daemon
             # stops) rather than leave result() and close() waiting forever.
-            self._problems = [f"the check could not start: {exc}"]
+            self._not_run = f"its thread could not start: {exc}"
             self.done.set()
 
     def _run(self) -> None:
@@ -127,6 +129,14 @@ class IntegrityCheck:
         """Wait for the check (starting it if it was not); raise :class:`DatabaseDamaged`."""
         self.start()
         self.done.wait()
+        if self._not_run is not None:
+            # Not DatabaseDamaged: an operator told "damaged" might restore a
+            # backup or accept data loss over a passing resource limit.
+            raise StorageUnavailable(
+                f"{self.path}: the integrity check could not run ({self._not_run}); "
+                "nothing was found damaged, and nothing is written until it has run: "
+                "start lockd again"
+            )
         if self._problems:
             raise_problems(self.path, [(p,) for p in self._problems])
         if self._found is not None and not self._found.sound:

@@ -24,7 +24,7 @@ import trio.testing
 
 from lockd.daemon import serve, storecheck
 from lockd.daemon.engine import Changes, Lease, LockEngine
-from lockd.daemon.store import DatabaseDamaged, Store
+from lockd.daemon.store import DatabaseDamaged, StorageUnavailable, Store
 from tests.unit.test_lazy_start import BOOT, KEYS, _damage_handle, _lease
 from tests.unit.test_lazy_start import _write as _write_boot
 
@@ -170,7 +170,8 @@ def test_settle_after_ready_begins_the_check_and_freezes_the_heap(
 def test_a_check_whose_thread_cannot_start_fails_instead_of_hanging(
     db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No thread (e.g. "can't start new thread"): every write is refused, close() returns."""
+    """No thread (e.g. "can't start new thread"): every write is refused, close() returns,
+    and it is not called damage (an operator might restore a backup over a resource limit)."""
     _write(db_path)
     store = Store(db_path, BOOT, background_check=True, defer_check=True)
 
@@ -180,7 +181,9 @@ def test_a_check_whose_thread_cannot_start_fails_instead_of_hanging(
     monkeypatch.setattr(threading.Thread, "start", no_thread)
     try:
         store.start_check()
-        with pytest.raises(DatabaseDamaged, match="could not start"):
+        with pytest.raises(StorageUnavailable, match="could not run") as refused:
             store.wait_checked()
+        assert not isinstance(refused.value, DatabaseDamaged)
+        assert "nothing was found damaged" in str(refused.value)
     finally:
         store.close()
