@@ -82,8 +82,10 @@ async def test_a_second_wait_on_a_key_is_queued_by_its_first_transaction(
             return len(waiter_keys(b, await records(b, "p"))) == 2
 
         await until(two_waiting)
+        # The record is in etcd once the txn commits; the daemon files its
+        # waiter when the txn's reply has been read, a scheduling step later.
+        await until(lambda: len(b._queues["p"].waiters) == 2)
         assert len(sent) == 1  # taken-or-queued in one transaction
-        assert len(b._queues["p"].waiters) == 2
         # In order: the waiter queued first is granted first.
         assert await a.release("p", holder.handle)
         await until(lambda: len(results) == 1)
