@@ -39,6 +39,7 @@ from lockd.daemon.commits import Commits
 from lockd.daemon.engine import Lease, LockEngine
 from lockd.daemon.events import LossWatch
 from lockd.daemon.gate import Gate
+from lockd.daemon.holder import holder_process
 from lockd.daemon.protocol import Acquire, Release, Request
 from lockd.daemon.replies import Replies
 from lockd.daemon.stats import StatsRecorder
@@ -125,7 +126,8 @@ class FastPath:
         if retry_after is not None:
             raise gate.rate_limited(retry_after)
         principal = caller.principal
-        known = pid > 0  # else the peer is in a pid namespace the daemon cannot see into
+        # The peer itself (no other pid was named, above): no /proc read.
+        holder = holder_process(caller, None)
         lease = lone.grant(
             now,
             key,
@@ -136,9 +138,9 @@ class FastPath:
             release_on_close=req.release_on_close,
             mode=req.mode,
             limit=req.limit,
-            pid=pid if known else None,
-            process=caller.process,
-            pid_start=caller.start if known else None,
+            pid=holder.pid,
+            process=holder.process,
+            pid_start=holder.start,
         )
         self._commits.commit_request()
         if log.isEnabledFor(logging.DEBUG):

@@ -394,6 +394,7 @@ async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.Cance
     # (Commits.commit_fact); the requests waiting for it come after.
     daemon.service.commit_fact("integrity_checked")
     checked.set()
+    daemon.server.integrity_checked = None  # no gate left: one look per request less
 
 
 async def _restore_rest(service: LockService, checked: trio.Event) -> None:

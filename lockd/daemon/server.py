@@ -255,12 +255,9 @@ class LockServer:
                 accepting.cancel()
                 with contextlib.suppress(OSError):
                     self._readable.unregister(listen_sock)
-                await self._waits.drain()
-                # Requests that waited for the integrity check answer
-                # SHUTTING_DOWN first (_after_check): bounded, as drain() is.
-                with trio.move_on_after(2):
-                    while self._gated:
-                        await trio.sleep(0.01)
+                # Requests waiting for the integrity check answer
+                # SHUTTING_DOWN too (_after_check).
+                await self._waits.drain(lambda: self._gated)
                 conns.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
         self._readable.close()

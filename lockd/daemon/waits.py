@@ -72,8 +72,13 @@ class Waits:
         for pending in list(self._breaks):
             pending.wake()
 
-    async def drain(self) -> None:
-        """Answer every parked acquire with SHUTTING_DOWN before closing."""
+    async def drain(self, answering: Callable[[], int] = lambda: 0) -> None:
+        """Answer every parked acquire with SHUTTING_DOWN before closing.
+
+        ``answering``: how many other requests are still to be answered
+        SHUTTING_DOWN (the server's, waiting for the restart's integrity
+        check): waited for within the same bound.
+        """
         for event in list(self._events.values()):
             event.set()
         for wait in self._remote_waits():
@@ -84,7 +89,7 @@ class Waits:
         # just before the stop may not have run yet, and closing the
         # connections now would cancel it unanswered.
         with trio.move_on_after(2):
-            while any(conn.waits for conn in self._connections.values()):
+            while answering() or any(conn.waits for conn in self._connections.values()):
                 await trio.sleep(0.01)
 
     def _remote_waits(self) -> list[Wait]:
