@@ -87,6 +87,8 @@ class RunRecord:
         self.seq = 0
         self.fence = 0
         self.deadline = 0
+        #: the temporary file :meth:`reserve` opened for :meth:`begin`.
+        self._reserved: int | None = None
 
     def read(self) -> LastRun | None:
         """The last run's record; None when there is none."""
@@ -128,9 +130,10 @@ class RunRecord:
         _U64.pack_into(page, _SEQ_AT, seq)
         _U64.pack_into(page, _FENCE_AT, fence)
         _U64.pack_into(page, _DEADLINE_AT, deadline)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600)
+        tmp = self._tmp()
+        fd, self._reserved = self._reserved, None
+        if fd is None:
+            fd = self._open_tmp(tmp)
         try:
             os.write(fd, page)
             os.replace(tmp, self.path)
@@ -139,6 +142,29 @@ class RunRecord:
         finally:
             os.close(fd)
         self.seq, self.fence, self.deadline = seq, fence, deadline
+
+    def reserve(self) -> None:
+        """Open the record's file now, for a :meth:`begin` that comes later.
+
+        The daemon answers before its integrity check has passed and begins
+        the record only then: opened on the start's path, the record does
+        not need a descriptor at a moment when clients may hold every free
+        one. An error here is left for :meth:`begin` to meet and report.
+        """
+        if self._reserved is None:
+            try:
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._reserved = self._open_tmp(self._tmp())
+            except OSError:
+                pass
+
+    def _tmp(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.tmp")
+
+    @staticmethod
+    def _open_tmp(tmp: Path) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(tmp, flags, 0o600)
 
     def set_seq(self, seq: int) -> None:
         self.seq = seq
@@ -158,6 +184,13 @@ class RunRecord:
                 self._words[_DEADLINE_AT // 8] = deadline
 
     def close(self) -> None:
+        fd, self._reserved = self._reserved, None
+        if fd is not None:  # reserved, never begun: the last run's record stays
+            os.close(fd)
+            try:
+                os.unlink(self._tmp())
+            except OSError:
+                pass
         if self._words is not None:
             self._words.release()
             self._words = None

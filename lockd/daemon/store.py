@@ -284,6 +284,8 @@ class Store:
         """
         if self._check is not None:
             self._run_fence = fence_reserved
+            if self.writes.record is not None:
+                self.writes.record.reserve()
             return
         record = self.writes.record
         if record is None:

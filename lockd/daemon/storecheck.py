@@ -23,6 +23,10 @@ START_MMAP_BYTES = 64 << 20
 #: SQLite VM steps between two looks of the integrity check at its cancel flag
 #: (~20 ms of quick_check; each look takes the GIL, so not much more often).
 CANCEL_EVERY = 1_000_000
+#: Primary SQLite result codes that say the file itself is bad (or the check
+#: was stopped): anything else (no descriptor, no memory, an I/O error on
+#: the way) means the check could not run, not that it found damage.
+_FINDINGS = frozenset({9, 11, 26})  # SQLITE_INTERRUPT, SQLITE_CORRUPT, SQLITE_NOTADB
 
 
 class IntegrityCheck:
@@ -57,8 +61,44 @@ class IntegrityCheck:
         self.done = threading.Event()
         self._started = False
         self._starting = threading.Lock()
+        #: opened here, on the start's path, not in the thread: the daemon
+        #: answers before the thread runs, and a descriptor limit reached
+        #: meanwhile (clients hold every free one) must not stop the check,
+        #: nor read as damage (issue 23's CI: EMFILE after ``hello``).
+        self._conn: sqlite3.Connection | None = None
+        try:
+            self._conn = self._connect()
+        except sqlite3.Error as exc:
+            self._not_run = f"cannot open the database to check it: {exc}"
+            self._started = True
+            self.done.set()
         if start:
             self.start()
+
+    def _connect(self) -> sqlite3.Connection:
+        uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        try:
+            # Not mapped (SQLite's default, said here as the choice it is):
+            # every mapped page the check touches counts in the daemon's
+            # RSS until the connection closes, +77 MB at 1 M leases with
+            # 64 MiB mapped, which took a restarted daemon's peak to
+            # 172-178 MB (issue 26 wants <= 150). Read, the check costs
+            # ~13 % more CPU at 1 M (system calls; 4.75 against 4.20 s,
+            # medians of 3) and adds ~10 MB; a 16 MiB map cost as much
+            # CPU as none (docs/operations.md, "Restart time").
+            conn.execute("PRAGMA mmap_size=0")
+            # cancel() interrupts whichever statement runs.
+            conn.set_progress_handler(lambda: self._cancelled, CANCEL_EVERY)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     @property
     def started(self) -> bool:
@@ -77,28 +117,18 @@ class IntegrityCheck:
             # No thread, no check: it fails (every write is refused, the daemon
             # stops) rather than leave result() and close() waiting forever.
             self._not_run = f"its thread could not start: {exc}"
+            self._close()
             self.done.set()
 
     def _run(self) -> None:
-        uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
-        if self._cancelled:  # stopped before it began
+        conn = self._conn
+        if self._cancelled or conn is None:  # stopped before it began
             self._problems = ["interrupted"]
+            self._close()
             self.done.set()
             return
         try:
-            conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
             try:
-                # Not mapped (SQLite's default, said here as the choice it is):
-                # every mapped page the check touches counts in the daemon's
-                # RSS until the connection closes, +77 MB at 1 M leases with
-                # 64 MiB mapped, which took a restarted daemon's peak to
-                # 172-178 MB (issue 26 wants <= 150). Read, the check costs
-                # ~13 % more CPU at 1 M (system calls; 4.75 against 4.20 s,
-                # medians of 3) and adds ~10 MB; a 16 MiB map cost as much
-                # CPU as none (docs/operations.md, "Restart time").
-                conn.execute("PRAGMA mmap_size=0")
-                # cancel() interrupts whichever statement runs.
-                conn.set_progress_handler(lambda: self._cancelled, CANCEL_EVERY)
                 self._found = inspect(conn)
                 if self._found.sound and self._found.version:
                     # Here, not on the start's path: a scan of every row.
@@ -106,9 +136,13 @@ class IntegrityCheck:
                         "SELECT max(expires_at) FROM leases WHERE boot_id = ?", (self.boot_id,)
                     ).fetchone()[0]
             finally:
-                conn.close()
+                self._close()
         except sqlite3.Error as exc:
-            self._problems = [f"{exc}"]
+            code = getattr(exc, "sqlite_errorcode", None)
+            if code is not None and code & 0xFF not in _FINDINGS:
+                self._not_run = f"{exc} ({getattr(exc, 'sqlite_errorname', code)})"
+            else:
+                self._problems = [f"{exc}"]
         except BaseException as exc:  # a bug: the start must still fail, not pass
             self._problems = [f"{type(exc).__name__}: {exc}"]
             raise
@@ -123,6 +157,7 @@ class IntegrityCheck:
                 return
             self._started = True  # never to run: done at once, as an interrupted check
         self._problems = ["interrupted"]
+        self._close()
         self.done.set()
 
     def result(self) -> None:

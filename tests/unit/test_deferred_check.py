@@ -187,3 +187,113 @@ def test_a_check_whose_thread_cannot_start_fails_instead_of_hanging(
         assert "nothing was found damaged" in str(refused.value)
     finally:
         store.close()
+
+
+def _no_descriptors(*args: object, **kwargs: object) -> object:
+    raise OSError(24, "Too many open files")
+
+
+def test_a_check_begun_when_descriptors_ran_out_still_runs(
+    db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check's connection and the run record's file are opened on the start's path.
+
+    The daemon answers before the check begins; clients may then take every
+    free descriptor (CI saw it: EMFILE after ``hello``, and the check that
+    opened its connection only in its thread failed, was called damage,
+    and stopped the daemon).
+    """
+    from lockd.daemon.runrecord import RunRecord, record_path
+
+    _write(db_path)
+    record_file = record_path(tmp_path, db_path)
+    store = Store(
+        db_path, BOOT, background_check=True, defer_check=True, record=RunRecord(record_file)
+    )
+    try:
+        store.begin_run(5)
+        # From here no file can be opened, by SQLite or by the record.
+        monkeypatch.setattr(storecheck.sqlite3, "connect", _no_descriptors)
+        monkeypatch.setattr(os, "open", _no_descriptors)
+        store.start_check()
+        store.wait_checked()  # passes: nothing was damaged
+        monkeypatch.undo()
+        assert RunRecord(record_file).read() is not None  # the record began
+        assert not record_file.with_name(f".{record_file.name}.tmp").exists()
+    finally:
+        store.close()
+
+
+def test_a_record_reserved_but_never_begun_leaves_the_last_one(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """A stop before the check passed: the reserved file goes, the last run's record stays."""
+    from lockd.daemon.runrecord import RunRecord, record_path
+
+    _write(db_path)
+    record_file = record_path(tmp_path, db_path)
+    first = Store(db_path, BOOT, record=RunRecord(record_file))
+    first.begin_run(3)
+    first.close()
+    last = RunRecord(record_file).read()
+    store = Store(
+        db_path, BOOT, background_check=True, defer_check=True, record=RunRecord(record_file)
+    )
+    store.begin_run(7)
+    assert record_file.with_name(f".{record_file.name}.tmp").exists()
+    store.close()
+    assert RunRecord(record_file).read() == last
+    assert not record_file.with_name(f".{record_file.name}.tmp").exists()
+
+
+def test_a_database_that_cannot_be_opened_for_the_check_is_not_called_damaged(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(db_path)
+
+    def cannot_open(self: storecheck.IntegrityCheck) -> sqlite3.Connection:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(storecheck.IntegrityCheck, "_connect", cannot_open)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    monkeypatch.undo()
+    try:
+        with pytest.raises(StorageUnavailable, match="could not run") as refused:
+            store.wait_checked()
+        assert not isinstance(refused.value, DatabaseDamaged)
+        assert "cannot open the database to check it" in str(refused.value)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "name", "damaged"),
+    [
+        (10, "SQLITE_IOERR", False),
+        (7, "SQLITE_NOMEM", False),
+        (14, "SQLITE_CANTOPEN", False),
+        (11, "SQLITE_CORRUPT", True),
+        (26, "SQLITE_NOTADB", True),
+        (11 | (1 << 8), "SQLITE_CORRUPT_VTAB", True),  # extended codes by their primary
+    ],
+)
+def test_only_sqlite_errors_about_the_file_are_called_damage(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, name: str, damaged: bool
+) -> None:
+    _write(db_path)
+
+    def failing(conn: sqlite3.Connection) -> None:
+        exc = sqlite3.DatabaseError(f"{name} from the test")
+        exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+        exc.sqlite_errorname = name  # type: ignore[attr-defined]
+        raise exc
+
+    monkeypatch.setattr(storecheck, "inspect", failing)
+    store = Store(db_path, BOOT, background_check=True, defer_check=True)
+    try:
+        with pytest.raises(StorageUnavailable) as refused:
+            store.wait_checked()
+        assert isinstance(refused.value, DatabaseDamaged) is damaged
+        assert name in str(refused.value)
+    finally:
+        store.close()
