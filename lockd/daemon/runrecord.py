@@ -33,6 +33,7 @@ it could speak for.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -187,10 +188,8 @@ class RunRecord:
         fd, self._reserved = self._reserved, None
         if fd is not None:  # reserved, never begun: the last run's record stays
             os.close(fd)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self._tmp())
-            except OSError:
-                pass
         if self._words is not None:
             self._words.release()
             self._words = None
