@@ -317,6 +317,14 @@ class LockEngine:
         """Deadlines already passed are still waiting for a timer pass."""
         return self._expiry.behind
 
+    def hold_leases(self, at: int) -> None:
+        """No lease runs out after ``at`` until :meth:`release_leases` (see Expiry.hold_leases)."""
+        self._expiry.hold_leases(at)
+
+    def release_leases(self) -> None:
+        """Leases run out again; those whose deadline passed meanwhile at the next pass."""
+        self._expiry.release_leases()
+
     # ------------------------------------------------------------- operations
 
     def acquire(

@@ -48,18 +48,52 @@ class Expiry:
         #: set when a bounded :meth:`advance` left due deadlines unapplied;
         #: requests then settle their own key first (:meth:`settle`).
         self.behind = False
+        #: while set (boot ms), no lease runs out after this time: see
+        #: :meth:`hold_leases`. Waiters' deadlines are not held.
+        self.leases_held_at: int | None = None
+
+    def hold_leases(self, at: int) -> None:
+        """Let no lease (nor cold key) run out after ``at`` until :meth:`release_leases`.
+
+        The daemon holds them while the requests that came during a
+        restart's integrity check wait for it (``LockServer.gate_for_check``):
+        a holder that sent its renew before its deadline must find its lease
+        when the renew is judged, after the check, however long the check
+        took. Nobody else loses by it: no key can be granted before the
+        check passed either. Leases whose deadline was at or before ``at``
+        run out as usual.
+        """
+        self.leases_held_at = at
+
+    def release_leases(self) -> None:
+        """Let leases run out again; those whose deadline passed meanwhile go at the next pass."""
+        self.leases_held_at = None
+
+    def _lease_now(self, now: int) -> int:
+        """The time leases are judged at: ``now``, or the hold's time while leases are held."""
+        held = self.leases_held_at
+        return now if held is None or now < held else held
 
     def next_deadline(self) -> int | None:
-        """The earliest lease expiry or waiter deadline still pending."""
+        """The earliest lease expiry or waiter deadline still pending.
+
+        While leases are held (:meth:`hold_leases`), a lease deadline after
+        the hold's time is not pending: the timer is not to wake for it.
+        """
         deadlines = self._deadlines
         deadlines.prune(self._table)
+        held = self.leases_held_at
         candidates = []
-        if deadlines.lease_heap:
+        if deadlines.lease_heap and (held is None or deadlines.lease_heap[0][0] <= held):
             candidates.append(deadlines.lease_heap[0][0])
         if deadlines.waiter_heap:
             candidates.append(deadlines.waiter_heap[0][0])
         cold = self._coldpath.cold
-        if cold.key_count and (cold_at := cold.next_deadline()) is not None:
+        if (
+            cold.key_count
+            and (cold_at := cold.next_deadline()) is not None
+            and (held is None or cold_at <= held)
+        ):
             candidates.append(cold_at)
         return min(candidates) if candidates else None
 
@@ -86,6 +120,7 @@ class Expiry:
         coldpath = self._coldpath
         coldpath.last_now = max(coldpath.last_now, now)
         deadlines, table, queues = self._deadlines, self._table, self._queues
+        lease_now = self._lease_now(now)
         applied = 0
         caught_up = False
         cold = coldpath.cold
@@ -97,7 +132,7 @@ class Expiry:
             cold_at = cold.next_deadline() if cold.key_count else None
             if (
                 cold_at is not None
-                and cold_at <= now
+                and cold_at <= lease_now
                 and (lease_at is None or cold_at < lease_at)
                 and (waiter_at is None or cold_at <= waiter_at)
             ):
@@ -107,13 +142,13 @@ class Expiry:
                 # goes first is nobody's business: a tie with a loaded lease
                 # goes to the loaded one.
                 room = LOAD_BATCH if budget is None else min(LOAD_BATCH, budget - applied)
-                due = cold.due(now, room)
-                coldpath.warm(due, now)
+                due = cold.due(lease_now, room)
+                coldpath.warm(due, lease_now)
                 applied += len(due)
                 continue
             if (
                 lease_at is not None
-                and lease_at <= now
+                and lease_at <= lease_now
                 and (waiter_at is None or lease_at <= waiter_at)
             ):
                 lease = deadlines.pop_lease()
@@ -145,8 +180,9 @@ class Expiry:
         if self.behind:
             return False
         deadlines = self._deadlines
+        lease_now = now if self.leases_held_at is None else self._lease_now(now)
         heap = deadlines.lease_heap
-        if heap and heap[0][0] <= now:
+        if heap and heap[0][0] <= lease_now:
             return False
         wheap = deadlines.waiter_heap
         if wheap and wheap[0][0] <= now:
@@ -154,7 +190,7 @@ class Expiry:
         cold = self._coldpath.cold
         if cold.key_count:
             cold_at = cold.next_deadline()
-            if cold_at is not None and cold_at <= now:
+            if cold_at is not None and cold_at <= lease_now:
                 return False
         return True
 
@@ -192,7 +228,8 @@ class Expiry:
         state = keys.get(key)
         if state is None:
             return
-        due = [lease for lease in holders(state) if lease.expires_at <= now]
+        lease_now = self._lease_now(now)
+        due = [lease for lease in holders(state) if lease.expires_at <= lease_now]
         due.sort(key=lambda lease: (lease.expires_at, lease.fence))
         for lease in due:
             state = keys.get(key)

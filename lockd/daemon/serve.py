@@ -366,12 +366,12 @@ RESTORE_RETRY = 0.25
 RESTORE_WAIT = 0.001
 
 
-async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.CancelScope) -> None:
+async def _await_integrity(daemon: Daemon, stop: trio.CancelScope) -> None:
     """Wait for the store's integrity check (in its thread); stop the daemon if it failed.
 
     The daemon answers while the check runs (restart to ``hello`` does not
     wait for a scan of every row): until it passed, requests that write
-    wait for ``checked`` in their connections' tasks, facts stay pending,
+    wait for the check in their connections' tasks, facts stay pending,
     and a key's rows are checked as they are read (``Store.leases_of``).
     A failure ends the daemon with the line a refused start prints; the
     requests that waited are never answered.
@@ -391,10 +391,10 @@ async def _await_integrity(daemon: Daemon, checked: trio.Event, stop: trio.Cance
         stop.cancel()
         return
     # What time and departed clients did meanwhile waited for the check
-    # (Commits.commit_fact); the requests waiting for it come after.
+    # (Commits.commit_fact); the requests waiting for it come after, and
+    # leases run out again only once they are answered (LockServer.open_gate).
     daemon.service.commit_fact("integrity_checked")
-    checked.set()
-    daemon.server.integrity_checked = None  # no gate left: one look per request less
+    await daemon.server.open_gate()
 
 
 async def _restore_rest(service: LockService, checked: trio.Event) -> None:
@@ -482,9 +482,8 @@ async def _settle_after_ready(store: Store | None) -> None:
 async def _main(daemon: Daemon) -> None:
     async with trio.open_nursery() as nursery:
         if daemon.store is not None:
-            checked = trio.Event()
-            daemon.server.integrity_checked = checked
-            nursery.start_soon(_await_integrity, daemon, checked, nursery.cancel_scope)
+            checked = daemon.server.gate_for_check()
+            nursery.start_soon(_await_integrity, daemon, nursery.cancel_scope)
             nursery.start_soon(_watch_store, daemon.store)
             nursery.start_soon(_restore_rest, daemon.service, checked)
         if daemon.backend is not None:

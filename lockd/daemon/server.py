@@ -130,6 +130,9 @@ _random = random.random
 #: read first), so they wait like writes; so do ``cancel`` and ``stopped``,
 #: which only ever concern requests made after the check.
 ANSWERED_BEFORE_CHECK = frozenset({"hello", "status", "rules"})
+#: Seconds :meth:`LockServer.open_gate` waits at most for the requests that
+#: waited for the integrity check to be answered before leases run out again.
+GATE_DRAIN_LIMIT = 1.0
 
 
 @dataclass
@@ -518,6 +521,40 @@ class LockServer:
         return conn.busy.next_bytes(conn.sock, self._readable)
 
     # ------------------------------------------------------------- requests
+
+    def gate_for_check(self) -> trio.Event:
+        """Make writes wait for the restart's integrity check; the event :meth:`open_gate` sets.
+
+        Leases stop running out now (:meth:`LockEngine.hold_leases`): a
+        renew that arrives during the check waits for it (:meth:`_after_check`),
+        and its lease must still be there when it is judged, however long
+        the check took (seconds at 1 M leases). Nothing is granted before the
+        check passed, so holding the leases costs nobody a key.
+        """
+        checked = trio.Event()
+        self.integrity_checked = checked
+        service = self.service
+        service.engine.hold_leases(service.clock.boot_ms())
+        return checked
+
+    async def open_gate(self) -> None:
+        """The check passed: answer the requests that waited for it, then let leases run out.
+
+        Leases whose deadline passed meanwhile and that no waiting renew
+        extended run out at the timer's next pass. The requests that waited
+        are answered within a scheduling pass or two of the event (each
+        wakes in its own task and is answered without waiting again); the
+        wait for them is bounded all the same (:data:`GATE_DRAIN_LIMIT`).
+        """
+        checked = self.integrity_checked
+        if checked is not None:
+            checked.set()
+        self.integrity_checked = None  # no gate left: one look per request less
+        give_up = trio.current_time() + GATE_DRAIN_LIMIT
+        while self._gated and trio.current_time() < give_up:
+            await trio.sleep(0)
+        self.service.engine.release_leases()
+        self._timer.reschedule()
 
     async def _after_check(
         self, checked: trio.Event, conn: Connection, line: bytes, nursery: trio.Nursery

@@ -22,6 +22,7 @@ import trio.testing
 
 from lockd.daemon.server import ANSWERED_BEFORE_CHECK, Limits
 from lockd.daemon.store import Store
+from lockd.testing.clock import FakeClock
 from tests.unit.test_deferred_check import BOOT, _write
 from tests.unit.test_server import running, try_acquire, until
 
@@ -171,3 +172,80 @@ async def test_the_rest_of_a_line_that_waited_behind_the_check_is_not_timed_out(
         await peer.sock.send(hello[5:])
         second = await peer.recv()
         assert second is not None and second["ok"] and second["id"] == 2
+
+
+# ------------------------------------------------- leases held during the check
+
+
+def _iso_ms(stamp: str) -> int:
+    """Milliseconds since the epoch of a ``leaseExpiresAt`` (RFC 3339, UTC)."""
+    from datetime import datetime
+
+    return round(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def _renew(rid: int, key: str, handle: str, ttl_ms: int = 2_000) -> dict[str, object]:
+    return {"id": rid, "op": "renew", "key": key, "handle": handle, "ttlMs": ttl_ms}
+
+
+async def test_a_renew_sent_before_its_deadline_keeps_the_lease_however_long_the_check(
+    tmp_path: Path,
+) -> None:
+    """A 2 s lease renewed 1 s into a 5 s check is renewed; one nobody renewed runs out after.
+
+    Without the hold, the timer ran the lease out during the check and the
+    renew, judged after it, answered ``lease_lost`` to a holder that had
+    asked in time (docs/operations.md, "Restart time").
+    """
+    clock = FakeClock()
+    async with running(tmp_path, clock=clock) as h:
+        holder, idle, late = await h.connect(), await h.connect(), await h.connect()
+        kept = (await holder.call(try_acquire(1, "kept", ttlMs=2_000)))["result"]
+        assert (await idle.call(try_acquire(1, "idle", ttlMs=2_000)))["ok"]
+        gone = (await late.call(try_acquire(1, "gone", ttlMs=1_000)))["result"]
+        clock.advance(1_500)  # "gone" ran out before the restart answered
+        checked = h.server.gate_for_check()  # as serve does at start
+
+        await holder.send(_renew(2, "kept", kept["handle"]))
+        await late.send(_renew(2, "gone", gone["handle"]))
+        clock.advance(5_000)  # the check takes 5 s; both 2 s deadlines pass
+        assert h.service.tick()  # the timer's passes meanwhile run out none of them
+        assert h.service.next_deadline() is None  # ... and it does not wake for them
+        status = await idle.call({"id": 2, "op": "status", "key": "kept"})
+        assert status["result"]["held"], status
+        assert _nothing_to_read(holder.sock)
+
+        await h.server.open_gate()  # the check passed
+        renewed = await holder.recv()
+        assert renewed is not None and renewed["result"]["renewed"] is True, renewed
+        # From the time it is judged (after the check), as every renew.
+        moved = _iso_ms(renewed["result"]["leaseExpiresAt"]) - _iso_ms(kept["leaseExpiresAt"])
+        assert moved == 6_500
+        lost = await late.recv()
+        assert lost is not None and lost["result"] == {"renewed": False, "reason": "lease_lost"}
+        assert checked.is_set() and h.server.integrity_checked is None
+
+        assert h.service.tick()  # leases run out again: "idle" (nobody renewed it) goes
+        assert not (await idle.call({"id": 3, "op": "status", "key": "idle"}))["result"]["held"]
+        assert (await idle.call({"id": 4, "op": "status", "key": "kept"}))["result"]["held"]
+        clock.advance(2_000)
+        assert h.service.tick()
+        assert not (await idle.call({"id": 5, "op": "status", "key": "kept"}))["result"]["held"]
+
+
+async def test_a_request_for_a_held_key_after_the_check_waits_for_the_renews_first(
+    tmp_path: Path,
+) -> None:
+    """A tryAcquire that waited for the check does not take a key whose renew waited too."""
+    clock = FakeClock()
+    async with running(tmp_path, clock=clock) as h:
+        holder, rival = await h.connect(), await h.connect()
+        kept = (await holder.call(try_acquire(1, "k", ttlMs=2_000)))["result"]
+        h.server.gate_for_check()
+        await rival.send(try_acquire(1, "k", ttlMs=2_000))
+        await holder.send(_renew(2, "k", kept["handle"]))
+        clock.advance(5_000)
+        await h.server.open_gate()
+        busy, renewed = await rival.recv(), await holder.recv()
+        assert busy is not None and busy["ok"] and busy["result"] is None, busy
+        assert renewed is not None and renewed["result"]["renewed"] is True, renewed

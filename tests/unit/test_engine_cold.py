@@ -383,3 +383,36 @@ def test_cold_restore_answers_exactly_as_restore(leases: list[Lease], steps: lis
         mine.update(e.drain().rows)
         assert e.held_count == 0 and e.lease_count == 0
     assert written(rows)[0] == written(rows)[1]
+
+
+def test_held_leases_do_not_run_out_cold_or_loaded_until_released() -> None:
+    """LockEngine.hold_leases (a restart's integrity check): deadlines after the hold wait.
+
+    Leases whose deadline came before the hold run out as always; the rest,
+    cold or loaded, stay until :meth:`release_leases`, so a renew judged
+    late (after the check) finds its lease; a waiter's timeout is not held.
+    """
+    leases = [stored("before", 1, 900), stored("cold", 2, 1_500), stored("loaded", 3, 1_600)]
+    e, loader = cold_engine(leases, fence=3)
+    e.hold_leases(1_000)
+    assert e.status(1_000, "loaded").holder is not None  # loaded now, deadline 1,600
+    waiter = park(e.acquire(1_000, "loaded", ttl_ms=100, principal="user:b", wait_ms=2_000))
+    # "before" ran out on the way in (900 <= the hold); the timer wakes for
+    # the waiter only, not for the held leases.
+    assert e.next_deadline() == 3_000
+    e.advance(10_000)
+    assert [lease.key for lease in e.drain().expired] == ["before"]
+    assert waiter.timed_out  # its deadline (3,000) is not held
+    assert e.next_deadline() is None
+    assert e.status(10_000, "cold").holder is not None  # loaded at 10 s, still held
+    renewed = e.renew(10_000, "cold", "h-cold-2", 1_000)
+    assert renewed is not None and renewed.expires_at == 11_000
+    assert e.renew(10_000, "before", "h-before-1", 1_000) is None  # it ran out before
+    e.release_leases()
+    assert e.next_deadline() == 1_600
+    e.advance(10_001)
+    assert [lease.key for lease in e.drain().expired] == ["loaded"]
+    e.advance(11_000)
+    assert [lease.key for lease in e.drain().expired] == ["cold"]
+    assert loader.loaded == ["loaded", "before", "cold"]
+    e.check_invariants()
