@@ -365,6 +365,14 @@ class KeyTable:
         for obj in restored:
             if isinstance(obj, Lease) and self.holds(obj):
                 deadlines.push_lease(obj)
+            elif isinstance(obj, KeyState):
+                # A hold the batch ended (a release, a break) is back; its
+                # heap entry may have been pruned as dead meanwhile, and
+                # without one it would never run out (a key wedged after a
+                # failed commit: tests/unit/test_fastpath.py found it).
+                for lease in holders(obj):
+                    if self.holds(lease):
+                        deadlines.push_lease(lease)
             elif isinstance(obj, Waiter) and waiters.get(obj.id) is obj:
                 deadlines.push_waiter(obj)
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lockd.daemon.engine import Busy, Lease, ListPage, LockEngine, Parked, TimedOut, Waiter
+from lockd.daemon.engine import SHARED, Busy, Lease, ListPage, LockEngine, Parked, TimedOut, Waiter
 
 
 def make_engine(fence: int = 0) -> LockEngine:
@@ -327,6 +327,31 @@ def test_list_index_follows_a_rollback() -> None:
     assert e.release(3, "kept", kept.handle)
     e.rollback()  # so did this release
     assert [s.key for s in e.list_held(4).locks] == ["kept"]
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_a_hold_a_rollback_brings_back_still_runs_out(others: int) -> None:
+    """A release undone by a failed commit: the hold runs out at its deadline all the same.
+
+    The release left its heap entry dead, and the next request pruned it;
+    the rollback put the hold back without one, so it never ran out and the
+    key stayed held for good (found by tests/unit/test_fastpath.py). With
+    ``others`` a shared hold stays, so the key's state is changed, not dropped.
+    """
+    e = make_engine()
+    mode = {"mode": SHARED} if others else {}
+    if others:
+        grant(e.acquire(0, "k", ttl_ms=10_000, principal="user:b", **mode))
+    held = grant(e.acquire(0, "k", ttl_ms=50, principal="user:a", **mode))
+    e.drain()  # committed
+    assert e.release(1, "k", held.handle)
+    e.status(2, "k")  # a later request of the batch prunes the dead entry
+    e.rollback()  # the batch's commit failed: the release never happened
+    assert e.status(3, "k").holder is not None
+    assert e.next_deadline() == 50
+    e.advance(60)
+    assert held in e.drain().expired
+    e.check_invariants()
 
 
 # ------------------------------------------------------- bounded expiry (issue 10)
