@@ -12,6 +12,7 @@ out.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 from pathlib import Path
@@ -83,6 +84,33 @@ class LossCheck:
         found = inspect_readonly(self.path)
         self.judge_seq(found.seq, found)
         return found
+
+    def judge_crash_quickly(self, schema_version: int) -> bool:
+        """Judge a crash's count of writes before the daemon answers; True: check the rest later.
+
+        Only the counts are read here (a read-only connection that sees the
+        WAL, ``meta.seq``): a WAL cut short, damaged or deleted is refused at
+        once, files untouched, as :meth:`inspect_first` refuses it. The
+        row-by-row checks then run beside the daemon (``Store._read_crash_first``).
+        False, with nothing judged, when the database needs a schema
+        migration first (an upgrade right after a crash): then
+        :meth:`inspect_first` checks everything before the start goes on.
+        """
+        shm = self.path.with_name(self.path.name + "-shm")
+        had_shm = shm.exists()
+        conn = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=ro", uri=True, timeout=0)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != schema_version:
+                return False
+            row = conn.execute("SELECT seq FROM meta WHERE name = 'fence'").fetchone()
+        finally:
+            conn.close()
+            if not had_shm:  # as inspect_readonly: the files are left as found
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(shm)
+        self.judge_seq(None if row is None else int(row[0]))
+        return True
 
     def judge_seq(self, seq: int | None, found: Findings | None = None) -> None:
         """Refuse a database that lost writes acknowledged in this boot (and ``found`` damage)."""

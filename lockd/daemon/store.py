@@ -60,6 +60,7 @@ A broken disk must not quietly lose what was acknowledged:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -167,13 +168,22 @@ class Store:
         self._run_fence: int | None = None
         #: the latest deadline of this boot's rows, when the check found it.
         self._latest: int | None = None
+        self._synchronous = synchronous
+        #: the crash's database is read, not yet written, while its check runs
+        #: (see :meth:`_read_crash_first`); :meth:`wait_checked` opens it to write.
+        self._reader_only = False
+        #: the ``-shm`` index the read-only connections made (removed once they close).
+        self._made_shm: Path | None = None
         found: Findings | None = None
         if on_disk:
             prepare_directory(self.path.parent)
             check_files_before_open(self.path)
             try:
                 self.loss.read_last_run()
-                found = self.loss.inspect_first()
+                if background_check and not accept_loss and self._crash_wal():
+                    self._reader_only = self.loss.judge_crash_quickly(SCHEMA_VERSION)
+                if not self._reader_only:
+                    found = self.loss.inspect_first()
             except StartRefused as exc:
                 raise StoreError(str(exc)) from None
             except sqlite3.Error as exc:
@@ -182,13 +192,10 @@ class Store:
         # file's mode, so a private umask at creation covers all three.
         old_umask = os.umask(0o077)
         try:
-            # timeout=0: the database is ours alone (exclusive locking); if it
-            # is locked, another daemon has it, and waiting will not help.
-            self._db = sqlite3.connect(
-                str(path), isolation_level=None, check_same_thread=False, timeout=0
-            )
-            if str(path) != ":memory:":
-                os.chmod(self.path, 0o600)
+            if self._reader_only:
+                self._db = self._read_crash_first()
+            else:
+                self._db = self._open_writer(str(path), on_disk)
             self.writes = LeaseWrites(
                 self._db,
                 self.path,
@@ -206,33 +213,22 @@ class Store:
                 wait_checked=self.wait_checked,
                 drop_earlier_boots=self.writes.drop_earlier_boots,
             )
-            # Exclusive locking: the daemon is the database's only user, so
-            # WAL needs no shared-memory index and a commit skips its fcntl
-            # locks (measured ~23 -> ~9 us per commit with 1 KiB pages). It
-            # also stops a second daemon from opening the same database.
-            self._db.execute("PRAGMA page_size=1024")  # only takes effect on a new file
-            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
-            # A checkpoint (with its fsync) runs inside whichever commit
-            # crosses the threshold, on the event loop: 1-3 ms. Our commits
-            # rewrite the same few pages, so a longer WAL costs little to
-            # checkpoint and makes that stall ten times rarer.
-            self._db.execute("PRAGMA wal_autocheckpoint=10000")
-            self._db.execute("PRAGMA journal_size_limit=4194304")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            # The write count (meta.seq) relies on a REPLACE not firing the
-            # delete trigger; some builds default this on (compile options).
-            self._db.execute("PRAGMA recursive_triggers=OFF")
-            if on_disk and found is None:
-                self.loss.judge_seq(self._read_seq())  # before anything is written
-            migrate(self._db, self.path)
-            if found is not None:
-                self.loss.repair(self._db, found)  # checked already, on the files as found
-            elif on_disk and background_check and self._wal_folded_in():
-                self._check = IntegrityCheck(self.path, boot_id, start=not defer_check)
+            if self._reader_only:
+                # Judged already on the seq (judge_crash_quickly); the rest
+                # of the checks read the WAL too, beside the daemon.
+                self._check = IntegrityCheck(
+                    self.path, boot_id, start=not defer_check, sees_wal=True
+                )
             else:
-                self.loss.judge_found(inspect(self._db))
+                if on_disk and found is None:
+                    self.loss.judge_seq(self._read_seq())  # before anything is written
+                migrate(self._db, self.path)
+                if found is not None:
+                    self.loss.repair(self._db, found)  # checked already, on the files as found
+                elif on_disk and background_check and self._wal_folded_in():
+                    self._check = IntegrityCheck(self.path, boot_id, start=not defer_check)
+                else:
+                    self.loss.judge_found(inspect(self._db))
             self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
             self.writes.seq = self._read_seq() or 0
             if on_disk:
@@ -243,6 +239,89 @@ class Store:
             raise open_failed(Path(path), exc) from exc
         finally:
             os.umask(old_umask)
+
+    def _open_writer(self, target: str, on_disk: bool) -> sqlite3.Connection:
+        """The daemon's own connection, the one that writes (its settings say why)."""
+        # timeout=0: the database is ours alone (exclusive locking); if it
+        # is locked, another daemon has it, and waiting will not help.
+        db = sqlite3.connect(target, isolation_level=None, check_same_thread=False, timeout=0)
+        try:
+            if on_disk:
+                os.chmod(self.path, 0o600)
+            # Exclusive locking: the daemon is the database's only user, so
+            # WAL needs no shared-memory index and a commit skips its fcntl
+            # locks (measured ~23 -> ~9 us per commit with 1 KiB pages). It
+            # also stops a second daemon from opening the same database.
+            db.execute("PRAGMA page_size=1024")  # only takes effect on a new file
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={self._synchronous}")
+            # A checkpoint (with its fsync) runs inside whichever commit
+            # crosses the threshold, on the event loop: 1-3 ms. Our commits
+            # rewrite the same few pages, so a longer WAL costs little to
+            # checkpoint and makes that stall ten times rarer.
+            db.execute("PRAGMA wal_autocheckpoint=10000")
+            db.execute("PRAGMA journal_size_limit=4194304")
+            db.execute("PRAGMA foreign_keys=ON")
+            # The write count (meta.seq) relies on a REPLACE not firing the
+            # delete trigger; some builds default this on (compile options).
+            db.execute("PRAGMA recursive_triggers=OFF")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _crash_wal(self) -> bool:
+        """A WAL with commits in it is there: the last run did not stop cleanly."""
+        try:
+            return os.stat(self.loss.wal).st_size > 0 and self.path.exists()
+        except FileNotFoundError:
+            return False
+
+    def _read_crash_first(self) -> sqlite3.Connection:
+        """A read-only connection to a crash's database, for the daemon while the check runs.
+
+        After a crash the WAL holds the last commits. Opened to write, the
+        database would have the WAL folded into its file at the first
+        checkpoint or close, and a refusal after that would leave the files
+        changed, the evidence an operator needs gone (docs/operations.md,
+        "Lost or damaged database"). So the daemon reads it read-only (a
+        read-only connection cannot checkpoint), the check reads it the
+        same way beside it, and :meth:`wait_checked` opens it to write
+        only once the check has passed. Nothing is written before: every
+        write waits for the check anyway. The count of acknowledged writes
+        was judged before (:meth:`LossCheck.judge_crash_quickly`), so a WAL
+        cut short is still refused before the daemon answers.
+        """
+        shm = self.path.with_name(self.path.name + "-shm")
+        if not shm.exists():
+            self._made_shm = shm
+        db = sqlite3.connect(
+            f"{self.path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=0
+        )
+        db.execute("PRAGMA query_only=1")
+        return db
+
+    def _become_writer(self) -> None:
+        """The check passed: the daemon's connection becomes the one that writes."""
+        self._db.close()  # read-only: folds nothing in
+        self._reader_only = False
+        self._forget_shm()
+        try:
+            db = self._open_writer(str(self.path), True)
+            migrate(db, self.path)  # the same version (judge_crash_quickly): nothing to do
+        except sqlite3.Error as exc:
+            raise open_failed(self.path, exc) from exc
+        self._db = db
+        self.writes.rebind(db)
+        self.reads.rebind(db)
+        self.files.remember_identity(self.path)
+
+    def _forget_shm(self) -> None:
+        shm, self._made_shm = self._made_shm, None
+        if shm is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm)
 
     @property
     def last_run(self) -> LastRun | None:
@@ -339,6 +418,8 @@ class Store:
         check = self._check
         if check is not None:
             check.result()  # raises DatabaseDamaged when the check failed
+            if self._reader_only:
+                self._become_writer()
             self._latest = check.latest
             self._check = None
             if self._run_fence is not None:
@@ -458,6 +539,7 @@ class Store:
             self._check.cancel()
             self._check.done.wait()
         self._db.close()
+        self._forget_shm()
         if self.writes.record is not None:
             self.writes.record.close()
         mark = self.mark

@@ -43,13 +43,19 @@ class IntegrityCheck:
     wait for it, and reads do not touch the file.
     """
 
-    def __init__(self, path: Path, boot_id: str, *, start: bool = True) -> None:
+    def __init__(
+        self, path: Path, boot_id: str, *, start: bool = True, sees_wal: bool = False
+    ) -> None:
         """Check ``path``; ``start=False``: the thread begins at :meth:`start` (or :meth:`result`).
 
         The daemon starts it once it answers (``serve``), so that neither its
         CPU nor its reads of the file are on the way to the first ``hello``.
+        ``sees_wal``: after a crash, the database with its WAL, read as the
+        store's read-only connection reads it (``Store._read_crash_first``);
+        otherwise the file alone, which holds every commit then.
         """
         self.path = path
+        self.sees_wal = sees_wal
         self.boot_id = boot_id
         self._problems: list[str] = []
         #: why the check never ran (no thread): nothing was found damaged.
@@ -76,7 +82,9 @@ class IntegrityCheck:
             self.start()
 
     def _connect(self) -> sqlite3.Connection:
-        uri = f"{self.path.absolute().as_uri()}?mode=ro&immutable=1"
+        uri = f"{self.path.absolute().as_uri()}?mode=ro"
+        if not self.sees_wal:
+            uri += "&immutable=1"
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
         try:
             # Not mapped (SQLite's default, said here as the choice it is):

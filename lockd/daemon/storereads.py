@@ -99,6 +99,10 @@ class LeaseReads:
         #: rows of earlier boots seen by deadlines_after(), deleted after its last chunk.
         self._earlier_rows = 0
 
+    def rebind(self, db: sqlite3.Connection) -> None:
+        """Read through ``db`` from now on (``Store._become_writer`` opened it to write)."""
+        self._db = db
+
     def _read_failed(self, exc: sqlite3.DatabaseError) -> NoReturn:
         """A read at start failed: a damaged file is the integrity check's to tell."""
         self._wait_checked()

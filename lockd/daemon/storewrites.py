@@ -65,6 +65,10 @@ class LeaseWrites:
         self._writes_unchecked = 0
         self._wal_known = False
 
+    def rebind(self, db: sqlite3.Connection) -> None:
+        """Write through ``db`` from now on (``Store._become_writer`` opened it)."""
+        self._db = db
+
     def drop_earlier_boots(self, count: int) -> None:
         """Delete the rows of earlier boots (``count`` of them were seen)."""
         self._wait_checked()

@@ -37,7 +37,8 @@ from lockd_client import Handle, LockClient, LockdError
 
 from lockd.config import Paths, load_settings
 from lockd.daemon.clock import SystemClock
-from lockd.daemon.serve import StartupError, _open_store
+from lockd.daemon.serve import StartupError, _open_store, _refusal
+from lockd.daemon.store import StoreError
 from lockd.testing.daemon import DaemonProcess
 from lockd.testing.polling import wait_for
 
@@ -192,6 +193,18 @@ def check_start(crashed: Crashed, damage: Callable[[], None]) -> str:
         message = str(exc)
         assert "\n" not in message, message
         assert str(crashed.db) in message or "lockd.db" in message, message
+        after = {p: _digest(p) for p in (crashed.db, crashed.wal)}
+        assert after == before, f"a refused start changed the files: {message}"
+        return "refused"
+    try:
+        # The daemon answers while the rest of the checks run beside it
+        # (after a crash too: Store._read_crash_first), then stops on what
+        # they found, with the same line: _await_integrity.
+        store.wait_checked()
+    except StoreError as exc:
+        store.close()
+        message = _refusal(exc)
+        assert "\n" not in message and "lockd.db" in message, message
         after = {p: _digest(p) for p in (crashed.db, crashed.wal)}
         assert after == before, f"a refused start changed the files: {message}"
         return "refused"

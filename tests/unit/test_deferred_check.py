@@ -297,3 +297,103 @@ def test_only_sqlite_errors_about_the_file_are_called_damage(
         assert name in str(refused.value)
     finally:
         store.close()
+
+
+# ------------------------------------------------ after a crash: a WAL is there
+
+
+def _crashed(db_path: Path, tmp_path: Path) -> Path:
+    """test_lazy_start's KEYS, then one more commit ("late") left in the WAL by a crash."""
+    _write(db_path)
+    store = Store(db_path, BOOT)
+    try:
+        store.apply(Changes(rows={("late", 0): _lease("late", 999)}, fence=999))
+        crashed = tmp_path / "crashed" / "lockd.db"
+        crashed.parent.mkdir(mode=0o700)
+        for suffix in ("", "-wal"):  # the files as a kill -9 leaves them
+            crashed.with_name(crashed.name + suffix).write_bytes(
+                db_path.with_name(db_path.name + suffix).read_bytes()
+            )
+    finally:
+        store.close()
+    return crashed
+
+
+def _files(db: Path) -> tuple[bytes, bytes]:
+    return db.read_bytes(), db.with_name(db.name + "-wal").read_bytes()
+
+
+def test_after_a_crash_the_check_runs_beside_the_daemon_on_the_files_as_found(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """Restart to ``hello`` after a ``kill -9`` does not wait for a scan of every row.
+
+    The store reads the crash's database read-only (it sees the WAL's last
+    commit) until the check, which reads it the same way, has passed; only
+    then is it opened to write, so nothing changed the files before.
+    """
+    crashed = _crashed(db_path, tmp_path)
+    before = _files(crashed)
+    store = Store(crashed, BOOT, background_check=True, defer_check=True)
+    try:
+        assert store.check_pending and store._reader_only
+        assert store.stored_fence() == 999  # the WAL's commit, read before the check
+        assert [lease.fence for lease in store.leases_of(["late"])] == [999]
+        assert _files(crashed) == before
+        store.start_check()
+        store.apply(Changes(rows={("new", 0): _lease("new", 1000)}, fence=1000))
+        assert not store.check_pending and not store._reader_only
+        assert [lease.fence for lease in store.leases_of(["new", "late"])] == [999, 1000]
+    finally:
+        store.close()
+    assert not crashed.with_name(crashed.name + "-shm").exists()
+    reopened = Store(crashed, BOOT)
+    try:
+        assert reopened.stored_fence() == 1000
+    finally:
+        reopened.close()
+
+
+def test_damage_found_after_a_crash_leaves_the_files_as_found(
+    db_path: Path, tmp_path: Path
+) -> None:
+    crashed = _crashed(db_path, tmp_path)
+    _damage_handle(crashed, KEYS[77])
+    before = _files(crashed)
+    store = Store(crashed, BOOT, background_check=True, defer_check=True)
+    try:
+        with pytest.raises(DatabaseDamaged, match="fail their checksum"):
+            store.wait_checked()
+        with pytest.raises(DatabaseDamaged):  # every write too
+            store.apply(Changes(rows={("other", 0): _lease("other", 1000)}, fence=1000))
+    finally:
+        store.close()
+    assert _files(crashed) == before  # the WAL not folded in, nothing deleted
+    assert not crashed.with_name(crashed.name + "-shm").exists()
+
+
+def test_a_crash_that_lost_acknowledged_writes_is_refused_before_the_daemon_answers(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """The count of writes is read first, cheaply: a WAL cut short never gets as far as READY."""
+    from lockd.daemon.runrecord import RunRecord, record_path
+    from lockd.daemon.store import StoreError
+
+    _write(db_path)
+    record_file = record_path(tmp_path, db_path)
+    store = Store(db_path, BOOT, record=RunRecord(record_file))
+    try:
+        store.begin_run(0)
+        store.apply(Changes(rows={("late", 0): _lease("late", 999)}, fence=999))
+        wal = db_path.with_name(db_path.name + "-wal")
+        files = (db_path.read_bytes(), wal.read_bytes()[: 32 + (1024 + 24)])  # one frame left
+    finally:
+        store.close()
+    crashed = db_path  # the crash's files put back, the WAL cut short
+    crashed.write_bytes(files[0])
+    crashed.with_name(crashed.name + "-wal").write_bytes(files[1])
+    before = _files(crashed)
+    with pytest.raises(StoreError, match="acknowledged writes are gone"):
+        Store(crashed, BOOT, background_check=True, defer_check=True, record=RunRecord(record_file))
+    assert _files(crashed) == before
+    assert not crashed.with_name(crashed.name + "-shm").exists()
