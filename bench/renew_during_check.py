@@ -18,7 +18,7 @@ a 10-minute TTL measures both). With ``--baseline REV`` the same runs on
 REV, in the same rounds (same TTL).
 
     .venv/bin/python bench/renew_during_check.py [--leases 1000000] [--runs 3]
-        [--baseline 082c9d3]
+        [--stop kill|term] [--baseline 082c9d3]
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from scale import fill as fill_directly
 REPO = Path(__file__).resolve().parent.parent
 
 
-def one_run(source: Path, tree: Path | None, ttl_ms: int) -> dict[str, Any]:
-    """Take ``probe``, kill the daemon, restart it, renew at once: what happened (ms)."""
+def one_run(source: Path, tree: Path | None, ttl_ms: int, stop: str = "kill") -> dict[str, Any]:
+    """Take ``probe``, stop the daemon (``kill -9``, or SIGTERM with ``stop="term"``),
+    start it again, renew at once: what happened (ms)."""
     with workdir() as root:
         db = root / "lockd.db"
         shutil.copyfile(source, db)
@@ -61,7 +62,7 @@ def one_run(source: Path, tree: Path | None, ttl_ms: int) -> dict[str, Any]:
         finally:
             wire.close()
         assert daemon.proc is not None
-        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.send_signal(signal.SIGKILL if stop == "kill" else signal.SIGTERM)
         daemon.proc.wait()
         killed_at = time.monotonic()
         shutil.rmtree(first_root, ignore_errors=True)
@@ -79,7 +80,7 @@ def one_run(source: Path, tree: Path | None, ttl_ms: int) -> dict[str, Any]:
             daemon.stop()
     return {
         "ttl_ms": ttl_ms,
-        "hello_after_kill_ms": (sent_at - killed_at) * 1000,
+        "hello_after_kill_ms": (sent_at - killed_at) * 1000,  # from the end of the stop
         "left_at_send_ms": ttl_ms - (sent_at - granted_at) * 1000,
         "answered_after_ms": (answered_at - sent_at) * 1000,
         "renewed": bool(renewed.get("renewed")),
@@ -89,6 +90,12 @@ def one_run(source: Path, tree: Path | None, ttl_ms: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leases", type=int, default=1_000_000)
+    parser.add_argument(
+        "--stop",
+        choices=("kill", "term"),
+        default="kill",
+        help="kill -9 (a crash: a WAL is left) or SIGTERM (a clean stop); default kill",
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--baseline", metavar="REV", help="also run this revision, alternately")
     args = parser.parse_args(argv)
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             trees: dict[str, Path | None] = {"this checkout": None}
             if base is not None:
                 trees[f"lockd@{args.baseline}"] = base
-            first = one_run(source, None, 600_000)
+            first = one_run(source, None, 600_000, args.stop)
             # The deadline in the middle of this checkout's wait for the check.
             ttl_ms = max(1_000, int(first["hello_after_kill_ms"] + first["answered_after_ms"] / 2))
             log(
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
             for i in range(args.runs):
                 for name, tree in trees.items():
-                    r = one_run(source, tree, ttl_ms)
+                    r = one_run(source, tree, ttl_ms, args.stop)
                     results[name].append(r)
                     log(
                         f"run {i + 1}/{args.runs} {name}: hello "
@@ -135,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{sum(r['renewed'] for r in runs)} / {len(runs)}",
                 ]
             )
-        print(f"{args.leases:,} leases, probe TTL {ttl_ms} ms; medians")
+        how = "kill -9" if args.stop == "kill" else "SIGTERM"
+        print(f"{args.leases:,} leases, stopped by {how}, probe TTL {ttl_ms} ms; medians")
         print(
             table(
                 [
                     "lockd",
                     "runs",
-                    "kill -9 to hello ms",
+                    "stop to hello ms",
                     "lease left at renew ms",
                     "renew waited ms",
                     "renewed",
