@@ -130,9 +130,11 @@ _random = random.random
 #: read first), so they wait like writes; so do ``cancel`` and ``stopped``,
 #: which only ever concern requests made after the check.
 ANSWERED_BEFORE_CHECK = frozenset({"hello", "status", "rules"})
-#: Seconds :meth:`LockServer.open_gate` waits at most for the requests that
-#: waited for the integrity check to be answered before leases run out again.
-GATE_DRAIN_LIMIT = 1.0
+#: Seconds :meth:`LockServer.open_gate` waits at most for what was sent during
+#: the integrity check to be answered before leases run out again.
+GATE_DRAIN_LIMIT = 2.0
+#: Seconds between its looks meanwhile.
+GATE_DRAIN_POLL = 0.001
 
 
 @dataclass
@@ -538,21 +540,43 @@ class LockServer:
         return checked
 
     async def open_gate(self) -> None:
-        """The check passed: answer the requests that waited for it, then let leases run out.
+        """The check passed: answer what was sent meanwhile, then let leases run out.
 
-        Leases whose deadline passed meanwhile and that no waiting renew
-        extended run out at the timer's next pass. The requests that waited
-        are answered within a scheduling pass or two of the event (each
-        wakes in its own task and is answered without waiting again); the
-        wait for them is bounded all the same (:data:`GATE_DRAIN_LIMIT`).
+        "What was sent meanwhile" is more than the requests waiting at the
+        gate (:attr:`_gated`): only a connection's first request waits
+        there, and its later lines (a second renew) are still unread in the
+        socket. So leases stay held until no request waits at the gate and
+        every connection open now has been seen with nothing left to read;
+        then leases whose deadline passed and that no renew extended run
+        out at the timer's next pass. A connection that never stops sending
+        cannot hold every lease forever: the wait is bounded
+        (:data:`GATE_DRAIN_LIMIT`), and said so in the log when it ends so.
         """
         checked = self.integrity_checked
         if checked is not None:
             checked.set()
         self.integrity_checked = None  # no gate left: one look per request less
+        unread = list(self.connections.values())
         give_up = trio.current_time() + GATE_DRAIN_LIMIT
-        while self._gated and trio.current_time() < give_up:
-            await trio.sleep(0)
+        while True:
+            unread = [
+                conn
+                for conn in unread
+                if self.connections.get(conn.id) is conn and sockio.unread_bytes(conn.sock)
+            ]
+            if not self._gated and not unread:
+                break
+            if trio.current_time() >= give_up:
+                log.warning(
+                    kv(
+                        event="gate_drain_limit",
+                        waiting=self._gated,
+                        unread_connections=len(unread),
+                        effect="leases run out again before these are answered",
+                    )
+                )
+                break
+            await trio.sleep(GATE_DRAIN_POLL)
         self.service.engine.release_leases()
         self._timer.reschedule()
 

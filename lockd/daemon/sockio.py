@@ -11,8 +11,11 @@ whose queue only the slow path (a partially written reply) uses.
 
 from __future__ import annotations
 
+import fcntl
 import select
 import socket
+import sys
+import termios
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -63,6 +66,15 @@ def recv_ready(sock: socket.socket) -> bytes | None:
         return sock.recv(RECV_BYTES)
     except BlockingIOError:
         return None
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes the peer sent that ``sock`` has not read yet (0 once closed)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int.from_bytes(raw, sys.byteorder)
 
 
 class PollGate:

@@ -249,3 +249,35 @@ async def test_a_request_for_a_held_key_after_the_check_waits_for_the_renews_fir
         busy, renewed = await rival.recv(), await holder.recv()
         assert busy is not None and busy["ok"] and busy["result"] is None, busy
         assert renewed is not None and renewed["result"]["renewed"] is True, renewed
+
+
+async def test_every_renew_sent_during_the_check_is_judged_before_leases_run_out(
+    tmp_path: Path,
+) -> None:
+    """Not only the first line of each connection: later renews waited unread in their sockets.
+
+    Four connections, three 2 s leases each, all renewed in time during a
+    5 s check, one round of renews every 20 ms. Leases used to run out once
+    the first lines were answered, so later renews were ``lease_lost``.
+    """
+    clock = FakeClock()
+    async with running(tmp_path, clock=clock) as h:
+        peers = [await h.connect() for _ in range(4)]
+        leases: list[list[tuple[str, str]]] = []
+        for i, peer in enumerate(peers):
+            mine = []
+            for j in range(3):
+                reply = await peer.call(try_acquire(j + 1, f"k{i}.{j}", ttlMs=2_000))
+                mine.append((f"k{i}.{j}", reply["result"]["handle"]))
+            leases.append(mine)
+        h.server.gate_for_check()
+        for j in range(3):  # each connection's j-th renew, then the next round
+            for peer, mine in zip(peers, leases, strict=True):
+                key, handle = mine[j]
+                await peer.send(_renew(10 + j, key, handle))
+            await trio.sleep(0.02)
+        clock.advance(5_000)
+        await h.server.open_gate()
+        answers = [await peer.recv() for peer in peers for _ in range(3)]
+        lost = [a for a in answers if a is None or a["result"]["renewed"] is not True]
+        assert not lost, answers
