@@ -61,6 +61,7 @@ A broken disk must not quietly lose what was acknowledged:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import sqlite3
@@ -174,71 +175,82 @@ class Store:
         self._reader_only = False
         #: the ``-shm`` index the read-only connections made (removed once they close).
         self._made_shm: Path | None = None
-        found: Findings | None = None
-        if on_disk:
-            prepare_directory(self.path.parent)
-            check_files_before_open(self.path)
+        #: a descriptor of the crash's database file, flock()ed from the start
+        #: to close() (see :meth:`_claim_crash_files`).
+        self._claim: int | None = None
+        #: set when the crash's database could not be opened to write after its
+        #: check passed: every later write and wait raises it (:meth:`_become_writer`).
+        self._unusable: StorageUnavailable | None = None
+        try:
+            found: Findings | None = None
+            if on_disk:
+                prepare_directory(self.path.parent)
+                check_files_before_open(self.path)
+                try:
+                    self.loss.read_last_run()
+                    if background_check and not accept_loss and self._crash_wal():
+                        self._claim_crash_files()
+                        self._reader_only = self.loss.judge_crash_quickly(SCHEMA_VERSION)
+                    if not self._reader_only:
+                        found = self.loss.inspect_first()
+                except StartRefused as exc:
+                    raise StoreError(str(exc)) from None
+                except sqlite3.Error as exc:
+                    raise open_failed(self.path, exc) from exc
+            # The -wal and -shm files SQLite creates later copy the database
+            # file's mode, so a private umask at creation covers all three.
+            old_umask = os.umask(0o077)
             try:
-                self.loss.read_last_run()
-                if background_check and not accept_loss and self._crash_wal():
-                    self._reader_only = self.loss.judge_crash_quickly(SCHEMA_VERSION)
-                if not self._reader_only:
-                    found = self.loss.inspect_first()
+                if self._reader_only:
+                    self._db = self._read_crash_first()
+                else:
+                    self._db = self._open_writer(str(path), on_disk)
+                self.writes = LeaseWrites(
+                    self._db,
+                    self.path,
+                    boot_id,
+                    mark=self.mark,
+                    record=record,
+                    files=self.files,
+                    may_write=self._may_write,
+                    wait_checked=self.wait_checked,
+                )
+                self.reads = LeaseReads(
+                    self._db,
+                    self.path,
+                    boot_id,
+                    wait_checked=self.wait_checked,
+                    drop_earlier_boots=self.writes.drop_earlier_boots,
+                )
+                if self._reader_only:
+                    # Judged already on the seq (judge_crash_quickly); the rest
+                    # of the checks read the WAL too, beside the daemon.
+                    self._check = IntegrityCheck(
+                        self.path, boot_id, start=not defer_check, sees_wal=True
+                    )
+                else:
+                    if on_disk and found is None:
+                        self.loss.judge_seq(self._read_seq())  # before anything is written
+                    migrate(self._db, self.path)
+                    if found is not None:
+                        self.loss.repair(self._db, found)  # checked already, on the files as found
+                    elif on_disk and background_check and self._wal_folded_in():
+                        self._check = IntegrityCheck(self.path, boot_id, start=not defer_check)
+                    else:
+                        self.loss.judge_found(inspect(self._db))
+                self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
+                self.writes.seq = self._read_seq() or 0
+                if on_disk:
+                    self.files.remember_identity(self.path)
             except StartRefused as exc:
                 raise StoreError(str(exc)) from None
             except sqlite3.Error as exc:
-                raise open_failed(self.path, exc) from exc
-        # The -wal and -shm files SQLite creates later copy the database
-        # file's mode, so a private umask at creation covers all three.
-        old_umask = os.umask(0o077)
-        try:
-            if self._reader_only:
-                self._db = self._read_crash_first()
-            else:
-                self._db = self._open_writer(str(path), on_disk)
-            self.writes = LeaseWrites(
-                self._db,
-                self.path,
-                boot_id,
-                mark=self.mark,
-                record=record,
-                files=self.files,
-                may_write=self._may_write,
-                wait_checked=self.wait_checked,
-            )
-            self.reads = LeaseReads(
-                self._db,
-                self.path,
-                boot_id,
-                wait_checked=self.wait_checked,
-                drop_earlier_boots=self.writes.drop_earlier_boots,
-            )
-            if self._reader_only:
-                # Judged already on the seq (judge_crash_quickly); the rest
-                # of the checks read the WAL too, beside the daemon.
-                self._check = IntegrityCheck(
-                    self.path, boot_id, start=not defer_check, sees_wal=True
-                )
-            else:
-                if on_disk and found is None:
-                    self.loss.judge_seq(self._read_seq())  # before anything is written
-                migrate(self._db, self.path)
-                if found is not None:
-                    self.loss.repair(self._db, found)  # checked already, on the files as found
-                elif on_disk and background_check and self._wal_folded_in():
-                    self._check = IntegrityCheck(self.path, boot_id, start=not defer_check)
-                else:
-                    self.loss.judge_found(inspect(self._db))
-            self.grants_held_until = self.loss.grants_held_until((boot_ms or _boot_ms)())
-            self.writes.seq = self._read_seq() or 0
-            if on_disk:
-                self.files.remember_identity(self.path)
-        except StartRefused as exc:
-            raise StoreError(str(exc)) from None
-        except sqlite3.Error as exc:
-            raise open_failed(Path(path), exc) from exc
-        finally:
-            os.umask(old_umask)
+                raise open_failed(Path(path), exc) from exc
+            finally:
+                os.umask(old_umask)
+        except BaseException:
+            self._release_claim()  # a refused start leaves no lock behind
+            raise
 
     def _open_writer(self, target: str, on_disk: bool) -> sqlite3.Connection:
         """The daemon's own connection, the one that writes (its settings say why)."""
@@ -278,6 +290,36 @@ class Store:
         except FileNotFoundError:
             return False
 
+    def _claim_crash_files(self) -> None:
+        """Keep a second lockd off a crash's database while it is only read.
+
+        The writer's exclusive lock is what keeps another daemon out, and
+        after a crash it is taken only once the check passed: until then a
+        second ``lockd serve`` on the same database would answer from the
+        same files, and its own writer could fold the WAL in. An flock() on
+        the database file (independent of SQLite's fcntl() locks; this
+        descriptor is closed only after every connection, in :meth:`close`)
+        refuses it at once, as the exclusive lock would.
+        """
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreError(
+                f"{self.path} is in use by another process (another lockd on this database?)"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._claim = fd
+
+    def _release_claim(self) -> None:
+        """Let go of :meth:`_claim_crash_files`' lock (after every connection closed)."""
+        fd, self._claim = self._claim, None
+        if fd is not None:
+            os.close(fd)
+
     def _read_crash_first(self) -> sqlite3.Connection:
         """A read-only connection to a crash's database, for the daemon while the check runs.
 
@@ -303,18 +345,36 @@ class Store:
         return db
 
     def _become_writer(self) -> None:
-        """The check passed: the daemon's connection becomes the one that writes."""
+        """The check passed: the daemon's connection becomes the one that writes.
+
+        All or nothing: if the database cannot be opened to write, the store
+        stays unusable for good (:attr:`_unusable`, raised by every later
+        write and wait), never half switched to a closed connection. Under a
+        descriptor limit the switch still fits: the two read-only
+        connections closed first (the check's, closed by its thread, and
+        this one) held more descriptors than the writer opens.
+        """
         self._db.close()  # read-only: folds nothing in
-        self._reader_only = False
         self._forget_shm()
+        old_umask = os.umask(0o077)
         try:
             db = self._open_writer(str(self.path), True)
-            migrate(db, self.path)  # the same version (judge_crash_quickly): nothing to do
-        except sqlite3.Error as exc:
-            raise open_failed(self.path, exc) from exc
+            try:
+                migrate(db, self.path)  # the same version (judge_crash_quickly): nothing to do
+            except BaseException:
+                db.close()
+                raise
+        except (sqlite3.Error, OSError, StoreError) as exc:
+            self._unusable = StorageUnavailable(
+                f"{self.path}: its integrity check passed, but it cannot be opened to write: {exc}"
+            )
+            raise self._unusable from exc
+        finally:
+            os.umask(old_umask)
         self._db = db
         self.writes.rebind(db)
         self.reads.rebind(db)
+        self._reader_only = False
         self.files.remember_identity(self.path)
 
     def _forget_shm(self) -> None:
@@ -415,11 +475,13 @@ class Store:
         Raises :class:`DatabaseDamaged` when it failed (every call, not only
         the first). Once it passed, the run record begins (:meth:`begin_run`).
         """
+        if self._unusable is not None:
+            raise self._unusable
         check = self._check
         if check is not None:
             check.result()  # raises DatabaseDamaged when the check failed
             if self._reader_only:
-                self._become_writer()
+                self._become_writer()  # raises (for good) if it cannot
             self._latest = check.latest
             self._check = None
             if self._run_fence is not None:
@@ -492,7 +554,7 @@ class Store:
         """Raise unless a write may go in now; wait for a check still running."""
         if self.reads.damaged is not None:
             raise DatabaseDamaged(self.reads.damaged)
-        if self._check is not None:
+        if self._check is not None or self._unusable is not None:
             self.wait_checked()  # never write into a database that failed its check
         if self.files.lost is not None:
             raise StorageUnavailable(self.files.lost)
@@ -540,6 +602,7 @@ class Store:
             self._check.done.wait()
         self._db.close()
         self._forget_shm()
+        self._release_claim()
         if self.writes.record is not None:
             self.writes.record.close()
         mark = self.mark

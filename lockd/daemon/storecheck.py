@@ -23,10 +23,20 @@ START_MMAP_BYTES = 64 << 20
 #: SQLite VM steps between two looks of the integrity check at its cancel flag
 #: (~20 ms of quick_check; each look takes the GIL, so not much more often).
 CANCEL_EVERY = 1_000_000
-#: Primary SQLite result codes that say the file itself is bad (or the check
-#: was stopped): anything else (no descriptor, no memory, an I/O error on
-#: the way) means the check could not run, not that it found damage.
-_FINDINGS = frozenset({9, 11, 26})  # SQLITE_INTERRUPT, SQLITE_CORRUPT, SQLITE_NOTADB
+#: Primary SQLite result codes that say the check could not run, nothing
+#: about the file: a resource it lacked (a descriptor, memory, room) or a
+#: lock. Any other error is a finding (a damaged schema answers
+#: SQLITE_ERROR, and it comes back at every start).
+_COULD_NOT_RUN = frozenset(
+    {
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_NOMEM,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+        sqlite3.SQLITE_PERM,
+    }
+)
 
 
 class IntegrityCheck:
@@ -60,6 +70,8 @@ class IntegrityCheck:
         self._problems: list[str] = []
         #: why the check never ran (no thread): nothing was found damaged.
         self._not_run: str | None = None
+        #: the I/O error a read of the file met (the disk, not the content).
+        self._io_error: str | None = None
         self._found: Findings | None = None
         #: the latest deadline of ``boot_id``'s rows (for the run record), once passed.
         self.latest: int | None = None
@@ -98,6 +110,11 @@ class IntegrityCheck:
             conn.execute("PRAGMA mmap_size=0")
             # cancel() interrupts whichever statement runs.
             conn.set_progress_handler(lambda: self._cancelled, CANCEL_EVERY)
+            if self.sees_wal:
+                # SQLite opens the -wal file and maps the -shm index at the
+                # first read, not at connect: read now, so the check needs
+                # no descriptor after READY either (see __init__).
+                conn.execute("PRAGMA schema_version").fetchone()
         except BaseException:
             conn.close()
             raise
@@ -147,8 +164,13 @@ class IntegrityCheck:
                 self._close()
         except sqlite3.Error as exc:
             code = getattr(exc, "sqlite_errorcode", None)
-            if code is not None and code & 0xFF not in _FINDINGS:
-                self._not_run = f"{exc} ({getattr(exc, 'sqlite_errorname', code)})"
+            name = getattr(exc, "sqlite_errorname", code)
+            if code is not None and code & 0xFF in _COULD_NOT_RUN:
+                self._not_run = f"{exc} ({name})"
+            elif code is not None and code & 0xFF == sqlite3.SQLITE_IOERR:
+                # Not called damage (the file may be sound), nor "start
+                # again": a disk that fails a read tends to fail it again.
+                self._io_error = f"{exc} ({name})"
             else:
                 self._problems = [f"{exc}"]
         except BaseException as exc:  # a bug: the start must still fail, not pass
@@ -179,6 +201,12 @@ class IntegrityCheck:
                 f"{self.path}: the integrity check could not run ({self._not_run}); "
                 "nothing was found damaged, and nothing is written until it has run: "
                 "start lockd again"
+            )
+        if self._io_error is not None:
+            raise StorageUnavailable(
+                f"{self.path}: the integrity check met an I/O error reading it "
+                f"({self._io_error}); nothing was found damaged, and nothing is written "
+                "until it has run: check the disk (dmesg, SMART), then start lockd again"
             )
         if self._problems:
             raise_problems(self.path, [(p,) for p in self._problems])

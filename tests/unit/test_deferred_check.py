@@ -269,9 +269,11 @@ def test_a_database_that_cannot_be_opened_for_the_check_is_not_called_damaged(
 @pytest.mark.parametrize(
     ("code", "name", "damaged"),
     [
-        (10, "SQLITE_IOERR", False),
+        (10, "SQLITE_IOERR", False),  # "check the disk", not "damaged"
         (7, "SQLITE_NOMEM", False),
         (14, "SQLITE_CANTOPEN", False),
+        (13, "SQLITE_FULL", False),
+        (1, "SQLITE_ERROR", True),  # e.g. no such table: a damaged schema, at every start
         (11, "SQLITE_CORRUPT", True),
         (26, "SQLITE_NOTADB", True),
         (11 | (1 << 8), "SQLITE_CORRUPT_VTAB", True),  # extended codes by their primary
@@ -397,3 +399,94 @@ def test_a_crash_that_lost_acknowledged_writes_is_refused_before_the_daemon_answ
         Store(crashed, BOOT, background_check=True, defer_check=True, record=RunRecord(record_file))
     assert _files(crashed) == before
     assert not crashed.with_name(crashed.name + "-shm").exists()
+
+
+def test_a_crash_database_that_cannot_be_opened_to_write_stays_refused(
+    db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch to the writer is all or nothing: a failure is not forgotten by the next wait."""
+    crashed = _crashed(db_path, tmp_path)
+    store = Store(crashed, BOOT, background_check=True, defer_check=True)
+
+    def cannot_open(target: str, on_disk: bool) -> sqlite3.Connection:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(store, "_open_writer", cannot_open)
+    try:
+        for _ in range(2):
+            with pytest.raises(StorageUnavailable, match="cannot be opened to write"):
+                store.wait_checked()
+        with pytest.raises(StorageUnavailable, match="cannot be opened to write"):
+            store.apply(Changes(rows={("other", 0): _lease("other", 1000)}, fence=1000))
+        assert not isinstance(store._unusable, DatabaseDamaged)
+    finally:
+        store.close()
+
+
+_UNDER_A_DESCRIPTOR_LIMIT = """
+import os, resource, sys
+from pathlib import Path
+from lockd.daemon.store import Store
+db, boot = Path(sys.argv[1]), sys.argv[2]
+store = Store(db, boot, background_check=True, defer_check=True)
+# Every descriptor taken from here on, as clients may take them after READY.
+highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+filler = []
+try:
+    while True:
+        filler.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+store.start_check()
+store.wait_checked()  # raises if the check (or the switch to the writer) needed a descriptor
+print("checked", store.stored_fence())
+store.close()
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_the_check_runs_when_every_descriptor_is_taken_after_the_start(
+    db_path: Path, tmp_path: Path, crash: bool
+) -> None:
+    """SQLite's own opens (the -wal, the -shm) happen before READY too, after a crash as well.
+
+    In a child process: the limit is lowered to what is open, every hole
+    filled, then the check begun. Patching Python's opens would miss
+    SQLite's, which is how the crash path's lazy -wal open slipped through.
+    """
+    import subprocess
+    import sys
+
+    if crash:
+        target, fence = _crashed(db_path, tmp_path), 999
+    else:
+        _write(db_path)
+        target, fence = db_path, len(KEYS)
+    run = subprocess.run(
+        [sys.executable, "-c", _UNDER_A_DESCRIPTOR_LIMIT, str(target), BOOT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["checked", str(fence)]
+
+
+def test_a_second_store_on_a_crash_database_being_checked_is_refused(
+    db_path: Path, tmp_path: Path
+) -> None:
+    """Until its writer holds the exclusive lock, the first store's flock() keeps others out."""
+    from lockd.daemon.store import StoreError
+
+    crashed = _crashed(db_path, tmp_path)
+    before = _files(crashed)
+    first = Store(crashed, BOOT, background_check=True, defer_check=True)
+    try:
+        with pytest.raises(StoreError, match="in use by another process"):
+            Store(crashed, BOOT, background_check=True, defer_check=True)
+        assert _files(crashed) == before
+    finally:
+        first.close()
+    Store(crashed, BOOT, background_check=True, defer_check=True).close()  # free again
