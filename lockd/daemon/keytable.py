@@ -362,19 +362,25 @@ class KeyTable:
         for key in keys:
             self.index_key(key)
         deadlines = self._deadlines
+        pushed: set[int] = set()
         for obj in restored:
-            if isinstance(obj, Lease) and self.holds(obj):
-                deadlines.push_lease(obj)
+            if isinstance(obj, Lease):
+                leases = [obj]
             elif isinstance(obj, KeyState):
-                # A hold the batch ended (a release, a break) is back; its
-                # heap entry may have been pruned as dead meanwhile, and
-                # without one it would never run out (a key wedged after a
-                # failed commit: tests/unit/test_fastpath.py found it).
-                for lease in holders(obj):
-                    if self.holds(lease):
-                        deadlines.push_lease(lease)
-            elif isinstance(obj, Waiter) and waiters.get(obj.id) is obj:
-                deadlines.push_waiter(obj)
+                # A key the batch dropped (its last hold released or broken)
+                # is back with its holds; their heap entries may have been
+                # pruned as dead meanwhile, and without one a hold never
+                # runs out (a key wedged after a failed commit:
+                # tests/unit/test_fastpath.py found it).
+                leases = list(holders(obj))
+            else:
+                if isinstance(obj, Waiter) and waiters.get(obj.id) is obj:
+                    deadlines.push_waiter(obj)
+                continue
+            for lease in leases:
+                if id(lease) not in pushed and self.holds(lease):
+                    pushed.add(id(lease))
+                    deadlines.push_lease(lease)
 
     # -------------------------------------------------- restored and demoted
 

@@ -79,7 +79,6 @@ class UndoLog:
             else:
                 for field, value in zip(name, old, strict=True):
                     setattr(target, field, value)
-                restored.append(target)  # a key's state: its holders are back
         return restored
 
     def keep(self, obj: Any) -> None:
