@@ -15,7 +15,9 @@ long the renew waited, how long the lease had left when the renew was
 sent, and whether it was renewed. The probe's TTL is chosen so that its
 deadline falls inside the check's wait of this checkout (a first run with
 a 10-minute TTL measures both). With ``--baseline REV`` the same runs on
-REV, in the same rounds (same TTL).
+REV, in the same rounds (same TTL). After ``kill -9`` a baseline that
+checked everything before ``hello`` may have lost the lease before it
+answered: then its "renewed" column compares restart times, not the hold.
 
     .venv/bin/python bench/renew_during_check.py [--leases 1000000] [--runs 3]
         [--stop kill|term] [--baseline 082c9d3]
