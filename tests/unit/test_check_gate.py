@@ -281,3 +281,59 @@ async def test_every_renew_sent_during_the_check_is_judged_before_leases_run_out
         answers = [await peer.recv() for peer in peers for _ in range(3)]
         lost = [a for a in answers if a is None or a["result"]["renewed"] is not True]
         assert not lost, answers
+
+
+async def test_serve_holds_leases_from_the_gate_until_the_check_and_its_requests_are_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring in serve: gate_for_check, then _await_integrity's open_gate after the check.
+
+    A stored 2 s lease, renewed in time while the (held back) check runs
+    for 5 s of the boot clock, is renewed; the timer's passes meanwhile
+    run nothing out.
+    """
+    import threading
+    from types import SimpleNamespace
+
+    from lockd.daemon import serve, storecheck
+    from lockd.daemon.engine import Changes, Lease, LockEngine
+
+    clock = FakeClock()
+    db = tmp_path / "state" / "lockd.db"
+    db.parent.mkdir(mode=0o700)
+    first = Store(db, BOOT)
+    probe = Lease("probe", "h-probe", 1, None, "user:alice", 2_000, clock.now + 2_000)
+    first.apply(Changes(rows={("probe", 0): probe}, fence=1))
+    first.close()
+
+    opened = threading.Event()  # the check's thread waits for this
+    run = storecheck.IntegrityCheck._run
+
+    def held_back(check: storecheck.IntegrityCheck) -> None:
+        opened.wait(60)
+        run(check)
+
+    monkeypatch.setattr(storecheck.IntegrityCheck, "_run", held_back)
+    store = Store(db, BOOT, background_check=True, defer_check=True)
+    engine = LockEngine(fence=store.stored_fence())
+    engine.restore_lazily(store.deadlines_after, store.leases_of)
+    async with running(tmp_path, clock=clock, store=store, engine=engine) as h:
+        h.server.gate_for_check()  # as serve._main does before it serves
+        daemon = SimpleNamespace(store=store, service=h.service, server=h.server, refusal=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve._await_integrity, daemon, nursery.cancel_scope)
+            store.start_check()
+            peer = await h.connect()
+            await peer.send(_renew(1, "probe", "h-probe"))
+            clock.advance(5_000)
+            try:
+                h.service.tick()  # False: what time did waits for the check
+                assert h.engine.status(clock.now, "probe").holder is not None
+            finally:
+                opened.set()  # the check runs and passes
+            renewed = await peer.recv()
+            assert renewed is not None and renewed["result"]["renewed"] is True, renewed
+            assert h.server.integrity_checked is None and daemon.refusal is None
+        clock.advance(2_001)
+        assert h.service.tick()  # released: the renewed lease runs out at its new deadline
+        assert h.engine.status(clock.now, "probe").holder is None
