@@ -24,7 +24,8 @@ import trio.testing
 
 from lockd.daemon import serve, storecheck
 from lockd.daemon.engine import Changes, Lease, LockEngine
-from lockd.daemon.store import DatabaseDamaged, StorageUnavailable, Store
+from lockd.daemon.runrecord import RunRecord, record_path
+from lockd.daemon.store import DatabaseDamaged, StorageUnavailable, Store, StoreError
 from tests.unit.test_lazy_start import BOOT, KEYS, _damage_handle, _lease
 from tests.unit.test_lazy_start import _write as _write_boot
 
@@ -203,8 +204,6 @@ def test_a_check_begun_when_descriptors_ran_out_still_runs(
     opened its connection only in its thread failed, was called damage,
     and stopped the daemon).
     """
-    from lockd.daemon.runrecord import RunRecord, record_path
-
     _write(db_path)
     record_file = record_path(tmp_path, db_path)
     store = Store(
@@ -228,8 +227,6 @@ def test_a_record_reserved_but_never_begun_leaves_the_last_one(
     db_path: Path, tmp_path: Path
 ) -> None:
     """A stop before the check passed: the reserved file goes, the last run's record stays."""
-    from lockd.daemon.runrecord import RunRecord, record_path
-
     _write(db_path)
     record_file = record_path(tmp_path, db_path)
     first = Store(db_path, BOOT, record=RunRecord(record_file))
@@ -378,9 +375,6 @@ def test_a_crash_that_lost_acknowledged_writes_is_refused_before_the_daemon_answ
     db_path: Path, tmp_path: Path
 ) -> None:
     """The count of writes is read first, cheaply: a WAL cut short never gets as far as READY."""
-    from lockd.daemon.runrecord import RunRecord, record_path
-    from lockd.daemon.store import StoreError
-
     _write(db_path)
     record_file = record_path(tmp_path, db_path)
     store = Store(db_path, BOOT, record=RunRecord(record_file))
@@ -478,8 +472,6 @@ def test_a_second_store_on_a_crash_database_being_checked_is_refused(
     db_path: Path, tmp_path: Path
 ) -> None:
     """Until its writer holds the exclusive lock, the first store's flock() keeps others out."""
-    from lockd.daemon.store import StoreError
-
     crashed = _crashed(db_path, tmp_path)
     before = _files(crashed)
     first = Store(crashed, BOOT, background_check=True, defer_check=True)
