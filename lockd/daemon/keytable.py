@@ -367,9 +367,9 @@ class KeyTable:
             if isinstance(obj, Lease):
                 leases = [obj]
             elif isinstance(obj, KeyState):
-                # A key the batch dropped (its last hold released or broken)
-                # is back with its holds; their heap entries may have been
-                # pruned as dead meanwhile, and without one a hold never
+                # A key the batch dropped or handed on (its hold released or
+                # broken) is back with its holds; their heap entries may have
+                # been pruned as dead meanwhile, and without one a hold never
                 # runs out (a key wedged after a failed commit:
                 # tests/unit/test_fastpath.py found it).
                 leases = list(holders(obj))

@@ -79,6 +79,9 @@ class UndoLog:
             else:
                 for field, value in zip(name, old, strict=True):
                     setattr(target, field, value)
+                # A key state restored whole: its holder may be back with no
+                # other trace (a sole exclusive holder handed off to a waiter).
+                restored.append(target)
         return restored
 
     def keep(self, obj: Any) -> None:

@@ -354,6 +354,28 @@ def test_a_hold_a_rollback_brings_back_still_runs_out(others: int) -> None:
     e.check_invariants()
 
 
+@pytest.mark.parametrize("how", ["release", "break"])
+def test_a_hand_off_a_rollback_undoes_leaves_the_hold_running_out(how: str) -> None:
+    """A sole exclusive holder (no owner) handed to a waiter, then the commit failed.
+
+    Only the key's state changed (restored whole by the undo log): the
+    hold must still get its heap entry back, or it never runs out and the
+    waiter waits behind it for good.
+    """
+    e = make_engine()
+    held = grant(e.acquire(0, "k", ttl_ms=50, principal="user:a"))
+    park(e.acquire(0, "k", ttl_ms=10_000, principal="user:b", wait_ms=100_000))
+    e.drain()
+    assert e.release(1, "k", held.handle) if how == "release" else e.break_lock(1, "k")
+    e.status(2, "k")  # a later request of the batch prunes the dead entry
+    e.rollback()  # the group commit failed
+    assert e.status(3, "k").holder is held
+    e.advance(60)
+    assert held in e.drain().expired
+    assert e.status(61, "k").holder is not held  # the waiter has it now
+    e.check_invariants()
+
+
 # ------------------------------------------------------- bounded expiry (issue 10)
 
 
