@@ -249,8 +249,27 @@ class Store:
             finally:
                 os.umask(old_umask)
         except BaseException:
-            self._release_claim()  # a refused start leaves no lock behind
+            if self._claim is not None:
+                self._abandon_crash_open()
             raise
+
+    def _abandon_crash_open(self) -> None:
+        """A start on a crash's database failed after it opened connections: close them all.
+
+        In this order: the check, the connections (read-only ones fold
+        nothing in), the ``-shm`` they made, and the flock last, since
+        closing any descriptor of the file drops this process's fcntl()
+        locks on it, SQLite's among them (see :meth:`_claim_crash_files`).
+        """
+        check, self._check = self._check, None
+        if check is not None:
+            check.cancel()
+            check.done.wait()
+        db = getattr(self, "_db", None)
+        if db is not None:
+            db.close()
+        self._forget_shm()
+        self._release_claim()
 
     def _open_writer(self, target: str, on_disk: bool) -> sqlite3.Connection:
         """The daemon's own connection, the one that writes (its settings say why)."""

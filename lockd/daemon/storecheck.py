@@ -35,6 +35,8 @@ _COULD_NOT_RUN = frozenset(
         sqlite3.SQLITE_BUSY,
         sqlite3.SQLITE_LOCKED,
         sqlite3.SQLITE_PERM,
+        sqlite3.SQLITE_PROTOCOL,  # a WAL lock race
+        sqlite3.SQLITE_READONLY,  # e.g. the -shm could not be written
     }
 )
 
@@ -87,7 +89,7 @@ class IntegrityCheck:
         try:
             self._conn = self._connect()
         except sqlite3.Error as exc:
-            self._not_run = f"cannot open the database to check it: {exc}"
+            self._judge_error(exc, opening=True)
             self._started = True
             self.done.set()
         if start:
@@ -163,21 +165,27 @@ class IntegrityCheck:
             finally:
                 self._close()
         except sqlite3.Error as exc:
-            code = getattr(exc, "sqlite_errorcode", None)
-            name = getattr(exc, "sqlite_errorname", code)
-            if code is not None and code & 0xFF in _COULD_NOT_RUN:
-                self._not_run = f"{exc} ({name})"
-            elif code is not None and code & 0xFF == sqlite3.SQLITE_IOERR:
-                # Not called damage (the file may be sound), nor "start
-                # again": a disk that fails a read tends to fail it again.
-                self._io_error = f"{exc} ({name})"
-            else:
-                self._problems = [f"{exc}"]
+            self._judge_error(exc)
         except BaseException as exc:  # a bug: the start must still fail, not pass
             self._problems = [f"{type(exc).__name__}: {exc}"]
             raise
         finally:
             self.done.set()
+
+    def _judge_error(self, exc: sqlite3.Error, *, opening: bool = False) -> None:
+        """What an SQLite error met by the check says: it could not run, the disk, or damage."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        name = getattr(exc, "sqlite_errorname", code)
+        primary = None if code is None else code & 0xFF
+        if primary in _COULD_NOT_RUN or (opening and code is None):
+            what = "cannot open the database to check it: " if opening else ""
+            self._not_run = f"{what}{exc} ({name})"
+        elif primary == sqlite3.SQLITE_IOERR:
+            # Not called damage (the file may be sound), nor "start again":
+            # a disk that fails a read tends to fail it again.
+            self._io_error = f"{exc} ({name})"
+        else:
+            self._problems = [f"{exc}"]
 
     def cancel(self) -> None:
         """Stop the check soon (the daemon stops); :meth:`result` then fails."""

@@ -270,6 +270,8 @@ def test_a_database_that_cannot_be_opened_for_the_check_is_not_called_damaged(
         (7, "SQLITE_NOMEM", False),
         (14, "SQLITE_CANTOPEN", False),
         (13, "SQLITE_FULL", False),
+        (15, "SQLITE_PROTOCOL", False),
+        (8 | (1 << 8), "SQLITE_READONLY_RECOVERY", False),
         (1, "SQLITE_ERROR", True),  # e.g. no such table: a damaged schema, at every start
         (11, "SQLITE_CORRUPT", True),
         (26, "SQLITE_NOTADB", True),
@@ -294,6 +296,10 @@ def test_only_sqlite_errors_about_the_file_are_called_damage(
             store.wait_checked()
         assert isinstance(refused.value, DatabaseDamaged) is damaged
         assert name in str(refused.value)
+        if name == "SQLITE_IOERR":
+            assert "check the disk" in str(refused.value)
+        elif not damaged:
+            assert "start lockd again" in str(refused.value)
     finally:
         store.close()
 
@@ -482,3 +488,29 @@ def test_a_second_store_on_a_crash_database_being_checked_is_refused(
     finally:
         first.close()
     Store(crashed, BOOT, background_check=True, defer_check=True).close()  # free again
+
+
+def test_a_crash_start_that_fails_midway_closes_everything_before_its_lock(
+    db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No connection left open, no -shm left behind, the files as found, then the lock let go."""
+    crashed = _crashed(db_path, tmp_path)
+    before = _files(crashed)
+
+    def fails(self: Store) -> int | None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(Store, "_read_seq", fails)
+    with pytest.raises(StoreError):
+        Store(crashed, BOOT, background_check=True, defer_check=True)
+    monkeypatch.undo()
+    assert _files(crashed) == before
+    assert not crashed.with_name(crashed.name + "-shm").exists()
+    here = str(crashed.parent.resolve())
+    still_open = [
+        target
+        for fd in os.listdir("/proc/self/fd")
+        if (target := os.path.realpath(f"/proc/self/fd/{fd}")).startswith(here)
+    ]
+    assert still_open == []
+    Store(crashed, BOOT, background_check=True, defer_check=True).close()  # not locked
