@@ -190,6 +190,8 @@ class LockServer:
         self.integrity_checked: trio.Event | None = None
         #: requests waiting for that check now (see _after_check).
         self._gated = 0
+        #: open_gate waits for what was sent during the check to be answered.
+        self._draining = False
         self._started_at = time.monotonic()
         #: every connection socket, level-triggered: "is another request
         #: waiting to be read?" in one non-blocking epoll_wait.
@@ -423,9 +425,12 @@ class LockServer:
                         # reading (an etcd round trip, the restart's
                         # integrity check): that is no slow client.
                         line_started = trio.current_time()
-                elif self.service.gate.costly_rule_ran():
+                elif self.service.gate.costly_rule_ran() and not self._draining:
                     # A rule took milliseconds: the other connections go
-                    # before this one's next line (issue 21).
+                    # before this one's next line (issue 21). Not while the
+                    # gate drains (open_gate): it counts a connection done
+                    # once its socket is empty, so lines already read must
+                    # be answered before anything else runs.
                     self._outbox.batch_point(conn)
                     await trio.lowlevel.checkpoint()
             self._outbox.batch_point(conn)
@@ -558,6 +563,16 @@ class LockServer:
         self.integrity_checked = None  # no gate left: one look per request less
         unread = list(self.connections.values())
         give_up = trio.current_time() + GATE_DRAIN_LIMIT
+        self._draining = True
+        try:
+            await self._drain_gate(unread, give_up)
+        finally:
+            self._draining = False
+        self.service.engine.release_leases()
+        self._timer.reschedule()
+
+    async def _drain_gate(self, unread: list[Connection], give_up: float) -> None:
+        """:meth:`open_gate`'s wait: until nothing waits at the gate and no socket holds more."""
         while True:
             unread = [
                 conn
@@ -577,8 +592,6 @@ class LockServer:
                 )
                 break
             await trio.sleep(GATE_DRAIN_POLL)
-        self.service.engine.release_leases()
-        self._timer.reschedule()
 
     async def _after_check(
         self, checked: trio.Event, conn: Connection, line: bytes, nursery: trio.Nursery
